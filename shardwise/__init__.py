@@ -1,0 +1,23 @@
+"""shardwise: Fully Sharded Data Parallel training for PyTorch."""
+
+from .fully_shard import ShardedModule, fully_shard
+from .mesh import build_dp_mesh, check_mesh_ranks_and_group_ranks_are_consistent
+from .optim import clip_grad_norm_, grad_norm
+from .placements import AxisPlacements, STRATEGY_PLACEMENTS, resolve_strategy, strategy_placements
+from .precision import MixedPrecisionPolicy
+from .state_dict import full_state_dict
+
+__all__ = [
+    "fully_shard",
+    "ShardedModule",
+    "MixedPrecisionPolicy",
+    "AxisPlacements",
+    "STRATEGY_PLACEMENTS",
+    "strategy_placements",
+    "resolve_strategy",
+    "build_dp_mesh",
+    "check_mesh_ranks_and_group_ranks_are_consistent",
+    "clip_grad_norm_",
+    "grad_norm",
+    "full_state_dict",
+]

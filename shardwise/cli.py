@@ -1,0 +1,39 @@
+"""The ``shardwise`` command: ``shardwise <command> [flags]``.
+
+Each command is a module with a ``main(argv) -> int``; add one by adding a line
+to ``COMMANDS``. The module is imported only when its command runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+__all__ = ["COMMANDS", "main"]
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("shardwise.train", "train a reference model with fully_shard"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: shardwise <command> [flags]   (shardwise <command> --help for its flags)", "", "commands:"]
+    lines += [f"  {name:10s} {summary}" for name, (_, summary) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"shardwise: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    return module.main(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,487 @@
+"""``fully_shard``: shard a model over a data-parallel mesh and schedule it with hooks.
+
+The root module and every unit module get forward pre/post hooks. A unit's
+pre-forward gathers its parameters (and starts gathering the next unit's);
+its post-forward frees them (not during activation recompute). Hooks on the
+unit's outputs gather it again when backward reaches it; an autograd function
+on its inputs fires once its backward is done and reduces its gradients. A
+callback queued on the autograd engine finishes whatever is left when
+backward ends: the root's own gradients, waits, ``.grad`` installation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Iterator, Mapping, Sequence, Type, Union
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from .buffers import InFlight, StreamSet
+from .group import ParamGroup, ParamRef
+from .mesh import ShardingPlan, build_dp_mesh
+from .placements import AxisPlacements, normalize_placements, strategy_placements
+from .precision import MixedPrecisionPolicy
+from .unit import Unit
+
+__all__ = ["fully_shard", "ShardedModule", "ShardedState"]
+
+UnitSpec = Union[Type[nn.Module], nn.Module]
+_STATE_ATTR = "_shardwise_state"
+_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward marks the end of the unit's backward."""
+
+    @staticmethod
+    def forward(ctx, state, unit, recompute, *inputs):
+        ctx.state, ctx.unit, ctx.recompute = state, unit, recompute
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.state.on_post_backward(ctx.unit, ctx.recompute)
+        return (None, None, None) + grads
+
+
+class ShardedState:
+    """Everything one ``fully_shard`` call created, and the hook logic."""
+
+    def __init__(self, root: Unit, units: list[Unit], plan: ShardingPlan, streams: StreamSet, prefetch: bool):
+        self.root = root
+        self.units = units
+        self.plan = plan
+        self.streams = streams
+        self.prefetch = prefetch
+        self.sync_grads = True
+        self.forward_order: list[Unit] = []
+        self._order_index: dict[int, int] = {}
+        self.order_recorded = False
+        self.callback_queued = False
+        self.in_flight: list[InFlight] = []
+        self.grad_forward = False
+
+    @property
+    def all_units(self) -> list[Unit]:
+        return self.units + [self.root]
+
+    @property
+    def groups(self) -> list[ParamGroup]:
+        return [g for u in self.all_units for g in u.groups]
+
+    # ------------------------------------------------------------- ordering
+    def _neighbour(self, unit: Unit, step: int) -> Unit | None:
+        i = self._order_index.get(id(unit))
+        if i is None or not 0 <= i + step < len(self.forward_order):
+            return None
+        return self.forward_order[i + step]
+
+    # ---------------------------------------------------------------- root
+    def root_pre_forward(self, module, args, kwargs):
+        if _in_backward():
+            return args, kwargs
+        for g in self.groups:
+            g.refresh_model_weights()
+        self.root.unshard()
+        self.grad_forward = torch.is_grad_enabled()
+        if self.grad_forward:
+            self.root.ran_with_grad = True
+        if self.prefetch and self.order_recorded and self.forward_order:
+            self.forward_order[0].start_unshard()
+        return args, kwargs
+
+    def root_post_forward(self, module, args, output):
+        if _in_backward():
+            return output
+        self.root.use_sharded()
+        if not self.order_recorded and self.forward_order:
+            self.order_recorded = True
+        hooked = torch.is_grad_enabled() and self._hook_outputs(output, self.on_root_pre_backward)
+        if not hooked:  # nothing will run backward through this forward
+            for unit in self.all_units:
+                unit.reshard()
+        return output
+
+    def on_root_pre_backward(self, grad):
+        self._queue_final_callback()
+
+    # ---------------------------------------------------------------- units
+    def unit_pre_forward(self, unit: Unit, module, args, kwargs):
+        recompute = _in_backward()
+        unit.unshard()
+        if not recompute:
+            if not self.order_recorded:
+                if id(unit) not in self._order_index:
+                    self._order_index[id(unit)] = len(self.forward_order)
+                    self.forward_order.append(unit)
+            elif self.prefetch:
+                nxt = self._neighbour(unit, +1)
+                if nxt is not None:
+                    nxt.start_unshard()
+        if torch.is_grad_enabled():
+            unit.ran_with_grad = True
+            flat, spec = pytree.tree_flatten((args, kwargs))
+            positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+            if positions:
+                outs = _PostBackward.apply(self, unit, recompute, *[flat[i] for i in positions])
+                for i, t in zip(positions, outs):
+                    flat[i] = t
+                if not recompute:
+                    unit.pending_backward += 1
+                args, kwargs = pytree.tree_unflatten(flat, spec)
+        elif self.grad_forward and not recompute:
+            unit.expected_recompute += 1
+        return args, kwargs
+
+    def unit_post_forward(self, unit: Unit, module, args, output):
+        if not _in_backward():
+            if unit.reshard_after_forward:
+                unit.reshard()
+            else:
+                unit.use_sharded()
+        if torch.is_grad_enabled():
+            self._hook_outputs(output, lambda grad: self.on_unit_pre_backward(unit))
+        return output
+
+    def on_unit_pre_backward(self, unit: Unit) -> None:
+        self._queue_final_callback()
+        if unit.gathered_for_backward:
+            return
+        unit.gathered_for_backward = True
+        unit.unshard()
+        if self.prefetch:
+            prev = self._neighbour(unit, -1)
+            if prev is not None and prev.ran_with_grad and not prev.gathered_for_backward:
+                prev.start_unshard()
+
+    def on_post_backward(self, unit: Unit, recompute: bool) -> None:
+        # A non-reentrant recompute's autograd function never runs backward, so only
+        # the original forward and reentrant re-runs are counted.
+        if recompute:
+            unit.expected_recompute -= 1
+        else:
+            unit.pending_backward -= 1
+        if unit.pending_backward > 0 or unit.expected_recompute > 0 or unit.reduced:
+            return
+        self._reduce(unit)
+        unit.reshard()
+
+    def _reduce(self, unit: Unit) -> None:
+        # Let the compute stream catch up with the previous reduction before its
+        # flat buffer is released; it has had a whole unit's backward to finish.
+        for flight in self.in_flight:
+            flight.wait()
+        self.in_flight = unit.reduce_grads(finalize=self.sync_grads)
+
+    # ------------------------------------------------------- end of backward
+    def _queue_final_callback(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        ordered = list(reversed(self.forward_order)) + [u for u in self.units if id(u) not in self._order_index]
+        for unit in ordered + [self.root]:
+            if unit.ran_with_grad and not unit.reduced:
+                self._reduce(unit)
+            elif not unit.ran_with_grad and self.sync_grads:
+                self.in_flight.extend(unit.finalize_idle_groups())
+        for flight in self.in_flight:
+            flight.wait()
+        self.in_flight = []
+        late = [u.name for u in self.all_units if any(g.has_unsharded_grads() for g in u.groups)]
+        if late:
+            raise RuntimeError(
+                f"gradients reached units {late} after their gradients were reduced in this backward; "
+                "this happens when a unit's backward runs in pieces the hooks cannot see "
+                "(a custom autograd path around the unit); please report it with the model"
+            )
+        if self.sync_grads:
+            for unit in self.all_units:
+                unit.install_grads()
+        for unit in self.all_units:
+            unit.reshard()
+            unit.reset_iteration()
+        self.callback_queued = False
+
+    # ------------------------------------------------------------- helpers
+    @staticmethod
+    def _hook_outputs(output, hook: Callable) -> bool:
+        hooked = False
+        for t in pytree.tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(hook)
+                hooked = True
+        return hooked
+
+    def mark_weights_modified(self) -> None:
+        for g in self.groups:
+            g.weights_stale = True
+
+
+class ShardedModule(nn.Module):
+    """Methods ``fully_shard`` adds to the class of the module it wraps."""
+
+    @property
+    def sharded_state(self) -> ShardedState:
+        return getattr(self, _STATE_ATTR)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate grads without finalizing them: no communication on axes where they stay Partial.
+
+        Wrap every micro-batch's backward but the last; the last (outside the
+        context) reduces the accumulated gradients and installs ``.grad``.
+        """
+        state = self.sharded_state
+        previous, state.sync_grads = state.sync_grads, False
+        try:
+            yield
+        finally:
+            state.sync_grads = previous
+
+    def set_requires_gradient_sync(self, requires_sync: bool) -> None:
+        self.sharded_state.sync_grads = requires_sync
+
+    def unshard(self) -> None:
+        """Gather every unit now (e.g. before an eval loop that runs many forwards)."""
+        for unit in self.sharded_state.all_units:
+            unit.unshard()
+
+    def reshard(self) -> None:
+        for unit in self.sharded_state.all_units:
+            unit.reshard()
+
+    def mark_weights_modified(self) -> None:
+        """Tell the engine the main weights changed outside an optimizer step (refreshed at next forward)."""
+        self.sharded_state.mark_weights_modified()
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Device bytes held by the engine's buffers on this rank, by buffer kind."""
+        total: dict[str, int] = {}
+        for g in self.sharded_state.groups:
+            for k, v in g.resident_bytes().items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+
+def _mark_stale_after_step(optimizer, args, kwargs) -> None:
+    for param_group in optimizer.param_groups:
+        for p in param_group["params"]:
+            group = getattr(p, "_shardwise_group", None)
+            if group is not None and p.grad is not None:  # torch.optim skips grad-less params
+                group.weights_stale = True
+
+
+register_optimizer_step_post_hook(_mark_stale_after_step)
+
+
+# ---------------------------------------------------------------- building
+def _resolve_placements(mesh, placements, strategy, outer_dp_sharding_strategy) -> tuple[DeviceMesh, dict]:
+    if placements is not None and (strategy is not None or outer_dp_sharding_strategy is not None):
+        raise ValueError("pass either placements=... or strategy=/outer_dp_sharding_strategy=, not both")
+    if placements is None:
+        outer = outer_dp_sharding_strategy
+        if mesh is None and outer is not None:
+            raise ValueError(
+                f"outer_dp_sharding_strategy={outer!r} needs a 2-D mesh with axes ('dp_outer', 'dp_shard'); "
+                "pass mesh=shardwise.build_dp_mesh(outer=N)"
+            )
+        names = mesh.mesh_dim_names if mesh is not None else None
+        if outer is None and names is not None and len(names) == 1:
+            placements = strategy_placements(strategy if strategy is not None else 3, inner_axis=names[0])
+        else:
+            placements = strategy_placements(strategy if strategy is not None else 3, outer)
+    elif isinstance(placements, (str, int)):
+        placements = strategy_placements(placements, inner_axis=mesh.mesh_dim_names[-1] if mesh else "dp_shard")
+    elif isinstance(placements, Mapping):
+        placements = normalize_placements(placements)
+    else:
+        raise TypeError(f"placements={placements!r} must be a strategy name or a dict of axis -> AxisPlacements")
+    if mesh is None:
+        if list(placements) != ["dp_shard"]:
+            raise ValueError(f"placements name axes {list(placements)}; pass a mesh that has them")
+        mesh = build_dp_mesh()
+    return mesh, placements
+
+
+def _resolve_units(root: nn.Module, unit_modules) -> list[nn.Module]:
+    if unit_modules is None:
+        return []
+    if isinstance(unit_modules, type) or isinstance(unit_modules, nn.Module):
+        unit_modules = [unit_modules]
+    all_modules = list(root.modules())
+    ids = {id(m) for m in all_modules}
+    chosen: dict[int, nn.Module] = {}
+    for spec in unit_modules:
+        if isinstance(spec, type):
+            if not issubclass(spec, nn.Module):
+                raise TypeError(f"unit_modules entry {spec!r} is not an nn.Module class")
+            found = [m for m in all_modules if isinstance(m, spec) and m is not root]
+            if not found:
+                raise ValueError(
+                    f"unit_modules names {spec.__name__}, but {type(root).__name__} contains no "
+                    f"{spec.__name__} module"
+                )
+        elif isinstance(spec, nn.Module):
+            if id(spec) not in ids or spec is root:
+                raise ValueError(f"unit_modules entry {type(spec).__name__} is not a submodule of the model")
+            found = [spec]
+        else:
+            raise TypeError(f"unit_modules entry {spec!r} must be an nn.Module class or instance")
+        for m in found:
+            chosen[id(m)] = m
+    return [m for m in all_modules if id(m) in chosen]  # module order
+
+
+def _owners(root: nn.Module, units: list[nn.Module]) -> tuple[dict, dict]:
+    """Map each (module, attr) holding a parameter to its owning unit module (root when shared)."""
+    unit_ids = {id(u) for u in units}
+    holder_owner: dict[tuple[int, str], nn.Module] = {}
+    holder_obj: dict[tuple[int, str], tuple[nn.Module, str, str]] = {}
+    param_owners: dict[int, set[int]] = {}
+
+    def visit(module: nn.Module, prefix: str, owner: nn.Module, stack: tuple) -> None:
+        if id(module) in stack:
+            return
+        for attr, p in module._parameters.items():
+            if p is None:
+                continue
+            key = (id(module), attr)
+            holder_obj.setdefault(key, (module, attr, f"{prefix}{attr}"))
+            previous = holder_owner.get(key)
+            holder_owner[key] = owner if previous is None or previous is owner else root
+            param_owners.setdefault(id(p), set()).add(id(holder_owner[key]))
+        for name, child in module.named_children():
+            visit(child, f"{prefix}{name}.", child if id(child) in unit_ids else owner, stack + (id(module),))
+
+    visit(root, "", root, ())
+    for key, (module, attr, _) in holder_obj.items():
+        p = module._parameters[attr]
+        if len(param_owners[id(p)]) > 1:  # tied across units: the root gathers it for the whole step
+            holder_owner[key] = root
+    return holder_owner, holder_obj
+
+
+def _check_parameters(root: nn.Module) -> None:
+    for name, p in root.named_parameters():
+        if p.dtype not in _FLOATING:
+            raise ValueError(
+                f"parameter {name!r} has dtype {p.dtype}, which shardwise cannot shard; "
+                f"supported parameter dtypes are {[str(d) for d in _FLOATING]}"
+            )
+        if p.dim() == 0:
+            raise ValueError(
+                f"parameter {name!r} is 0-dimensional; shardwise shards along dim 0, so store it with shape (1,)"
+            )
+
+
+def fully_shard(
+    module: nn.Module,
+    mesh: DeviceMesh | None = None,
+    *,
+    placements: Mapping[str, AxisPlacements] | str | int | None = None,
+    strategy: str | int | None = None,
+    outer_dp_sharding_strategy: str | None = None,
+    unit_modules: Iterable[UnitSpec] | UnitSpec | None = None,
+    mixed_precision: MixedPrecisionPolicy | None = None,
+    init_fn: Callable[[nn.Module, torch.device], None] | None = None,
+    reshard_after_forward: bool = True,
+    prefetch: bool = True,
+) -> nn.Module:
+    """Shard ``module``'s parameters, gradients and optimizer state over ``mesh``.
+
+    ``placements`` maps each data-parallel mesh axis to an ``AxisPlacements``;
+    ``strategy`` (Megatron-FSDP names or ZeRO 0-3) and
+    ``outer_dp_sharding_strategy`` (``no_shard`` = HSDP, ``optim`` = HFSDP) are
+    the named shortcut. ``unit_modules`` (classes or instances) are gathered and
+    freed one at a time; the root owns every other parameter. ``init_fn(module,
+    device)`` materializes meta parameters one unit at a time before sharding.
+    Returns ``module`` itself, whose parameters are now DTensors.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    for name, m in module.named_modules():
+        if hasattr(m, _STATE_ATTR):
+            where = f"submodule {name!r}" if name else "module"
+            raise ValueError(f"{where} ({type(m).__name__}) is already sharded by shardwise.fully_shard")
+    policy = mixed_precision or MixedPrecisionPolicy()
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(f"mixed_precision must be a MixedPrecisionPolicy, got {type(policy).__name__}")
+    mesh, placements = _resolve_placements(mesh, placements, strategy, outer_dp_sharding_strategy)
+    plan = ShardingPlan(mesh, placements)
+    unit_list = _resolve_units(module, unit_modules)
+    _check_parameters(module)
+    meta = [n for n, p in module.named_parameters() if p.is_meta]
+    if meta and init_fn is None:
+        raise ValueError(
+            f"parameters {meta[:4]}{'...' if len(meta) > 4 else ''} are on the meta device; "
+            "pass init_fn= (e.g. shardwise.materialize_meta_module) to materialize them unit by unit"
+        )
+
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    )
+    streams = StreamSet(device)
+    holder_owner, holder_obj = _owners(module, unit_list)
+    names = {id(m): n for n, m in module.named_modules()}
+
+    def build(owner: nn.Module) -> list[ParamGroup]:
+        if init_fn is not None and any(p.is_meta for p in owner.parameters()):
+            init_fn(owner, device)
+        refs: dict[int, ParamRef] = {}
+        for key, (holder, attr, fqn) in holder_obj.items():
+            if holder_owner[key] is not owner:
+                continue
+            p = holder._parameters[attr]
+            if p.is_meta:
+                raise ValueError(f"init_fn left parameter {fqn!r} on the meta device")
+            ref = refs.get(id(p))
+            if ref is None:
+                refs[id(p)] = ParamRef(fqn, p, [(holder, attr)])
+            else:
+                ref.holders.append((holder, attr))
+        buckets: dict[tuple, list[ParamRef]] = {}
+        for ref in refs.values():
+            buckets.setdefault((ref.param.dtype, ref.param.requires_grad), []).append(ref)
+        groups = []
+        for (dtype, rg), bucket in buckets.items():
+            label = f"{names.get(id(owner), '') or '<root>'}[{str(dtype).replace('torch.', '')}{'' if rg else ',frozen'}]"
+            group = ParamGroup(label, bucket, plan, policy, device, streams)
+            group.install_sharded_params()  # the modules now hold DTensors; the full tensors can go
+            groups.append(group)
+        return groups
+
+    # Deepest units first, so an outer unit (and the root) only sees what inner ones left.
+    depth = {id(m): n.count(".") + 1 for n, m in module.named_modules()}
+    units_built = {}
+    for u in sorted(unit_list, key=lambda m: -depth[id(m)]):
+        units_built[id(u)] = Unit(names[id(u)], u, build(u), reshard_after_forward)
+    units = [units_built[id(u)] for u in unit_list]
+    root_unit = Unit("", module, build(module), reshard_after_forward=False)
+    for m in module.modules():
+        for key, buf in m._buffers.items():
+            if buf is not None and buf.device != device and not buf.is_meta:
+                m._buffers[key] = buf.to(device)
+
+    state = ShardedState(root_unit, units, plan, streams, prefetch)
+    setattr(module, _STATE_ATTR, state)
+    module.register_forward_pre_hook(state.root_pre_forward, with_kwargs=True, prepend=True)
+    module.register_forward_hook(state.root_post_forward)
+    for unit in units:
+        unit.module.register_forward_pre_hook(
+            lambda m, a, k, unit=unit: state.unit_pre_forward(unit, m, a, k), with_kwargs=True, prepend=True
+        )
+        unit.module.register_forward_hook(lambda m, a, o, unit=unit: state.unit_post_forward(unit, m, a, o))
+    module.register_load_state_dict_post_hook(lambda m, keys: state.mark_weights_modified())
+    cls = module.__class__
+    module.__class__ = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
+    return module

@@ -1,0 +1,368 @@
+"""One parameter group: its flat buffers and their lifecycle.
+
+A group is the parameters of one unit that share a dtype and requires_grad.
+It owns, in its ``FlatLayout``:
+
+- ``main``: the main weights (``main_params_dtype``) in the optimizer
+  placement; the sharded DTensor parameters the optimizer sees are views of it;
+- ``model_shard``: the compute-dtype model weights in the parameter placement
+  (a view of ``main`` where dtype and placement allow, so fp32 ZeRO-3 keeps
+  one copy);
+- ``unsharded``: the full compute-dtype buffer forward and backward read;
+  its storage is freed while the group rests when parameters are sharded;
+- ``grad_acc`` / ``main_grad``: gradients accumulated in the gradient
+  placement across micro-batches, and finalized in the optimizer placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .buffers import InFlight, StreamSet, all_gather_chain, all_reduce_chain, reduce_scatter_chain
+from .layout import FlatLayout, Slot
+from .mesh import ShardingPlan
+from .precision import MixedPrecisionPolicy
+
+__all__ = ["ParamRef", "ParamGroup"]
+
+
+@dataclass
+class ParamRef:
+    """A parameter and every (module, attribute) that holds it (more than one when tied)."""
+
+    fqn: str
+    param: nn.Parameter
+    holders: list[tuple[nn.Module, str]]
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _rows_view(buffer: torch.Tensor, buffer_start: int, slot: Slot, rows: tuple[int, int]) -> torch.Tensor:
+    """The view of ``buffer`` (which begins at flat offset ``buffer_start``) holding ``rows`` of a slot."""
+    first, last = rows
+    begin = slot.offset + first * slot.row_numel - buffer_start
+    return buffer[begin : begin + (last - first) * slot.row_numel].view(last - first, *slot.shape[1:])
+
+
+class ParamGroup:
+    def __init__(
+        self,
+        name: str,
+        refs: Sequence[ParamRef],
+        plan: ShardingPlan,
+        policy: MixedPrecisionPolicy,
+        device: torch.device,
+        streams: StreamSet,
+    ):
+        self.name = name
+        self.refs = list(refs)
+        self.fqns = [r.fqn for r in self.refs]
+        self.plan = plan
+        self.streams = streams
+        self.device = device
+        first = self.refs[0].param
+        self.requires_grad = first.requires_grad
+        self.compute_dtype = policy.compute_dtype(first.dtype)
+        self.main_dtype = policy.main_params_dtype
+        self.main_grad_dtype = policy.main_grads_dtype
+        self.comm_dtype = policy.comm_dtype
+        self.layout = FlatLayout([r.param.shape for r in self.refs], plan.shard_count)
+        total = self.layout.total
+
+        # Flat ranges this rank holds in each placement.
+        self.param_range = self.layout.shard_range(plan.index(plan.param_axes), plan.count(plan.param_axes))
+        self.grad_range = self.layout.shard_range(plan.index(plan.grad_axes), plan.count(plan.grad_axes))
+        self.opt_range = self.layout.shard_range(plan.index(plan.opt_axes), plan.count(plan.opt_axes))
+
+        p0, p1 = self.param_range
+        o0, o1 = self.opt_range
+        with torch.no_grad():
+            self.model_shard = torch.zeros(p1 - p0, dtype=self.compute_dtype, device=device)
+            self._fill(self.model_shard, p0, p1)
+            self.main_aliases_model = self.compute_dtype == self.main_dtype
+            if self.main_aliases_model:
+                self.main = self.model_shard[o0 - p0 : o1 - p0]
+            else:
+                self.main = torch.zeros(o1 - o0, dtype=self.main_dtype, device=device)
+                self._fill(self.main, o0, o1)
+        self.sharded_params = [self._make_sharded_param(ref, slot) for ref, slot in zip(self.refs, self.layout.slots)]
+
+        # The unsharded buffer and the leaf parameters forward uses.
+        self.persistent_unsharded = not plan.shards_parameters
+        if self.persistent_unsharded:
+            self.unsharded = self.model_shard
+        else:
+            self.unsharded = torch.empty(total, dtype=self.compute_dtype, device=device)
+        self.unsharded_params = [
+            nn.Parameter(
+                self.unsharded[slot.offset : slot.end].view(slot.shape), requires_grad=self.requires_grad
+            )
+            for slot in self.layout.slots
+        ]
+        if not self.persistent_unsharded:
+            self.unsharded.untyped_storage().resize_(0)  # the views above keep their shapes
+        self._is_unsharded = self.persistent_unsharded
+        self._gather: InFlight | None = None
+        self._swapped_in = False
+
+        # Gradient state (allocated at the first reduction).
+        self.grad_acc: torch.Tensor | None = None
+        self.main_grad: torch.Tensor | None = None
+        self._grad_dtensors: list[DTensor] | None = None
+        self._window_open = False  # micro-batches accumulated since the last finalize
+        self._acc_overwrite = False
+        self._main_overwrite = False
+        self._grad_pad_cache: dict[int, torch.Tensor] = {}
+        self.weights_stale = False
+
+    # ----------------------------------------------------------- construction
+    def _fill(self, buffer: torch.Tensor, start: int, end: int) -> None:
+        for ref, slot in zip(self.refs, self.layout.slots):
+            rows = slot.rows_in(start, end)
+            if rows[1] > rows[0]:
+                _rows_view(buffer, start, slot, rows).copy_(ref.param.detach()[rows[0] : rows[1]])
+
+    def _make_sharded_param(self, ref: ParamRef, slot: Slot) -> nn.Parameter:
+        local = _rows_view(self.main, self.opt_range[0], slot, slot.rows_in(*self.opt_range))
+        dtensor = DTensor.from_local(
+            local,
+            self.plan.mesh,
+            self.plan.optimizer_dtensor_placements,
+            run_check=False,
+            shape=slot.shape,
+            stride=_contiguous_stride(slot.shape),
+        )
+        param = nn.Parameter(dtensor, requires_grad=ref.param.requires_grad)
+        param._shardwise_group = self  # lets optimizer hooks and clipping find the group
+        return param
+
+    # ------------------------------------------------------------- swapping
+    def install_sharded_params(self) -> None:
+        """Replace the original parameters in their modules and drop our references to them."""
+        self._swapped_in = True
+        self.use_sharded()
+        for ref in self.refs:
+            ref.param = None
+
+    def use_unsharded(self) -> None:
+        """Point every holding module at the unsharded parameters (for forward)."""
+        if self._swapped_in:
+            return
+        for ref, param in zip(self.refs, self.unsharded_params):
+            for module, attr in ref.holders:
+                module._parameters[attr] = param
+        self._swapped_in = True
+
+    def use_sharded(self) -> None:
+        """Point every holding module back at the sharded DTensor parameters."""
+        if not self._swapped_in:
+            return
+        for ref, param in zip(self.refs, self.sharded_params):
+            for module, attr in ref.holders:
+                module._parameters[attr] = param
+        self._swapped_in = False
+
+    # ------------------------------------------------------- unshard / free
+    @property
+    def is_unsharded(self) -> bool:
+        return self._is_unsharded
+
+    @property
+    def storage_bytes_unsharded(self) -> int:
+        return self.unsharded.untyped_storage().nbytes()
+
+    def start_unshard(self) -> None:
+        """Begin gathering the model weights (returns at once on CUDA)."""
+        if self._is_unsharded or self._gather is not None:
+            return
+        self.unsharded.untyped_storage().resize_(self.unsharded.numel() * self.unsharded.element_size())
+        with self.streams.on(self.streams.gather), torch.autograd._unsafe_preserve_version_counter(self.unsharded):
+            all_gather_chain(self.unsharded, self.model_shard, self.plan.param_axes)
+        self._gather = InFlight(self.streams.record(self.streams.gather))
+
+    def finish_unshard(self) -> None:
+        if self._is_unsharded:
+            return
+        if self._gather is None:
+            self.start_unshard()
+        self._gather.wait()
+        self._gather = None
+        self._is_unsharded = True
+
+    def reshard(self) -> None:
+        """Free the unsharded storage (when parameters are sharded) and swap DTensors back in."""
+        self.use_sharded()
+        if self.persistent_unsharded:
+            return
+        if self._gather is not None:  # prefetched but never used
+            self._gather.wait()
+            self._gather = None
+        if self._is_unsharded:
+            self.unsharded.untyped_storage().resize_(0)
+            self._is_unsharded = False
+
+    # --------------------------------------------------------------- grads
+    def _ensure_grad_buffers(self) -> None:
+        if self.main_grad is not None:
+            return
+        g0, g1 = self.grad_range
+        o0, o1 = self.opt_range
+        self.main_grad = torch.zeros(o1 - o0, dtype=self.main_grad_dtype, device=self.device)
+        self.grad_acc = (
+            self.main_grad
+            if (g0, g1) == (o0, o1)
+            else torch.zeros(g1 - g0, dtype=self.main_grad_dtype, device=self.device)
+        )
+        self._grad_dtensors = []
+        for param, slot in zip(self.sharded_params, self.layout.slots):
+            local = _rows_view(self.main_grad, o0, slot, slot.rows_in(o0, o1))
+            self._grad_dtensors.append(
+                DTensor.from_local(
+                    local, self.plan.mesh, param.placements, run_check=False,
+                    shape=slot.shape, stride=_contiguous_stride(slot.shape),
+                )
+            )
+
+    def _open_window(self) -> None:
+        """Start accumulating: honour grads the user cleared (``zero_grad``) since the last step."""
+        self._ensure_grad_buffers()
+        cleared = [p.grad is None for p in self.sharded_params]
+        separate = self.grad_acc is not self.main_grad
+        if all(cleared):
+            self._main_overwrite = separate
+            self._acc_overwrite = True
+        else:
+            o0, o1 = self.opt_range
+            for was_cleared, slot in zip(cleared, self.layout.slots):
+                if was_cleared:
+                    _rows_view(self.main_grad, o0, slot, slot.rows_in(o0, o1)).zero_()
+            self._main_overwrite = False
+            self._acc_overwrite = separate  # the partial buffer restarts every window
+        self._window_open = True
+
+    def _flat_grads(self) -> torch.Tensor:
+        """Concatenate the unsharded grads (zeros where missing) into one comm-dtype buffer."""
+        pieces, cursor = [], 0
+        for param, slot in zip(self.unsharded_params, self.layout.slots):
+            if slot.offset > cursor:
+                pieces.append(self._zeros(slot.offset - cursor))
+            grad = param.grad
+            pieces.append(grad.reshape(-1) if grad is not None else self._zeros(slot.numel))
+            param.grad = None
+            cursor = slot.end
+        if self.layout.total > cursor:
+            pieces.append(self._zeros(self.layout.total - cursor))
+        flat = torch.empty(self.layout.total, dtype=self.comm_dtype, device=self.device)
+        torch.cat([p.to(self.comm_dtype) for p in pieces], out=flat)
+        return flat
+
+    def _zeros(self, n: int) -> torch.Tensor:
+        cached = self._grad_pad_cache.get(n)
+        if cached is None:
+            cached = self._grad_pad_cache[n] = torch.zeros(n, dtype=self.comm_dtype, device=self.device)
+        return cached
+
+    def has_unsharded_grads(self) -> bool:
+        return any(p.grad is not None for p in self.unsharded_params)
+
+    def reduce_grads(self, finalize: bool) -> InFlight:
+        """Reduce this micro-batch's grads into the accumulation buffer; finalize at a step's end.
+
+        Returns the in-flight work; the caller waits on it before the optimizer
+        reads grads or before dropping the flat buffer it keeps alive.
+        """
+        if not self._window_open:
+            self._open_window()
+        flat = self._flat_grads()
+        plan = self.plan
+        with self.streams.on(self.streams.reduce):
+            shard = reduce_scatter_chain(flat, plan.grad_axes)
+            if self._acc_overwrite:
+                self.grad_acc.copy_(shard)
+                self._acc_overwrite = False
+            else:
+                self.grad_acc.add_(shard)
+            if finalize:
+                self._finalize()
+        return InFlight(self.streams.record(self.streams.reduce), keepalive=(flat,))
+
+    def finalize_without_new_grads(self) -> InFlight | None:
+        """End an accumulation window whose last micro-batch brought no grads to this group."""
+        if not self._window_open:
+            return None
+        with self.streams.on(self.streams.reduce):
+            self._finalize()
+        return InFlight(self.streams.record(self.streams.reduce))
+
+    def _finalize(self) -> None:
+        plan = self.plan
+        if self.grad_acc is self.main_grad:
+            all_reduce_chain(self.main_grad, plan.finalize_allreduce_axes)
+        else:
+            reduced = reduce_scatter_chain(self.grad_acc, plan.finalize_scatter_axes)
+            all_reduce_chain(reduced, plan.finalize_allreduce_axes)
+            if self._main_overwrite:
+                self.main_grad.copy_(reduced)
+            else:
+                self.main_grad.add_(reduced)
+        self._window_open = False
+        self._pending_install = True
+
+    def install_grads(self) -> None:
+        """Expose the finalized main grads as the sharded parameters' ``.grad``."""
+        if not getattr(self, "_pending_install", False):
+            return
+        for param, grad in zip(self.sharded_params, self._grad_dtensors):
+            param.grad = grad
+        self._pending_install = False
+
+    # -------------------------------------------------------- weight refresh
+    @torch.no_grad()
+    def refresh_model_weights(self) -> None:
+        """Rebuild the compute-dtype model weights from the main weights after an update."""
+        if not self.weights_stale:
+            return
+        self.weights_stale = False
+        plan = self.plan
+        if self.main_aliases_model and not plan.refresh_gather_axes:
+            return
+        p0 = self.param_range[0]
+        o0, o1 = self.opt_range
+        own = self.model_shard[o0 - p0 : o1 - p0]
+        with torch.autograd._unsafe_preserve_version_counter(self.model_shard):
+            if not self.main_aliases_model:
+                own.copy_(self.main)
+            all_gather_chain(self.model_shard, own, plan.refresh_gather_axes)
+
+    # --------------------------------------------------------- full weights
+    @torch.no_grad()
+    def full_main_weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the group, unsharded, in the main dtype (a collective)."""
+        full = torch.empty(self.layout.total, dtype=self.main_dtype, device=self.device)
+        all_gather_chain(full, self.main, self.plan.opt_axes)
+        return {fqn: full[s.offset : s.end].view(s.shape).clone() for fqn, s in zip(self.fqns, self.layout.slots)}
+
+    # ------------------------------------------------------------ reporting
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of device storage this group holds right now, by buffer."""
+        out = {
+            "model_shard": self.model_shard.untyped_storage().nbytes(),
+            "main": 0 if self.main_aliases_model else self.main.untyped_storage().nbytes(),
+            "unsharded": 0 if self.persistent_unsharded else self.storage_bytes_unsharded,
+            "main_grad": 0 if self.main_grad is None else self.main_grad.untyped_storage().nbytes(),
+            "grad_acc": 0
+            if self.grad_acc is None or self.grad_acc is self.main_grad
+            else self.grad_acc.untyped_storage().nbytes(),
+        }
+        return out

@@ -1,0 +1,151 @@
+"""Data-parallel meshes and the sharding plan derived from mesh + placements.
+
+The plan turns per-axis placements into the three ordered lists of axes the
+engine walks: the axes the model weights are sharded over, the axes gradients
+are reduce-scattered over on every micro-batch, and the axes the optimizer
+state is sharded over. Shards nest in that order (parameter axes are the most
+significant digits of a shard index), so every buffer's local shard contains
+the finer shards below it and one collective per axis moves between them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from .placements import AxisPlacements
+
+__all__ = [
+    "AxisGroup",
+    "ShardingPlan",
+    "build_dp_mesh",
+    "default_device_type",
+    "check_mesh_ranks_and_group_ranks_are_consistent",
+]
+
+
+def default_device_type() -> str:
+    """``cuda`` when the default process group runs NCCL on GPUs, else ``cpu``."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return "cuda"
+    if not dist.is_initialized() and torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def build_dp_mesh(
+    outer: int | None = None,
+    device_type: str | None = None,
+    inner_axis: str = "dp_shard",
+    outer_axis: str = "dp_outer",
+) -> DeviceMesh:
+    """A 1-D (``dp_shard``) or 2-D (``dp_outer``, ``dp_shard``) mesh over all ranks."""
+    if not dist.is_initialized():
+        raise RuntimeError("build_dp_mesh needs an initialized default process group")
+    world = dist.get_world_size()
+    device_type = device_type or default_device_type()
+    if outer is None:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=(inner_axis,))
+    if outer < 1 or world % outer:
+        raise ValueError(f"outer={outer} must be a positive divisor of the world size {world}")
+    return init_device_mesh(device_type, (outer, world // outer), mesh_dim_names=(outer_axis, inner_axis))
+
+
+def check_mesh_ranks_and_group_ranks_are_consistent(
+    mesh_ranks: Sequence[int], group_ranks: Sequence[int]
+) -> None:
+    """Raise unless a mesh axis spans exactly the ranks of the process group meant for it."""
+    if sorted(mesh_ranks) != sorted(group_ranks) or list(mesh_ranks) != list(group_ranks):
+        raise ValueError(
+            f"mesh ranks {list(mesh_ranks)} do not match process group ranks {list(group_ranks)}"
+        )
+
+
+@dataclass(frozen=True)
+class AxisGroup:
+    """One data-parallel mesh axis as this rank sees it."""
+
+    name: str
+    group: dist.ProcessGroup
+    size: int
+    index: int  # this rank's coordinate on the axis
+
+    @property
+    def averages_natively(self) -> bool:
+        return dist.get_backend(self.group) == "nccl"
+
+
+def _mixed_radix(axes: Sequence[AxisGroup]) -> int:
+    index = 0
+    for axis in axes:
+        index = index * axis.size + axis.index
+    return index
+
+
+class ShardingPlan:
+    """Which axes shard which buffer, for one mesh and one set of placements."""
+
+    def __init__(self, mesh: DeviceMesh, placements: Mapping[str, AxisPlacements]):
+        names = mesh.mesh_dim_names
+        if names is None:
+            raise ValueError("mesh must have mesh_dim_names so placements can name its axes")
+        for axis in placements:
+            if axis not in names:
+                raise ValueError(
+                    f"placements names mesh axis {axis!r}, which the mesh does not have; "
+                    f"mesh axes are {list(names)}"
+                )
+        extra = [n for n in names if n not in placements]
+        if extra:
+            raise ValueError(
+                f"mesh axes {extra} have no data-parallel placements; composing FSDP with "
+                "tensor or expert parallel mesh axes is not built yet: pass a mesh of "
+                "data-parallel axes only"
+            )
+        self.mesh = mesh
+        self.placements = {n: placements[n] for n in names}  # mesh order
+        self.axes = {
+            n: AxisGroup(n, mesh.get_group(n), mesh.size(i), mesh.get_local_rank(n))
+            for i, n in enumerate(names)
+        }
+
+        def sharded(kind: str) -> list[AxisGroup]:
+            return [self.axes[n] for n, p in self.placements.items() if isinstance(getattr(p, kind), Shard)]
+
+        param_axes = sharded("parameter")
+        grad_axes = param_axes + [a for a in sharded("gradient") if a not in param_axes]
+        opt_axes = grad_axes + [a for a in sharded("optimizer") if a not in grad_axes]
+        self.param_axes: list[AxisGroup] = param_axes
+        self.grad_axes: list[AxisGroup] = grad_axes
+        self.opt_axes: list[AxisGroup] = opt_axes
+        # Axes reduced only when a step's gradients are finalized.
+        self.finalize_scatter_axes = opt_axes[len(grad_axes):]
+        self.finalize_allreduce_axes = [
+            self.axes[n] for n, p in self.placements.items()
+            if isinstance(p.gradient, Partial) and isinstance(p.optimizer, Replicate)
+        ]
+        self.refresh_gather_axes = opt_axes[len(param_axes):]
+        self.shard_count = math.prod(a.size for a in opt_axes)
+        self.dp_size = math.prod(a.size for a in self.axes.values())
+
+    def count(self, axes: Sequence[AxisGroup]) -> int:
+        return math.prod(a.size for a in axes)
+
+    def index(self, axes: Sequence[AxisGroup]) -> int:
+        return _mixed_radix(axes)
+
+    @property
+    def optimizer_dtensor_placements(self) -> tuple[Placement, ...]:
+        return tuple(
+            Shard(0) if isinstance(p.optimizer, Shard) else Replicate() for p in self.placements.values()
+        )
+
+    @property
+    def shards_parameters(self) -> bool:
+        return bool(self.param_axes)

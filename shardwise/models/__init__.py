@@ -1,0 +1,36 @@
+"""Reference models in plain PyTorch: a Llama-style decoder with MoE and Mamba layers.
+
+Build one from a :class:`GPTConfig`; ``config.layer_pattern`` mixes layer kinds
+(A = attention, E = mixture of experts, M = Mamba). Every module with
+parameters has ``reset_parameters()``; :func:`init_weights` calls them in a fixed
+order, so meta-device construction plus ``to_empty`` reproduces a direct build.
+"""
+
+from .attention import Attention
+from .config import LAYER_KINDS, GPTConfig
+from .gpt import GPT, LAYER_CLASSES, init_weights
+from .mamba import MambaLayer, chunked_scan, sequential_scan
+from .mlp import MLP
+from .moe import MoE, Experts, load_balancing_loss
+from .norm_rope import RMSNorm, apply_rope, rope_tables
+from .tensor_parallel import (
+    ColumnParallelLinear,
+    Linear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+)
+from .transformer import MoETransformerLayer, TransformerLayer
+
+UNIT_MODULES = (TransformerLayer, MoETransformerLayer, MambaLayer)
+"""Layer classes to hand to ``fully_shard(unit_modules=...)``."""
+
+__all__ = [
+    "GPT", "GPTConfig", "LAYER_KINDS", "LAYER_CLASSES", "UNIT_MODULES", "init_weights",
+    "TransformerLayer", "MoETransformerLayer", "MambaLayer", "Attention", "MLP", "MoE", "Experts",
+    "RMSNorm", "rope_tables", "apply_rope", "chunked_scan", "sequential_scan", "load_balancing_loss",
+    "Linear", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+    "copy_to_tp_region", "reduce_from_tp_region", "gather_from_tp_region",
+]

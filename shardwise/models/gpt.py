@@ -1,0 +1,106 @@
+"""The decoder model: embedding, a stack of layers from the layer pattern, norm, head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .config import GPTConfig
+from .mamba import MambaLayer
+from .norm_rope import RMSNorm, rope_tables
+from .tensor_parallel import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tp_region,
+    gather_from_tp_region,
+)
+from .transformer import MoETransformerLayer, TransformerLayer
+
+__all__ = ["GPT", "init_weights", "LAYER_CLASSES"]
+
+LAYER_CLASSES = {"A": TransformerLayer, "E": MoETransformerLayer, "M": MambaLayer}
+
+
+def init_weights(model: nn.Module) -> None:
+    """Initialize ``model`` by calling each module's ``reset_parameters`` in ``modules()`` order.
+
+    Every module initializes only the tensors it holds itself, so this is the one
+    place that sets the order in which the default RNG is consumed: a model built
+    on ``meta``, materialized with ``to_empty`` and passed here after
+    ``torch.manual_seed(s)`` equals one built directly after the same seed.
+    """
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+
+class GPT(nn.Module):
+    """Llama-style decoder. ``forward(tokens)`` gives logits, ``forward(tokens, targets)`` the loss.
+
+    The loss is the mean cross entropy plus ``moe_aux_loss_coef`` times the summed
+    load-balancing losses of the MoE layers (also left on ``self.aux_loss``).
+    With ``config.tp_group`` the embedding, attention, MLP and head are split
+    over the TP ranks and the logits are gathered to the full vocabulary.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        config.validate()
+        self.config = config
+        tp, std = config.tp_group, config.init_std
+        self.embed = VocabParallelEmbedding(config.vocab_size, config.dim, group=tp, init_std=std)
+        self.layers = nn.ModuleList(LAYER_CLASSES[kind](config) for kind in config.layer_kinds)
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = None if config.tie_embeddings else ColumnParallelLinear(
+            config.dim, config.vocab_size, group=tp, gather_output=True, init_std=std)
+        half = config.head_dim // 2
+        self.register_buffer("rope_cos", torch.empty(config.max_seq_len, half), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(config.max_seq_len, half), persistent=False)
+        self.aux_loss = None
+        init_weights(self)
+
+    def reset_parameters(self) -> None:
+        """Recompute the RoPE tables (GPT holds no parameters of its own)."""
+        cos, sin = rope_tables(self.config.max_seq_len, self.config.head_dim,
+                               self.config.rope_theta, device=self.rope_cos.device)
+        with torch.no_grad():
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def forward(self, tokens, targets=None):
+        if tokens.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} > max_seq_len={self.config.max_seq_len}")
+        x = F.dropout(self.embed(tokens), self.config.dropout, self.training)
+        recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
+        aux = []
+        for layer in self.layers:
+            if recompute:
+                x = checkpoint(layer, x, self.rope_cos, self.rope_sin, use_reentrant=False)
+            else:
+                x = layer(x, self.rope_cos, self.rope_sin)
+            if isinstance(layer, MoETransformerLayer):
+                aux.append(layer.aux_loss)
+        x = self.norm(x)
+        if self.output is not None:
+            logits = self.output(x)
+        else:
+            local = F.linear(copy_to_tp_region(x, self.config.tp_group), self.embed.weight)
+            logits = gather_from_tp_region(local, self.config.tp_group)
+        self.aux_loss = torch.stack(aux).sum() if aux else None
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        if self.aux_loss is not None:
+            loss = loss + self.config.moe_aux_loss_coef * self.aux_loss
+        return loss
+
+    def num_params(self) -> int:
+        """Parameters of the whole model (tied weights once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x params + 12 x layers x dim x seq (attention)."""
+        c = self.config
+        return 6 * self.num_params() + 12 * c.n_layers * c.dim * seq_len

@@ -1,0 +1,67 @@
+"""Optimizer glue: gradient clipping by the global norm over shards."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = ["clip_grad_norm_", "grad_norm"]
+
+
+def _shard_groups(param: torch.Tensor) -> tuple:
+    """Process groups of the mesh axes over which this parameter's gradient is split."""
+    if not isinstance(param, DTensor):
+        return ()
+    mesh = param.device_mesh
+    return tuple(
+        mesh.get_group(i) for i, placement in enumerate(param.placements) if isinstance(placement, Shard)
+    )
+
+
+def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all gradients as if they were unsharded (the same value on every rank)."""
+    norm_type = float(norm_type)
+    by_groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is None:
+            continue
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        by_groups.setdefault(_shard_groups(p), []).append(grad)
+    if not by_groups:
+        return torch.tensor(0.0)
+    device = next(iter(by_groups.values()))[0].device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for groups, grads in by_groups.items():
+        grads = [g for g in grads if g.numel()]
+        if grads:
+            norms = torch._foreach_norm(grads, norm_type)
+            part = torch.stack([n.float() for n in norms])
+            local = part.max() if math.isinf(norm_type) else part.pow(norm_type).sum()
+        else:
+            local = torch.zeros((), dtype=torch.float32, device=device)
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        for group in groups:
+            dist.all_reduce(local, op=op, group=group)
+        total = torch.maximum(total, local) if math.isinf(norm_type) else total + local
+    return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+) -> torch.Tensor:
+    """Scale sharded gradients in place so their global norm is at most ``max_norm``; return the norm."""
+    parameters = [p for p in parameters]
+    total = grad_norm(parameters, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of gradients is {total.item()}, which is not finite")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    grads = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in parameters if p.grad is not None]
+    grads = [g for g in grads if g.numel()]
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return total

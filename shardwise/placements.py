@@ -1,0 +1,158 @@
+"""The strategy table: how each data-parallel mesh axis places the three buffers.
+
+Every sharding mode of shardwise is a choice, per data-parallel mesh axis, of
+where the model weights (``parameter``), the accumulated gradients
+(``gradient``) and the fp32 main weights with optimizer state (``optimizer``)
+live on that axis. Named strategies (Megatron-FSDP's names and ZeRO stage
+numbers) are rows of one table, so the engine only ever reasons about
+placements.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple, Sequence, Union
+
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+__all__ = [
+    "AxisPlacements",
+    "STRATEGY_PLACEMENTS",
+    "OUTER_STRATEGY_PLACEMENTS",
+    "resolve_strategy",
+    "strategy_placements",
+    "validate_axis_placements",
+    "describe",
+]
+
+R = Replicate()
+S = Shard(0)
+P = Partial("avg")
+
+
+class AxisPlacements(NamedTuple):
+    """Where one mesh axis puts each of the three buffers of a parameter group."""
+
+    parameter: Placement
+    gradient: Placement
+    optimizer: Placement
+
+
+STRATEGY_PLACEMENTS: dict[str, AxisPlacements] = {
+    "no_shard": AxisPlacements(R, P, R),  # ZeRO-0: DDP
+    "optim": AxisPlacements(R, P, S),  # ZeRO-1
+    "optim_grads": AxisPlacements(R, S, S),  # ZeRO-2
+    "optim_grads_params": AxisPlacements(S, S, S),  # ZeRO-3
+}
+
+# The outer axis of a hybrid mesh: `no_shard` replicates everything across the
+# outer axis (HSDP), `optim` additionally shards the optimizer state (HFSDP).
+OUTER_STRATEGY_PLACEMENTS: dict[str, AxisPlacements] = {
+    "no_shard": AxisPlacements(R, P, R),
+    "optim": AxisPlacements(R, P, S),
+}
+
+_ALIASES = {
+    0: "no_shard",
+    1: "optim",
+    2: "optim_grads",
+    3: "optim_grads_params",
+    "0": "no_shard",
+    "1": "optim",
+    "2": "optim_grads",
+    "3": "optim_grads_params",
+    "zero0": "no_shard",
+    "zero1": "optim",
+    "zero2": "optim_grads",
+    "zero3": "optim_grads_params",
+    "ddp": "no_shard",
+}
+
+StrategyLike = Union[str, int]
+
+
+def resolve_strategy(strategy: StrategyLike, argument: str = "strategy") -> str:
+    """Map a strategy name, alias or ZeRO stage number to its canonical name."""
+    key = strategy.lower() if isinstance(strategy, str) else strategy
+    if isinstance(key, str) and key in STRATEGY_PLACEMENTS:
+        return key
+    if key in _ALIASES:
+        return _ALIASES[key]
+    raise ValueError(
+        f"{argument}={strategy!r} is not a sharding strategy; expected one of "
+        f"{sorted(STRATEGY_PLACEMENTS)} or a ZeRO stage 0-3"
+    )
+
+
+def strategy_placements(
+    strategy: StrategyLike = "optim_grads_params",
+    outer_dp_sharding_strategy: StrategyLike | None = None,
+    inner_axis: str = "dp_shard",
+    outer_axis: str = "dp_outer",
+) -> dict[str, AxisPlacements]:
+    """Placements per mesh axis for a named strategy (and a hybrid outer strategy)."""
+    inner = resolve_strategy(strategy, "strategy")
+    placements = {inner_axis: STRATEGY_PLACEMENTS[inner]}
+    if outer_dp_sharding_strategy is None:
+        return placements
+    outer = resolve_strategy(outer_dp_sharding_strategy, "outer_dp_sharding_strategy")
+    if outer not in OUTER_STRATEGY_PLACEMENTS:
+        raise ValueError(
+            f"outer_dp_sharding_strategy={outer_dp_sharding_strategy!r} is not supported; "
+            f"expected one of {sorted(OUTER_STRATEGY_PLACEMENTS)} "
+            "('no_shard' = HSDP, 'optim' = HFSDP)"
+        )
+    if outer == "optim" and inner != "optim_grads_params":
+        raise ValueError(
+            f"outer_dp_sharding_strategy='optim' (HFSDP) needs strategy='optim_grads_params' "
+            f"on the inner axis, got strategy={strategy!r}"
+        )
+    return {outer_axis: OUTER_STRATEGY_PLACEMENTS[outer], inner_axis: placements[inner_axis]}
+
+
+def _is_shard(p: Placement) -> bool:
+    return isinstance(p, Shard)
+
+
+def validate_axis_placements(axis: str, placements: AxisPlacements) -> None:
+    """Reject placements the engine cannot realise on one axis."""
+    if not isinstance(placements, AxisPlacements):
+        if isinstance(placements, Sequence) and len(placements) == 3:
+            placements = AxisPlacements(*placements)
+        else:
+            raise TypeError(
+                f"placements[{axis!r}]={placements!r} must be an AxisPlacements(parameter, gradient, optimizer)"
+            )
+    param, grad, opt = placements
+    for name, p, allowed in (
+        ("parameter", param, (Replicate, Shard)),
+        ("gradient", grad, (Partial, Shard)),
+        ("optimizer", opt, (Replicate, Shard)),
+    ):
+        if not isinstance(p, allowed) or (isinstance(p, Shard) and p.dim != 0):
+            kinds = " or ".join("Shard(0)" if a is Shard else f"{a.__name__}" for a in allowed)
+            raise ValueError(f"placements[{axis!r}].{name}={p!r} is not supported; use {kinds}")
+    # A buffer can only be sharded on an axis where every buffer it is derived from is too:
+    # gradients are produced at the parameter's placement, the optimizer consumes gradients.
+    if _is_shard(param) and not _is_shard(grad):
+        raise ValueError(f"placements[{axis!r}]: parameter is Shard but gradient is {grad!r}")
+    if _is_shard(grad) and not _is_shard(opt):
+        raise ValueError(f"placements[{axis!r}]: gradient is Shard but optimizer is {opt!r}")
+
+
+def normalize_placements(
+    placements: Mapping[str, AxisPlacements | Sequence[Placement]],
+) -> dict[str, AxisPlacements]:
+    out = {}
+    for axis, p in placements.items():
+        validate_axis_placements(axis, p)
+        out[axis] = p if isinstance(p, AxisPlacements) else AxisPlacements(*p)
+    return out
+
+
+def describe(placements: Mapping[str, AxisPlacements]) -> str:
+    """A short human-readable form, e.g. ``dp_outer[R,P,S] dp_shard[S,S,S]``."""
+
+    def short(p: Placement) -> str:
+        return "S" if isinstance(p, Shard) else "R" if isinstance(p, Replicate) else "P"
+
+    return " ".join(f"{axis}[{','.join(short(x) for x in p)}]" for axis, p in placements.items())

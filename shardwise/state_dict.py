@@ -1,0 +1,29 @@
+"""Full (unsharded) views of a sharded model's weights, for export and tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = ["full_state_dict"]
+
+
+def full_state_dict(model: nn.Module, rank0_only: bool = False, cpu: bool = True) -> dict[str, torch.Tensor]:
+    """Gather every parameter (main weights) and buffer into plain tensors.
+
+    A collective: every rank must call it. With ``rank0_only`` the other ranks
+    get an empty dict (they still take part in the gathers).
+    """
+    state = getattr(model, "_shardwise_state", None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} is not sharded by shardwise.fully_shard")
+    out: dict[str, torch.Tensor] = {}
+    for group in state.groups:
+        for fqn, tensor in group.full_main_weights().items():
+            out[fqn] = tensor.cpu() if cpu else tensor
+    for name, buf in model.named_buffers():
+        out[name] = buf.detach().cpu() if cpu else buf.detach()
+    if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+        return {}
+    return out

@@ -1,0 +1,138 @@
+"""Run a test body on N gloo processes, reusing a pool of live workers.
+
+Spawning and importing torch costs seconds per process on a 2-core CI
+machine, so each world size keeps one pool of processes with the gloo group
+already initialized; a test sends a module-level function and gets back what
+every rank returned. A failure on any rank (or a timeout, which means some
+rank hung in a collective) tears the pool down so the next test starts
+clean.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+import torch.multiprocessing as mp
+
+TASK_TIMEOUT_S = float(os.environ.get("SHARDWISE_TEST_TIMEOUT", "240"))
+# SHARDWISE_TEST_BACKEND=nccl runs the same tests on GPUs (one process per GPU).
+BACKEND = os.environ.get("SHARDWISE_TEST_BACKEND", "gloo")
+_POOLS: dict[int, "_WorkerPool"] = {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(rank: int, world_size: int, port: int, tasks, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["LOCAL_RANK"] = str(rank)
+    if BACKEND == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        BACKEND, rank=rank, world_size=world_size, timeout=timedelta(seconds=TASK_TIMEOUT_S / 2)
+    )
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # report everything, including assertion errors
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class _WorkerPool:
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.task_queues = [ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self.procs = [
+            ctx.Process(
+                target=_worker_main,
+                args=(rank, world_size, port, self.task_queues[rank], self.results),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, args, kwargs):
+        for q in self.task_queues:
+            q.put((fn, args, kwargs))
+        outcomes = {}
+        import queue
+
+        try:
+            while len(outcomes) < self.world_size:
+                rank, ok, value = self.results.get(timeout=TASK_TIMEOUT_S)
+                outcomes[rank] = (ok, value)
+                if not ok:
+                    break  # other ranks may now be stuck in a collective
+        except queue.Empty:
+            missing = sorted(set(range(self.world_size)) - set(outcomes))
+            raise TimeoutError(f"ranks {missing} did not finish {fn.__name__} in {TASK_TIMEOUT_S}s")
+        failures = {r: v for r, (ok, v) in outcomes.items() if not ok}
+        if failures:
+            raise AssertionError(
+                "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+            )
+        return [outcomes[r][1] for r in range(self.world_size)]
+
+    def close(self, graceful: bool = True) -> None:
+        if graceful:
+            for q in self.task_queues:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def device() -> "torch.device":
+    """The device a test body should put its tensors on (inside a worker)."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if BACKEND == "nccl" else torch.device("cpu")
+
+
+def run_distributed(fn, world_size: int, *args, **kwargs) -> list:
+    """Run ``fn(*args, **kwargs)`` on every rank of a gloo group; return per-rank results."""
+    pool = _POOLS.get(world_size)
+    if pool is None or not all(p.is_alive() for p in pool.procs):
+        if pool is not None:
+            pool.close(graceful=False)
+        pool = _POOLS[world_size] = _WorkerPool(world_size)
+    try:
+        return pool.run(fn, args, kwargs)
+    except BaseException:
+        pool.close(graceful=False)
+        del _POOLS[world_size]
+        raise
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
