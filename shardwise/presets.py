@@ -20,7 +20,7 @@ from __future__ import annotations
 __all__ = ["PRESETS"]
 
 _TINY = dict(
-    vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384,
+    vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2,
     seq_len=128, micro_batch_size=8, grad_accum=1, steps=300, lr=2e-3, warmup_steps=30,
     weight_decay=0.0,
 )
@@ -32,7 +32,7 @@ PRESETS: dict[str, dict] = {
     "tiny-hybrid": {**_TINY, "layer_pattern": "AMAE", "moe_num_experts": 4, "moe_top_k": 2,
                     "moe_ffn_hidden": 192, "mamba_head_dim": 32, "mamba_chunk_size": 32},
     "small": dict(
-        vocab_size=256, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=1408,
+        vocab_size=256, dim=512, n_layers=8, n_heads=8, n_kv_heads=4,
         seq_len=512, micro_batch_size=8, steps=1000, lr=1e-3, warmup_steps=100,
     ),
     "1b": dict(

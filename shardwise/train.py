@@ -172,9 +172,8 @@ def _validate(cfg: TrainConfig, model: GPTConfig) -> None:
     for name in ("steps", "micro_batch_size", "grad_accum", "seq_len"):
         if getattr(cfg, name) < 1:
             raise ConfigError(name, getattr(cfg, name), "must be at least 1")
-    for name in ("lr",):
-        if not getattr(cfg, name) > 0:
-            raise ConfigError(name, getattr(cfg, name), "must be positive")
+    if not cfg.lr > 0:
+        raise ConfigError("lr", cfg.lr, "must be positive")
     for name in ("warmup_steps", "max_grad_norm", "weight_decay", "min_lr_ratio", "nproc", "outer_dp"):
         if getattr(cfg, name) < 0:
             raise ConfigError(name, getattr(cfg, name), "must not be negative")
@@ -430,12 +429,12 @@ def main(argv=None) -> int:
         _check_world(cfg, model_cfg, world)
         cfg = replace(cfg, out_dir=_default_out_dir(cfg))
         if not under_launcher:
-            Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+            try:
+                Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError("out_dir", cfg.out_dir, e.strerror or str(e)) from None
     except ConfigError as e:
         print(f"shardwise train: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"shardwise train: error: --out-dir {cfg.out_dir}: {e.strerror or e}", file=sys.stderr)
         return 2
     if under_launcher:
         train(cfg, model_cfg, started_at)

@@ -128,8 +128,8 @@ def assert_parity(run: Run) -> None:
     if run.bf16:
         # bf16 compute against the bf16-compute reference: they differ only in how
         # bf16 grads are summed (per rank, then averaged in fp32, vs. one big batch).
-        # Norm biases start at zero, so their relative error is bf16 noise over a small norm.
-        loss_rtol, param_rtol, element_rtol = 1e-2, 0.15, 0.25
+        # bf16 keeps 8 bits: 2e-2 is about five bf16 epsilons after 5 steps.
+        loss_rtol, param_rtol, element_rtol = 1e-2, 2e-2, 5e-2
     else:
         # fp32: tensor-wise relative error 1e-5; no element may be off by more than 1e-4 of
         # the tensor's scale (isolated near-zero elements inherit Adam's amplification of

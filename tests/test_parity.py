@@ -24,7 +24,8 @@ def test_hybrid_matches_reference_fp32(world, outer):
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("strategy,outer", [("optim_grads_params", None), ("optim", None), ("optim_grads_params", "optim")])
 def test_bf16_compute_fp32_main_within_bf16_tolerance(world, strategy, outer):
-    run_distributed(assert_parity, world, Run(strategy=strategy, outer=outer, bf16=True))
+    # SGD: Adam would turn bf16 noise in near-zero gradients into full-size steps.
+    run_distributed(assert_parity, world, Run(strategy=strategy, outer=outer, bf16=True, optimizer="sgd"))
 
 
 @pytest.mark.parametrize("optimizer", ["adamw_fused", "adam_foreach", "sgd"])

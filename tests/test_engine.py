@@ -1,0 +1,356 @@
+"""Acceptance 2-4: no_sync and collective counts, memory at rest, early errors."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import shardwise
+from distributed import device, run_distributed
+from parity import Run, assert_parity
+from tiny_model import Block, TinyConfig, TinyLM, batch
+
+# --------------------------------------------------------------- no_sync
+
+
+@pytest.mark.parametrize(
+    "world,strategy,outer",
+    [
+        (2, "no_shard", None),
+        (2, "optim", None),
+        (2, "optim_grads", None),
+        (2, "optim_grads_params", None),
+        (4, "optim_grads_params", "no_shard"),
+        (4, "optim_grads_params", "optim"),
+    ],
+)
+def test_no_sync_over_four_micro_batches_equals_one_large_batch(world, strategy, outer):
+    run_distributed(assert_parity, world, Run(strategy=strategy, outer=outer, micro_batches=4, global_batch=16))
+
+
+_COLLECTIVES = {
+    "all_gather_single": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_reduce": "all_reduce",
+}
+
+
+def _count_step_collectives(strategy, outer, micro_batches):
+    """Collectives issued by one steady-state step (refresh + micro-batches), per (kind, axis)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dev = device()
+    config = TinyConfig(reuse_last_block=False)
+    torch.manual_seed(0)
+    mesh = shardwise.build_dp_mesh(outer=2) if outer else shardwise.build_dp_mesh()
+    model = shardwise.fully_shard(
+        TinyLM(config), mesh, strategy=strategy, outer_dp_sharding_strategy=outer, unit_modules=[Block]
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    axis_of = {id(mesh.get_group(n)): n for n in mesh.mesh_dim_names}
+    counts: Counter = Counter()
+    counting = [False]
+    originals = {}
+    for name, kind in _COLLECTIVES.items():
+        fn = getattr(dist, name, None)
+        if fn is None:
+            continue
+        originals[name] = fn
+
+        def wrapper(*args, _fn=fn, _kind=kind, **kwargs):
+            if counting[0]:
+                counts[(_kind, axis_of.get(id(kwargs.get("group")), "other"))] += 1
+            return _fn(*args, **kwargs)
+
+        setattr(dist, name, wrapper)
+    try:
+        for step in range(2):
+            tokens, targets = (t.to(dev) for t in batch(step, 4 * world, config))
+            counting[0] = step == 1
+            for i in range(micro_batches):
+                part = slice(rank * 4 + i, rank * 4 + i + 1)
+                if i < micro_batches - 1:
+                    with model.no_sync():
+                        model(tokens[part], targets[part]).backward()
+                else:
+                    model(tokens[part], targets[part]).backward()
+            counting[0] = False
+            opt.step()
+            opt.zero_grad()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return dict(counts)
+
+
+# 3 block units (one trainable group each) + the root (a trainable and a frozen group):
+# 4 trainable groups, 5 groups. M = 4 micro-batches.
+M, TRAINABLE, UNIT_GATHERS = 4, 4, 3 * 2 + 2  # each block twice (forward, backward), root groups once
+EXPECTED = {
+    # ZeRO-3: every micro-batch gathers each unit twice and reduce-scatters each trainable group once.
+    ("optim_grads_params", None): {("all_gather", "dp_shard"): M * UNIT_GATHERS, ("reduce_scatter", "dp_shard"): M * TRAINABLE},
+    # ZeRO-2: grads reduce-scattered every micro-batch; weights refreshed by one gather per step.
+    ("optim_grads", None): {("all_gather", "dp_shard"): TRAINABLE, ("reduce_scatter", "dp_shard"): M * TRAINABLE},
+    # ZeRO-1: grads stay Partial inside no_sync: one reduce-scatter per group per step.
+    ("optim", None): {("all_gather", "dp_shard"): TRAINABLE, ("reduce_scatter", "dp_shard"): TRAINABLE},
+    # ZeRO-0 (DDP): one all-reduce per group per step.
+    ("no_shard", None): {("all_reduce", "dp_shard"): TRAINABLE},
+    # HSDP: inner ZeRO-3 every micro-batch, outer axis all-reduced once per step.
+    ("optim_grads_params", "no_shard"): {
+        ("all_gather", "dp_shard"): M * UNIT_GATHERS,
+        ("reduce_scatter", "dp_shard"): M * TRAINABLE,
+        ("all_reduce", "dp_outer"): TRAINABLE,
+    },
+    # HFSDP: the outer axis is reduce-scattered once per step and gathered once to refresh.
+    ("optim_grads_params", "optim"): {
+        ("all_gather", "dp_shard"): M * UNIT_GATHERS,
+        ("reduce_scatter", "dp_shard"): M * TRAINABLE,
+        ("reduce_scatter", "dp_outer"): TRAINABLE,
+        ("all_gather", "dp_outer"): TRAINABLE,
+    },
+}
+
+
+@pytest.mark.parametrize("strategy,outer", list(EXPECTED))
+def test_collectives_per_step_are_what_the_placements_dictate(strategy, outer):
+    counts = run_distributed(_count_step_collectives, 4, strategy, outer, M)
+    for rank_counts in counts:
+        assert rank_counts == EXPECTED[(strategy, outer)]
+
+
+# ------------------------------------------------------------------ memory
+
+
+def _memory_at_rest_and_during(strategy):
+    world = dist.get_world_size()
+    dev = device()
+    config = TinyConfig(reuse_last_block=False)
+    torch.manual_seed(0)
+    model = shardwise.fully_shard(TinyLM(config), strategy=strategy, unit_modules=[Block])
+    state = model.sharded_state
+    units = state.units
+    seen = {"after_forward": [], "during_backward": []}
+
+    def storage(unit):
+        return sum(g.unsharded.untyped_storage().nbytes() for g in unit.groups)
+
+    def probe(i):
+        def after_forward(module, args, output):
+            seen["after_forward"].append(storage(units[i]))
+
+            def in_backward(grad):
+                # backward has finished with every later unit by now
+                seen["during_backward"].append(sum(storage(u) for u in units[i + 1 :]))
+
+            output.register_hook(in_backward)
+
+        return after_forward
+
+    for i, unit in enumerate(units):
+        unit.module.register_forward_hook(probe(i))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens, targets = (t.to(dev) for t in batch(0, world, config))
+    model(tokens[dist.get_rank() :][:1], targets[dist.get_rank() :][:1]).backward()
+    opt.step()
+    report = {"groups": []}
+    for g in state.groups:
+        report["groups"].append(
+            dict(
+                total=g.layout.total,
+                trainable=g.requires_grad,
+                unsharded=g.storage_bytes_unsharded // 4 if not g.persistent_unsharded else None,
+                model=g.model_shard.numel(),
+                main_alias=g.main_aliases_model,
+                main_grad=None if g.main_grad is None else g.main_grad.numel(),
+                grad_acc_separate=g.grad_acc is not None and g.grad_acc is not g.main_grad,
+                grad_acc=None if g.grad_acc is None else g.grad_acc.numel(),
+            )
+        )
+    report.update(seen)
+    return report
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads", "optim", "no_shard"])
+def test_memory_at_rest_holds_only_the_placements_shards(strategy):
+    world = 4
+    reports = run_distributed(_memory_at_rest_and_during, world, strategy)
+    sharded_params = strategy == "optim_grads_params"
+    for report in reports:
+        for g in report["groups"]:
+            total = g["total"]
+            assert g["main_alias"]  # fp32: the main weights are the model weights, one copy
+            assert g["model"] == (total // world if sharded_params else total)
+            if sharded_params:
+                assert g["unsharded"] == 0, "unsharded storage must be freed at rest"
+            if g["trainable"]:
+                opt_shard = total if strategy == "no_shard" else total // world
+                assert g["main_grad"] == opt_shard
+                # only ZeRO-1 keeps a full Partial accumulation buffer besides the grad shard
+                assert g["grad_acc_separate"] == (strategy == "optim")
+                if strategy == "optim":
+                    assert g["grad_acc"] == total
+            else:
+                assert g["main_grad"] is None  # frozen groups never allocate gradients
+        if sharded_params:
+            assert report["after_forward"] == [0, 0, 0], "a unit must free its weights after forward"
+            assert report["during_backward"] == [0, 0, 0][: len(report["during_backward"])]
+            assert len(report["during_backward"]) == 3
+
+
+def _no_grad_forward_frees_everything():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    config = TinyConfig()
+    torch.manual_seed(0)
+    model = shardwise.fully_shard(TinyLM(config), unit_modules=[Block])
+    tokens, targets = (t.to(device()) for t in batch(0, world, config))
+    with torch.no_grad():
+        loss = model(tokens[rank : rank + 1], targets[rank : rank + 1])
+    assert all(g.storage_bytes_unsharded == 0 for g in model.sharded_state.groups)
+    assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+    return loss.item()
+
+
+def test_eval_forward_without_grad_frees_all_units():
+    run_distributed(_no_grad_forward_frees_everything, 2)
+
+
+# ------------------------------------------------------------ state dict
+
+
+def _state_dict_round_trip(strategy, outer):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dev = device()
+    config = TinyConfig()
+
+    def build():
+        torch.manual_seed(0)
+        mesh = shardwise.build_dp_mesh(outer=2) if outer else None
+        model = shardwise.fully_shard(
+            TinyLM(config), mesh, strategy=strategy, outer_dp_sharding_strategy=outer, unit_modules=[Block]
+        )
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def step(model, opt, i):
+        tokens, targets = (t.to(dev) for t in batch(i, 2 * world, config))
+        loss = model(tokens[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    model, opt = build()
+    for i in range(2):
+        step(model, opt, i)
+    model_sd = {k: v.clone() for k, v in model.state_dict().items()}  # DTensor clones keep the layout
+    opt_sd = copy.deepcopy(opt.state_dict())
+    expected = [step(model, opt, i) for i in range(2, 4)]
+
+    fresh, fresh_opt = build()
+    fresh.load_state_dict(model_sd)
+    fresh_opt.load_state_dict(opt_sd)
+    got = [step(fresh, fresh_opt, i) for i in range(2, 4)]
+    assert got == expected, (got, expected)
+    assert all(isinstance(v, torch.distributed.tensor.DTensor) for k, v in model_sd.items())
+
+
+@pytest.mark.parametrize("strategy,outer", [("optim_grads_params", None), ("optim", None), ("optim_grads_params", "optim")])
+def test_state_dict_round_trip_same_world_size(strategy, outer):
+    run_distributed(_state_dict_round_trip, 4, strategy, outer)
+
+
+# ------------------------------------------------------------ bad input
+
+
+class _IntParam(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.counts = nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+
+
+class _ScalarParam(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.temperature = nn.Parameter(torch.tensor(1.0))
+
+
+def _bad_inputs():
+    from torch.distributed.tensor import Replicate, Shard
+
+    errors = {}
+
+    def capture(key, fn):
+        try:
+            fn()
+        except (ValueError, TypeError) as exc:
+            errors[key] = f"{type(exc).__name__}: {exc}"
+        else:
+            errors[key] = None
+
+    model = lambda: TinyLM(TinyConfig())  # noqa: E731
+    capture("strategy", lambda: shardwise.fully_shard(model(), strategy="zero5"))
+    capture(
+        "outer",
+        lambda: shardwise.fully_shard(
+            model(), shardwise.build_dp_mesh(outer=1), strategy="optim_grads", outer_dp_sharding_strategy="optim"
+        ),
+    )
+    capture("outer_without_mesh", lambda: shardwise.fully_shard(model(), outer_dp_sharding_strategy="no_shard"))
+    capture(
+        "axis",
+        lambda: shardwise.fully_shard(
+            model(), shardwise.build_dp_mesh(), placements={"dp_foo": shardwise.AxisPlacements(Shard(0), Shard(0), Shard(0))}
+        ),
+    )
+    capture(
+        "placement",
+        lambda: shardwise.fully_shard(
+            model(), shardwise.build_dp_mesh(), placements={"dp_shard": shardwise.AxisPlacements(Shard(0), Replicate(), Shard(0))}
+        ),
+    )
+    capture("unit_type", lambda: shardwise.fully_shard(model(), unit_modules=[nn.GRU]))
+    capture("unit_instance", lambda: shardwise.fully_shard(model(), unit_modules=[nn.Linear(2, 2)]))
+    capture("dtype", lambda: shardwise.fully_shard(_IntParam()))
+    capture("scalar", lambda: shardwise.fully_shard(_ScalarParam()))
+    capture("precision", lambda: shardwise.MixedPrecisionPolicy(param_dtype=torch.int8))
+    wrapped = shardwise.fully_shard(model(), unit_modules=[Block])
+    capture("twice", lambda: shardwise.fully_shard(wrapped))
+    inner = model()
+    shardwise.fully_shard(inner.blocks[0])
+    capture("twice_inner", lambda: shardwise.fully_shard(inner))
+    meta = torch.device("meta")
+    with meta:
+        on_meta = model()
+    capture("meta", lambda: shardwise.fully_shard(on_meta))
+    return errors
+
+
+EXPECTED_ERRORS = {
+    "strategy": "strategy='zero5'",
+    "outer": "outer_dp_sharding_strategy='optim'",
+    "outer_without_mesh": "outer_dp_sharding_strategy='no_shard' needs a 2-D mesh",
+    "axis": "'dp_foo'",
+    "placement": "placements['dp_shard']",
+    "unit_type": "GRU",
+    "unit_instance": "unit_modules entry Linear",
+    "dtype": "'counts' has dtype torch.int64",
+    "scalar": "'temperature' is 0-dimensional",
+    "precision": "MixedPrecisionPolicy.param_dtype=torch.int8",
+    "twice": "already sharded",
+    "twice_inner": "submodule 'blocks.0'",
+    "meta": "meta device",
+}
+
+
+def test_bad_input_raises_early_naming_the_argument():
+    (errors,) = run_distributed(_bad_inputs, 1)
+    for key, fragment in EXPECTED_ERRORS.items():
+        assert errors[key] is not None, f"{key}: no error raised"
+        assert fragment in errors[key], f"{key}: {errors[key]!r} does not mention {fragment!r}"
