@@ -75,10 +75,7 @@ class AxisGroup:
     group: dist.ProcessGroup
     size: int
     index: int  # this rank's coordinate on the axis
-
-    @property
-    def averages_natively(self) -> bool:
-        return dist.get_backend(self.group) == "nccl"
+    averages_natively: bool  # NCCL has ReduceOp.AVG; gloo sums and we divide
 
 
 def _mixed_radix(axes: Sequence[AxisGroup]) -> int:
@@ -111,7 +108,13 @@ class ShardingPlan:
         self.mesh = mesh
         self.placements = {n: placements[n] for n in names}  # mesh order
         self.axes = {
-            n: AxisGroup(n, mesh.get_group(n), mesh.size(i), mesh.get_local_rank(n))
+            n: AxisGroup(
+                n,
+                mesh.get_group(n),
+                mesh.size(i),
+                mesh.get_local_rank(n),
+                dist.get_backend(mesh.get_group(n)) == "nccl",
+            )
             for i, n in enumerate(names)
         }
 
