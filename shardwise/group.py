@@ -16,6 +16,7 @@ It owns, in its ``FlatLayout``:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -87,10 +88,18 @@ class ParamGroup:
 
         p0, p1 = self.param_range
         o0, o1 = self.opt_range
+        self.main_aliases_model = self.compute_dtype == self.main_dtype
+        # With ZeRO-3-like placements (parameters sharded exactly like the optimizer state) a
+        # lower-precision model-weight shard is cast from the main weights on the gather
+        # stream right before each gather instead of being kept: 2 bytes/param less at rest.
+        self.casts_on_gather = (
+            not self.main_aliases_model and plan.shards_parameters and not plan.refresh_gather_axes
+        )
         with torch.no_grad():
-            self.model_shard = torch.zeros(p1 - p0, dtype=self.compute_dtype, device=device)
-            self._fill(self.model_shard, p0, p1)
-            self.main_aliases_model = self.compute_dtype == self.main_dtype
+            self.model_shard: torch.Tensor | None = None
+            if self.main_aliases_model or not self.casts_on_gather:
+                self.model_shard = torch.zeros(p1 - p0, dtype=self.compute_dtype, device=device)
+                self._fill(self.model_shard, p0, p1)
             if self.main_aliases_model:
                 self.main = self.model_shard[o0 - p0 : o1 - p0]
             else:
@@ -116,14 +125,17 @@ class ParamGroup:
         self._gather: InFlight | None = None
         self._swapped_in = False
 
-        # Gradient state (allocated at the first reduction).
+        # Gradient state: buffers exist only from a step's first reduction until the
+        # optimizer drops the ``.grad`` DTensors (see _open_window).
         self.grad_acc: torch.Tensor | None = None
         self.main_grad: torch.Tensor | None = None
-        self._grad_dtensors: list[DTensor] | None = None
+        self._main_grad_ref: weakref.ref | None = None
         self._window_open = False  # micro-batches accumulated since the last finalize
         self._acc_overwrite = False
         self._main_overwrite = False
-        self._grad_pad_cache: dict[int, torch.Tensor] = {}
+        self._pending_install = False
+        self._released: tuple = ()
+        self._gaps = self.layout.gaps()
         self.weights_stale = False
 
     # ----------------------------------------------------------- construction
@@ -188,7 +200,8 @@ class ParamGroup:
             return
         self.unsharded.untyped_storage().resize_(self.unsharded.numel() * self.unsharded.element_size())
         with self.streams.on(self.streams.gather), torch.autograd._unsafe_preserve_version_counter(self.unsharded):
-            all_gather_chain(self.unsharded, self.model_shard, self.plan.param_axes)
+            source = self.model_shard if self.model_shard is not None else self.main.to(self.compute_dtype)
+            all_gather_chain(self.unsharded, source, self.plan.param_axes)
         self._gather = InFlight(self.streams.record(self.streams.gather))
 
     def finish_unshard(self) -> None:
@@ -213,65 +226,69 @@ class ParamGroup:
             self._is_unsharded = False
 
     # --------------------------------------------------------------- grads
-    def _ensure_grad_buffers(self) -> None:
-        if self.main_grad is not None:
-            return
-        g0, g1 = self.grad_range
+    def _grad_views(self, main_grad: torch.Tensor) -> list[DTensor]:
         o0, o1 = self.opt_range
-        self.main_grad = torch.zeros(o1 - o0, dtype=self.main_grad_dtype, device=self.device)
-        self.grad_acc = (
-            self.main_grad
-            if (g0, g1) == (o0, o1)
-            else torch.zeros(g1 - g0, dtype=self.main_grad_dtype, device=self.device)
-        )
-        self._grad_dtensors = []
-        for param, slot in zip(self.sharded_params, self.layout.slots):
-            local = _rows_view(self.main_grad, o0, slot, slot.rows_in(o0, o1))
-            self._grad_dtensors.append(
-                DTensor.from_local(
-                    local, self.plan.mesh, param.placements, run_check=False,
-                    shape=slot.shape, stride=_contiguous_stride(slot.shape),
-                )
+        return [
+            DTensor.from_local(
+                _rows_view(main_grad, o0, slot, slot.rows_in(o0, o1)),
+                self.plan.mesh,
+                param.placements,
+                run_check=False,
+                shape=slot.shape,
+                stride=_contiguous_stride(slot.shape),
             )
+            for param, slot in zip(self.sharded_params, self.layout.slots)
+        ]
 
     def _open_window(self) -> None:
-        """Start accumulating: honour grads the user cleared (``zero_grad``) since the last step."""
-        self._ensure_grad_buffers()
+        """Start accumulating a step's gradients.
+
+        The main-grad buffer lives only as long as the ``.grad`` DTensors that
+        view it: once ``optimizer.zero_grad()`` drops them it is freed, and the
+        next step allocates a fresh one that the first reduction overwrites
+        (no zero-fill). Grads the user kept are accumulated onto.
+        """
+        o0, o1 = self.opt_range
+        g0, g1 = self.grad_range
         cleared = [p.grad is None for p in self.sharded_params]
-        separate = self.grad_acc is not self.main_grad
-        if all(cleared):
-            self._main_overwrite = separate
-            self._acc_overwrite = True
+        existing = self._main_grad_ref() if self._main_grad_ref is not None else None
+        if all(cleared) or existing is None:
+            self.main_grad = torch.empty(o1 - o0, dtype=self.main_grad_dtype, device=self.device)
+            self._main_grad_ref = weakref.ref(self.main_grad)
+            fresh = True
         else:
-            o0, o1 = self.opt_range
+            self.main_grad = existing
             for was_cleared, slot in zip(cleared, self.layout.slots):
                 if was_cleared:
-                    _rows_view(self.main_grad, o0, slot, slot.rows_in(o0, o1)).zero_()
+                    _rows_view(existing, o0, slot, slot.rows_in(o0, o1)).zero_()
+            fresh = False
+        if (g0, g1) == (o0, o1):
+            self.grad_acc = self.main_grad
+            self._acc_overwrite = fresh
             self._main_overwrite = False
-            self._acc_overwrite = separate  # the partial buffer restarts every window
+        else:  # a Partial accumulation buffer of its own, restarted every window
+            self.grad_acc = torch.empty(g1 - g0, dtype=self.main_grad_dtype, device=self.device)
+            self._acc_overwrite = True
+            self._main_overwrite = fresh
         self._window_open = True
 
     def _flat_grads(self) -> torch.Tensor:
-        """Concatenate the unsharded grads (zeros where missing) into one comm-dtype buffer."""
-        pieces, cursor = [], 0
-        for param, slot in zip(self.unsharded_params, self.layout.slots):
-            if slot.offset > cursor:
-                pieces.append(self._zeros(slot.offset - cursor))
-            grad = param.grad
-            pieces.append(grad.reshape(-1) if grad is not None else self._zeros(slot.numel))
-            param.grad = None
-            cursor = slot.end
-        if self.layout.total > cursor:
-            pieces.append(self._zeros(self.layout.total - cursor))
+        """Copy the unsharded grads (zeros where missing) into one comm-dtype buffer, one kernel."""
         flat = torch.empty(self.layout.total, dtype=self.comm_dtype, device=self.device)
-        torch.cat([p.to(self.comm_dtype) for p in pieces], out=flat)
+        targets, grads = [], []
+        for param, slot in zip(self.unsharded_params, self.layout.slots):
+            view = flat[slot.offset : slot.end]
+            if param.grad is None:
+                view.zero_()
+            else:
+                targets.append(view.view(slot.shape))
+                grads.append(param.grad)
+                param.grad = None
+        for start, end in self._gaps:
+            flat[start:end].zero_()
+        if grads:
+            torch._foreach_copy_(targets, grads)
         return flat
-
-    def _zeros(self, n: int) -> torch.Tensor:
-        cached = self._grad_pad_cache.get(n)
-        if cached is None:
-            cached = self._grad_pad_cache[n] = torch.zeros(n, dtype=self.comm_dtype, device=self.device)
-        return cached
 
     def has_unsharded_grads(self) -> bool:
         return any(p.grad is not None for p in self.unsharded_params)
@@ -284,6 +301,7 @@ class ParamGroup:
         """
         if not self._window_open:
             self._open_window()
+        self._released = ()
         flat = self._flat_grads()
         plan = self.plan
         with self.streams.on(self.streams.reduce):
@@ -295,7 +313,7 @@ class ParamGroup:
                 self.grad_acc.add_(shard)
             if finalize:
                 self._finalize()
-        return InFlight(self.streams.record(self.streams.reduce), keepalive=(flat,))
+        return InFlight(self.streams.record(self.streams.reduce), keepalive=(flat, *self._released))
 
     def finalize_without_new_grads(self) -> InFlight | None:
         """End an accumulation window whose last micro-batch brought no grads to this group."""
@@ -303,7 +321,7 @@ class ParamGroup:
             return None
         with self.streams.on(self.streams.reduce):
             self._finalize()
-        return InFlight(self.streams.record(self.streams.reduce))
+        return InFlight(self.streams.record(self.streams.reduce), keepalive=self._released)
 
     def _finalize(self) -> None:
         plan = self.plan
@@ -316,15 +334,26 @@ class ParamGroup:
                 self.main_grad.copy_(reduced)
             else:
                 self.main_grad.add_(reduced)
+            # the reduce stream may still read it: the caller keeps it alive until it waits
+            self._released = (self.grad_acc,)
+        self.grad_acc = None
         self._window_open = False
         self._pending_install = True
 
     def install_grads(self) -> None:
-        """Expose the finalized main grads as the sharded parameters' ``.grad``."""
-        if not getattr(self, "_pending_install", False):
+        """Expose the finalized main grads as the sharded parameters' ``.grad``.
+
+        Only the ``.grad`` DTensors keep the buffer alive from here on.
+        """
+        if not self._pending_install:
             return
-        for param, grad in zip(self.sharded_params, self._grad_dtensors):
-            param.grad = grad
+        existing = [p.grad for p in self.sharded_params]
+        if all(g is not None and g._local_tensor._base is self.main_grad for g in existing):
+            pass  # accumulated onto the grads already installed
+        else:
+            for param, grad in zip(self.sharded_params, self._grad_views(self.main_grad)):
+                param.grad = grad
+        self.main_grad = None
         self._pending_install = False
 
     # -------------------------------------------------------- weight refresh
@@ -335,7 +364,7 @@ class ParamGroup:
             return
         self.weights_stale = False
         plan = self.plan
-        if self.main_aliases_model and not plan.refresh_gather_axes:
+        if self.model_shard is None or (self.main_aliases_model and not plan.refresh_gather_axes):
             return
         p0 = self.param_range[0]
         o0, o1 = self.opt_range
@@ -356,13 +385,11 @@ class ParamGroup:
     # ------------------------------------------------------------ reporting
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of device storage this group holds right now, by buffer."""
-        out = {
-            "model_shard": self.model_shard.untyped_storage().nbytes(),
+        main_grad = self._main_grad_ref() if self._main_grad_ref is not None else None
+        return {
+            "model_shard": 0 if self.model_shard is None else self.model_shard.untyped_storage().nbytes(),
             "main": 0 if self.main_aliases_model else self.main.untyped_storage().nbytes(),
             "unsharded": 0 if self.persistent_unsharded else self.storage_bytes_unsharded,
-            "main_grad": 0 if self.main_grad is None else self.main_grad.untyped_storage().nbytes(),
-            "grad_acc": 0
-            if self.grad_acc is None or self.grad_acc is self.main_grad
-            else self.grad_acc.untyped_storage().nbytes(),
+            "main_grad": 0 if main_grad is None else main_grad.untyped_storage().nbytes(),
+            "grad_acc": 0 if self.grad_acc is None or self.grad_acc is main_grad else self.grad_acc.untyped_storage().nbytes(),
         }
-        return out

@@ -160,6 +160,7 @@ def _memory_at_rest_and_during(strategy):
     opt.step()
     report = {"groups": []}
     for g in state.groups:
+        main_grad = g._main_grad_ref() if g._main_grad_ref is not None else None
         report["groups"].append(
             dict(
                 total=g.layout.total,
@@ -167,11 +168,12 @@ def _memory_at_rest_and_during(strategy):
                 unsharded=g.storage_bytes_unsharded // 4 if not g.persistent_unsharded else None,
                 model=g.model_shard.numel(),
                 main_alias=g.main_aliases_model,
-                main_grad=None if g.main_grad is None else g.main_grad.numel(),
-                grad_acc_separate=g.grad_acc is not None and g.grad_acc is not g.main_grad,
-                grad_acc=None if g.grad_acc is None else g.grad_acc.numel(),
+                main_grad=None if main_grad is None else main_grad.untyped_storage().nbytes() // 4,
+                grad_acc=g.grad_acc,
             )
         )
+    opt.zero_grad()  # dropping the .grad DTensors frees the gradient buffers
+    report["grads_after_zero_grad"] = sum(g.resident_bytes()["main_grad"] for g in state.groups)
     report.update(seen)
     return report
 
@@ -188,15 +190,14 @@ def test_memory_at_rest_holds_only_the_placements_shards(strategy):
             assert g["model"] == (total // world if sharded_params else total)
             if sharded_params:
                 assert g["unsharded"] == 0, "unsharded storage must be freed at rest"
+            # ZeRO-1's full Partial accumulation buffer lives only inside a step's backward
+            assert g["grad_acc"] is None
             if g["trainable"]:
                 opt_shard = total if strategy == "no_shard" else total // world
-                assert g["main_grad"] == opt_shard
-                # only ZeRO-1 keeps a full Partial accumulation buffer besides the grad shard
-                assert g["grad_acc_separate"] == (strategy == "optim")
-                if strategy == "optim":
-                    assert g["grad_acc"] == total
+                assert g["main_grad"] == opt_shard, "gradients are held in the optimizer placement"
             else:
                 assert g["main_grad"] is None  # frozen groups never allocate gradients
+        assert report["grads_after_zero_grad"] == 0
         if sharded_params:
             assert report["after_forward"] == [0, 0, 0], "a unit must free its weights after forward"
             assert report["during_backward"] == [0, 0, 0][: len(report["during_backward"])]
