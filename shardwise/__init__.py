@@ -1,7 +1,7 @@
 """shardwise: Fully Sharded Data Parallel training for PyTorch."""
 
 from .fully_shard import ShardedModule, fully_shard
-from .mesh import build_dp_mesh, check_mesh_ranks_and_group_ranks_are_consistent
+from .mesh import build_dp_mesh, build_expert_mesh, check_mesh_ranks_and_group_ranks_are_consistent
 from .optim import clip_grad_norm_, grad_norm
 from .placements import AxisPlacements, STRATEGY_PLACEMENTS, resolve_strategy, strategy_placements
 from .precision import MixedPrecisionPolicy
@@ -16,6 +16,7 @@ __all__ = [
     "strategy_placements",
     "resolve_strategy",
     "build_dp_mesh",
+    "build_expert_mesh",
     "check_mesh_ranks_and_group_ranks_are_consistent",
     "clip_grad_norm_",
     "grad_norm",

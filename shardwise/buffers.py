@@ -121,9 +121,10 @@ def reduce_scatter_chain(flat: torch.Tensor, axes: Sequence[AxisGroup]) -> torch
     return current
 
 
-def all_reduce_chain(t: torch.Tensor, axes: Sequence[AxisGroup]) -> None:
-    """Average ``t`` in place over each of ``axes``."""
+def all_reduce_chain(t: torch.Tensor, axes: Sequence[AxisGroup], average: bool = True) -> None:
+    """Average (or sum) ``t`` in place over each of ``axes``."""
     for axis in axes:
-        native = axis.averages_natively
+        native = axis.averages_natively and average
         dist.all_reduce(t, op=dist.ReduceOp.AVG if native else dist.ReduceOp.SUM, group=axis.group)
-        _average(t, axis, native)
+        if average:
+            _average(t, axis, native)

@@ -371,6 +371,56 @@ def _owners(root: nn.Module, units: list[nn.Module]) -> tuple[dict, dict]:
     return holder_owner, holder_obj
 
 
+def _expert_plan(plan, placements, expert_mesh, expert_placements, ep_axis) -> ShardingPlan | None:
+    if expert_mesh is None:
+        return None
+    names = expert_mesh.mesh_dim_names or ()
+    if ep_axis not in names:
+        raise ValueError(f"expert_mesh axes {list(names)} have no expert-parallel axis ep_axis={ep_axis!r}")
+    if expert_placements is None:
+        missing = [n for n in names if n != ep_axis and n not in placements]
+        if missing:
+            raise ValueError(
+                f"expert_mesh axes {missing} have no placements; pass expert_placements= for them"
+            )
+        expert_placements = {n: placements[n] for n in names if n != ep_axis}
+    else:
+        expert_placements = normalize_placements(expert_placements)
+    expert = ShardingPlan(expert_mesh, expert_placements, model_parallel_axes=[ep_axis])
+    # Every expert replica sees only its expert-data-parallel peers' tokens through the
+    # all-to-all; averaging over them and scaling by edp/dp averages over the global batch.
+    expert.grad_scale = expert.dp_size / plan.dp_size
+    return expert
+
+
+def _place_model_parallel(ref: ParamRef, plan: ShardingPlan, expert_plan, tp_axis: str, ep_axis: str) -> ShardingPlan:
+    """Choose the plan a parameter is sharded by and record its model-parallel dimensions."""
+    is_expert = ".experts." in f".{ref.fqn}"
+    target = expert_plan if (is_expert and expert_plan is not None) else plan
+    if target is expert_plan:
+        ref.model_parallel_dims[ep_axis] = 0  # experts are stacked along dim 0
+    if getattr(ref.param, "tensor_model_parallel", False):
+        if tp_axis in target.model_parallel:
+            dim = int(getattr(ref.param, "partition_dim", 0))
+            ref.model_parallel_dims[tp_axis] = dim
+        elif is_expert and expert_plan is not None:
+            raise ValueError(
+                f"parameter {ref.fqn!r} is tensor-parallel inside experts; expert tensor parallelism "
+                "is not built yet"
+            )
+    return target
+
+
+def _sync_from_first_rank(param: torch.Tensor, group, device: torch.device) -> None:
+    """Make a TP-replicated parameter identical across its TP group (rank 0's values)."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        value = param.detach().to(device)
+        dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
+        param.copy_(value.to(param.device))
+
+
 def _check_parameters(root: nn.Module) -> None:
     for name, p in root.named_parameters():
         if p.dtype not in _FLOATING:
@@ -396,6 +446,10 @@ def fully_shard(
     init_fn: Callable[[nn.Module, torch.device], None] | None = None,
     reshard_after_forward: bool = True,
     prefetch: bool = True,
+    tp_axis: str = "tp",
+    expert_mesh: DeviceMesh | None = None,
+    expert_placements: Mapping[str, AxisPlacements] | None = None,
+    ep_axis: str = "ep",
 ) -> nn.Module:
     """Shard ``module``'s parameters, gradients and optimizer state over ``mesh``.
 
@@ -417,7 +471,9 @@ def fully_shard(
     if not isinstance(policy, MixedPrecisionPolicy):
         raise TypeError(f"mixed_precision must be a MixedPrecisionPolicy, got {type(policy).__name__}")
     mesh, placements = _resolve_placements(mesh, placements, strategy, outer_dp_sharding_strategy)
-    plan = ShardingPlan(mesh, placements)
+    names = mesh.mesh_dim_names or ()
+    plan = ShardingPlan(mesh, placements, model_parallel_axes=[tp_axis] if tp_axis in names else [])
+    expert_plan = _expert_plan(plan, placements, expert_mesh, expert_placements, ep_axis)
     unit_list = _resolve_units(module, unit_modules)
     _check_parameters(module)
     meta = [n for n, p in module.named_parameters() if p.is_meta]
@@ -432,7 +488,7 @@ def fully_shard(
     )
     streams = StreamSet(device)
     holder_owner, holder_obj = _owners(module, unit_list)
-    names = {id(m): n for n, m in module.named_modules()}
+    module_names = {id(m): n for n, m in module.named_modules()}
 
     def build(owner: nn.Module) -> list[ParamGroup]:
         if init_fn is not None and any(p.is_meta for p in owner.parameters()):
@@ -451,11 +507,19 @@ def fully_shard(
                 ref.holders.append((holder, attr))
         buckets: dict[tuple, list[ParamRef]] = {}
         for ref in refs.values():
-            buckets.setdefault((ref.param.dtype, ref.param.requires_grad), []).append(ref)
+            ref_plan = _place_model_parallel(ref, plan, expert_plan, tp_axis, ep_axis)
+            sequence_parallel = bool(getattr(ref.param, "sequence_parallel", False)) and tp_axis in ref_plan.model_parallel
+            key = (id(ref_plan), ref.param.dtype, ref.param.requires_grad, sequence_parallel)
+            buckets.setdefault(key, []).append(ref)
+            if tp_axis in ref_plan.model_parallel and tp_axis not in ref.model_parallel_dims:
+                _sync_from_first_rank(ref.param, ref_plan.model_parallel[tp_axis].group, device)
         groups = []
-        for (dtype, rg), bucket in buckets.items():
-            label = f"{names.get(id(owner), '') or '<root>'}[{str(dtype).replace('torch.', '')}{'' if rg else ',frozen'}]"
-            group = ParamGroup(label, bucket, plan, policy, device, streams)
+        for (plan_id, dtype, rg, sequence_parallel), bucket in buckets.items():
+            ref_plan = expert_plan if expert_plan is not None and plan_id == id(expert_plan) else plan
+            kind = ("" if rg else ",frozen") + (",experts" if ref_plan is not plan else "")
+            label = f"{module_names.get(id(owner), '') or '<root>'}[{str(dtype).replace('torch.', '')}{kind}]"
+            sum_axes = [ref_plan.model_parallel[tp_axis]] if sequence_parallel else []
+            group = ParamGroup(label, bucket, ref_plan, policy, device, streams, sum_over_axes=sum_axes)
             group.install_sharded_params()  # the modules now hold DTensors; the full tensors can go
             groups.append(group)
         return groups
@@ -464,7 +528,7 @@ def fully_shard(
     depth = {id(m): n.count(".") + 1 for n, m in module.named_modules()}
     units_built = {}
     for u in sorted(unit_list, key=lambda m: -depth[id(m)]):
-        units_built[id(u)] = Unit(names[id(u)], u, build(u), reshard_after_forward)
+        units_built[id(u)] = Unit(module_names[id(u)], u, build(u), reshard_after_forward)
     units = [units_built[id(u)] for u in unit_list]
     root_unit = Unit("", module, build(module), reshard_after_forward=False)
     for m in module.modules():

@@ -17,7 +17,7 @@ It owns, in its ``FlatLayout``:
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -34,11 +34,17 @@ __all__ = ["ParamRef", "ParamGroup"]
 
 @dataclass
 class ParamRef:
-    """A parameter and every (module, attribute) that holds it (more than one when tied)."""
+    """A parameter and every (module, attribute) that holds it (more than one when tied).
+
+    ``model_parallel_dims`` maps a model-parallel mesh axis (``tp``, ``ep``) to
+    the dimension along which the local parameter is one slice of the global
+    tensor; the DTensors then describe the global tensor.
+    """
 
     fqn: str
     param: nn.Parameter
     holders: list[tuple[nn.Module, str]]
+    model_parallel_dims: dict[str, int] = field(default_factory=dict)
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -65,6 +71,7 @@ class ParamGroup:
         policy: MixedPrecisionPolicy,
         device: torch.device,
         streams: StreamSet,
+        sum_over_axes: Sequence = (),
     ):
         self.name = name
         self.refs = list(refs)
@@ -74,11 +81,14 @@ class ParamGroup:
         self.device = device
         first = self.refs[0].param
         self.requires_grad = first.requires_grad
+        self.sum_over_axes = list(sum_over_axes)
         self.compute_dtype = policy.compute_dtype(first.dtype)
         self.main_dtype = policy.main_params_dtype
         self.main_grad_dtype = policy.main_grads_dtype
         self.comm_dtype = policy.comm_dtype
         self.layout = FlatLayout([r.param.shape for r in self.refs], plan.shard_count)
+        self.global_shapes = [plan.global_shape(r.param.shape, r.model_parallel_dims) for r in self.refs]
+        self.dtensor_placements = [plan.dtensor_placements(r.model_parallel_dims) for r in self.refs]
         total = self.layout.total
 
         # Flat ranges this rank holds in each placement.
@@ -105,7 +115,7 @@ class ParamGroup:
             else:
                 self.main = torch.zeros(o1 - o0, dtype=self.main_dtype, device=device)
                 self._fill(self.main, o0, o1)
-        self.sharded_params = [self._make_sharded_param(ref, slot) for ref, slot in zip(self.refs, self.layout.slots)]
+        self.sharded_params = [self._make_sharded_param(i) for i in range(len(self.refs))]
 
         # The unsharded buffer and the leaf parameters forward uses.
         self.persistent_unsharded = not plan.shards_parameters
@@ -145,17 +155,25 @@ class ParamGroup:
             if rows[1] > rows[0]:
                 _rows_view(buffer, start, slot, rows).copy_(ref.param.detach()[rows[0] : rows[1]])
 
-    def _make_sharded_param(self, ref: ParamRef, slot: Slot) -> nn.Parameter:
-        local = _rows_view(self.main, self.opt_range[0], slot, slot.rows_in(*self.opt_range))
-        dtensor = DTensor.from_local(
+    def _dtensor(self, i: int, local: torch.Tensor) -> DTensor:
+        shape = self.global_shapes[i]
+        return DTensor.from_local(
             local,
             self.plan.mesh,
-            self.plan.optimizer_dtensor_placements,
+            self.dtensor_placements[i],
             run_check=False,
-            shape=slot.shape,
-            stride=_contiguous_stride(slot.shape),
+            shape=shape,
+            stride=_contiguous_stride(shape),
         )
-        param = nn.Parameter(dtensor, requires_grad=ref.param.requires_grad)
+
+    def _make_sharded_param(self, i: int) -> nn.Parameter:
+        ref, slot = self.refs[i], self.layout.slots[i]
+        local = _rows_view(self.main, self.opt_range[0], slot, slot.rows_in(*self.opt_range))
+        param = nn.Parameter(self._dtensor(i, local), requires_grad=ref.param.requires_grad)
+        # Keep the model's own annotations (tensor_model_parallel, partition_dim, allreduce, ...).
+        for key, value in vars(ref.param).items():
+            if not key.startswith("_"):
+                setattr(param, key, value)
         param._shardwise_group = self  # lets optimizer hooks and clipping find the group
         return param
 
@@ -229,15 +247,8 @@ class ParamGroup:
     def _grad_views(self, main_grad: torch.Tensor) -> list[DTensor]:
         o0, o1 = self.opt_range
         return [
-            DTensor.from_local(
-                _rows_view(main_grad, o0, slot, slot.rows_in(o0, o1)),
-                self.plan.mesh,
-                param.placements,
-                run_check=False,
-                shape=slot.shape,
-                stride=_contiguous_stride(slot.shape),
-            )
-            for param, slot in zip(self.sharded_params, self.layout.slots)
+            self._dtensor(i, _rows_view(main_grad, o0, slot, slot.rows_in(o0, o1)))
+            for i, slot in enumerate(self.layout.slots)
         ]
 
     def _open_window(self) -> None:
@@ -306,6 +317,8 @@ class ParamGroup:
         plan = self.plan
         with self.streams.on(self.streams.reduce):
             shard = reduce_scatter_chain(flat, plan.grad_axes)
+            if plan.grad_scale != 1.0:
+                shard.mul_(plan.grad_scale)
             if self._acc_overwrite:
                 self.grad_acc.copy_(shard)
                 self._acc_overwrite = False
@@ -325,6 +338,8 @@ class ParamGroup:
 
     def _finalize(self) -> None:
         plan = self.plan
+        if self.sum_over_axes:  # partial sums across model-parallel ranks (sequence parallel)
+            all_reduce_chain(self.grad_acc, self.sum_over_axes, average=False)
         if self.grad_acc is self.main_grad:
             all_reduce_chain(self.main_grad, plan.finalize_allreduce_axes)
         else:

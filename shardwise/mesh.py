@@ -25,6 +25,7 @@ __all__ = [
     "AxisGroup",
     "ShardingPlan",
     "build_dp_mesh",
+    "build_expert_mesh",
     "default_device_type",
     "check_mesh_ranks_and_group_ranks_are_consistent",
 ]
@@ -44,17 +45,44 @@ def build_dp_mesh(
     device_type: str | None = None,
     inner_axis: str = "dp_shard",
     outer_axis: str = "dp_outer",
+    tp: int = 1,
+    tp_axis: str = "tp",
 ) -> DeviceMesh:
-    """A 1-D (``dp_shard``) or 2-D (``dp_outer``, ``dp_shard``) mesh over all ranks."""
+    """A mesh over all ranks: (``dp_outer``,) ``dp_shard`` (, ``tp``).
+
+    ``outer`` adds the hybrid-sharding outer axis; ``tp`` > 1 adds a
+    tensor-parallel axis, innermost, so TP groups are consecutive ranks.
+    """
     if not dist.is_initialized():
         raise RuntimeError("build_dp_mesh needs an initialized default process group")
     world = dist.get_world_size()
     device_type = device_type or default_device_type()
-    if outer is None:
-        return init_device_mesh(device_type, (world,), mesh_dim_names=(inner_axis,))
-    if outer < 1 or world % outer:
-        raise ValueError(f"outer={outer} must be a positive divisor of the world size {world}")
-    return init_device_mesh(device_type, (outer, world // outer), mesh_dim_names=(outer_axis, inner_axis))
+    if tp < 1 or world % tp:
+        raise ValueError(f"tp={tp} must be a positive divisor of the world size {world}")
+    dp = world // tp
+    if outer is not None and (outer < 1 or dp % outer):
+        raise ValueError(f"outer={outer} must be a positive divisor of the data-parallel size {dp}")
+    shape, names = [], []
+    if outer is not None:
+        shape.append(outer)
+        names.append(outer_axis)
+    shape.append(dp // (outer or 1))
+    names.append(inner_axis)
+    if tp > 1:
+        shape.append(tp)
+        names.append(tp_axis)
+    return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+
+
+def build_expert_mesh(ep: int, device_type: str | None = None, inner_axis: str = "dp_shard", ep_axis: str = "ep") -> DeviceMesh:
+    """The (``dp_shard``, ``ep``) mesh for expert parameters: EP groups are consecutive ranks,
+    and experts are sharded over the ranks holding the same experts."""
+    if not dist.is_initialized():
+        raise RuntimeError("build_expert_mesh needs an initialized default process group")
+    world = dist.get_world_size()
+    if ep < 1 or world % ep:
+        raise ValueError(f"ep={ep} must be a positive divisor of the world size {world}")
+    return init_device_mesh(device_type or default_device_type(), (world // ep, ep), mesh_dim_names=(inner_axis, ep_axis))
 
 
 def check_mesh_ranks_and_group_ranks_are_consistent(
@@ -88,7 +116,13 @@ def _mixed_radix(axes: Sequence[AxisGroup]) -> int:
 class ShardingPlan:
     """Which axes shard which buffer, for one mesh and one set of placements."""
 
-    def __init__(self, mesh: DeviceMesh, placements: Mapping[str, AxisPlacements]):
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        placements: Mapping[str, AxisPlacements],
+        model_parallel_axes: Sequence[str] = (),
+        grad_scale: float = 1.0,
+    ):
         names = mesh.mesh_dim_names
         if names is None:
             raise ValueError("mesh must have mesh_dim_names so placements can name its axes")
@@ -98,16 +132,22 @@ class ShardingPlan:
                     f"placements names mesh axis {axis!r}, which the mesh does not have; "
                     f"mesh axes are {list(names)}"
                 )
-        extra = [n for n in names if n not in placements]
+        extra = [n for n in names if n not in placements and n not in model_parallel_axes]
         if extra:
             raise ValueError(
-                f"mesh axes {extra} have no data-parallel placements; composing FSDP with "
-                "tensor or expert parallel mesh axes is not built yet: pass a mesh of "
-                "data-parallel axes only"
+                f"mesh axes {extra} are neither data-parallel (named in placements: "
+                f"{list(placements)}) nor model-parallel (tp_axis/ep_axis: {list(model_parallel_axes)})"
             )
         self.mesh = mesh
-        self.placements = {n: placements[n] for n in names}  # mesh order
-        self.axes = {
+        self.mesh_axes = list(names)
+        self.model_parallel = {
+            n: AxisGroup(n, mesh.get_group(n), mesh.size(i), mesh.get_local_rank(n), False)
+            for i, n in enumerate(names)
+            if n in model_parallel_axes
+        }
+        self.grad_scale = grad_scale
+        self.placements = {n: placements[n] for n in names if n in placements}  # mesh order
+        self.axes = {  # data-parallel axes only
             n: AxisGroup(
                 n,
                 mesh.get_group(n),
@@ -116,6 +156,7 @@ class ShardingPlan:
                 dist.get_backend(mesh.get_group(n)) == "nccl",
             )
             for i, n in enumerate(names)
+            if n in placements
         }
 
         def sharded(kind: str) -> list[AxisGroup]:
@@ -143,11 +184,23 @@ class ShardingPlan:
     def index(self, axes: Sequence[AxisGroup]) -> int:
         return _mixed_radix(axes)
 
-    @property
-    def optimizer_dtensor_placements(self) -> tuple[Placement, ...]:
-        return tuple(
-            Shard(0) if isinstance(p.optimizer, Shard) else Replicate() for p in self.placements.values()
-        )
+    def dtensor_placements(self, model_parallel_dims: Mapping[str, int] = {}) -> tuple[Placement, ...]:
+        """Placements of a parameter's DTensor (optimizer placement on data-parallel axes)."""
+        out = []
+        for name in self.mesh_axes:
+            if name in self.placements:
+                out.append(Shard(0) if isinstance(self.placements[name].optimizer, Shard) else Replicate())
+            elif name in model_parallel_dims:
+                out.append(Shard(model_parallel_dims[name]))
+            else:
+                out.append(Replicate())
+        return tuple(out)
+
+    def global_shape(self, local: torch.Size, model_parallel_dims: Mapping[str, int]) -> torch.Size:
+        shape = list(local)
+        for name, dim in model_parallel_dims.items():
+            shape[dim] *= self.model_parallel[name].size
+        return torch.Size(shape)
 
     @property
     def shards_parameters(self) -> bool:

@@ -9,6 +9,16 @@ import torch.nn as nn
 __all__ = ["full_state_dict"]
 
 
+def _gather_model_parallel(tensor: torch.Tensor, dims: dict, plan) -> torch.Tensor:
+    """Concatenate the tensor- or expert-parallel slices of a parameter along their dims."""
+    for axis_name, dim in dims.items():
+        axis = plan.model_parallel[axis_name]
+        pieces = [torch.empty_like(tensor) for _ in range(axis.size)]
+        dist.all_gather(pieces, tensor.contiguous(), group=axis.group)
+        tensor = torch.cat(pieces, dim=dim)
+    return tensor
+
+
 def full_state_dict(model: nn.Module, rank0_only: bool = False, cpu: bool = True) -> dict[str, torch.Tensor]:
     """Gather every parameter (main weights) and buffer into plain tensors.
 
@@ -20,7 +30,8 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False, cpu: bool = True
         raise ValueError(f"{type(model).__name__} is not sharded by shardwise.fully_shard")
     out: dict[str, torch.Tensor] = {}
     for group in state.groups:
-        for fqn, tensor in group.full_main_weights().items():
+        for i, (fqn, tensor) in enumerate(group.full_main_weights().items()):
+            tensor = _gather_model_parallel(tensor, group.refs[i].model_parallel_dims, group.plan)
             out[fqn] = tensor.cpu() if cpu else tensor
     for name, buf in model.named_buffers():
         out[name] = buf.detach().cpu() if cpu else buf.detach()
