@@ -98,8 +98,9 @@ class ConfigError(ValueError):
 # ------------------------------------------------------------------ configuration
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="shardwise train", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, argument_default=argparse.SUPPRESS)
+        prog="shardwise train", description="Train a reference model with shardwise.fully_shard.",
+        argument_default=argparse.SUPPRESS,
+        epilog="Defaults shown are the dataclass defaults; --preset (default tiny) overrides many.")
     parser.add_argument("--config", help="JSON file of field -> value overrides (applied after --preset)")
     parser.add_argument("--list-presets", action="store_true", help="print the presets and exit")
     for title, group_fields in (("training", _TRAIN_FIELDS), ("model", _MODEL_FIELDS)):
@@ -107,12 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
         for name, f in group_fields.items():
             flag = "--" + name.replace("_", "-")
             kind = _CASTS[str(f.type)]
+            text = f"{f.metadata.get('help')} (default: {f.default!r})"
             if kind is bool:
-                group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                                   help=f.metadata.get("help"))
+                group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=text)
             else:
-                group.add_argument(flag, dest=name, type=kind, metavar=name.upper(),
-                                   help=f.metadata.get("help"))
+                group.add_argument(flag, dest=name, type=kind, metavar=kind.__name__.upper(), help=text)
     return parser
 
 
