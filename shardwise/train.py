@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .checkpoint import CheckpointManager
 from .data import DATA_DTYPES, TokenLoader, check_data_path, load_tokens
 from .models import GPT, GPTConfig
 from .presets import PRESETS
@@ -76,6 +77,11 @@ class TrainConfig:
     data_dtype: str = field(default="uint16", metadata=_help("token dtype of a .bin file: uint16 or uint8"))
     out_dir: str = field(default="", metadata=_help("output folder (default runs/<name>)"))
     name: str = field(default="", metadata=_help("run name (default <preset>-<timestamp>)"))
+    save_every: int = field(default=0, metadata=_help(
+        "save a checkpoint every N steps (and at the last) into <out-dir>/checkpoints (0 = never)"))
+    keep_checkpoints: int = field(default=3, metadata=_help("complete checkpoints to keep"))
+    resume: bool = field(default=False, metadata=_help(
+        "resume from the latest complete checkpoint in <out-dir>/checkpoints (needs --out-dir or --name)"))
     nproc: int = field(default=0, metadata=_help("local worker processes (0 = one per GPU, or 2 on CPU)"))
     device: str = field(default="auto", metadata=_help("auto, cpu or cuda"))
 
@@ -174,7 +180,11 @@ def _validate(cfg: TrainConfig, model: GPTConfig) -> None:
             raise ConfigError(name, getattr(cfg, name), "must be at least 1")
     if not cfg.lr > 0:
         raise ConfigError("lr", cfg.lr, "must be positive")
-    for name in ("warmup_steps", "max_grad_norm", "weight_decay", "min_lr_ratio", "nproc", "outer_dp"):
+    if cfg.resume and not (cfg.out_dir or cfg.name):
+        raise ConfigError("resume", True, "needs --out-dir (or --name): the run folder whose checkpoints to resume")
+    if cfg.keep_checkpoints < 1:
+        raise ConfigError("keep_checkpoints", cfg.keep_checkpoints, "must be at least 1")
+    for name in ("warmup_steps", "max_grad_norm", "weight_decay", "min_lr_ratio", "nproc", "outer_dp", "save_every"):
         if getattr(cfg, name) < 0:
             raise ConfigError(name, getattr(cfg, name), "must not be negative")
     try:
@@ -294,18 +304,31 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = Non
         loader = TokenLoader(load_tokens(cfg.data or None, cfg.data_dtype), cfg.seq_len,
                              cfg.micro_batch_size, rank, world, cfg.seed, device)
         tokens_per_step = cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum * world
+        checkpoints = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.keep_checkpoints)
+        start = 1
+        if cfg.resume:
+            restored = checkpoints.load_latest(model, optimizer)  # also restores every rank's RNG
+            if restored is not None:
+                loader.load_state_dict(restored.extra["data"])
+                start = restored.step + 1
+                if rank == 0:
+                    print(f"resumed from {restored.path} (step {restored.step})", file=sys.stderr)
 
         if rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "config.json").write_text(json.dumps(
                 {"train": vars(cfg), "model": model_cfg.to_dict(), "world_size": world,
                  "device": device_type, "params": n_params}, indent=2) + "\n")
-            metrics_file = open(out_dir / "metrics.jsonl", "w", buffering=1)
-        bar = tqdm(total=cfg.steps, desc=f"{cfg.preset} x{world}", disable=rank != 0,
+            metrics = out_dir / "metrics.jsonl"
+            kept = metrics.read_text().splitlines() if start > 1 and metrics.exists() else []
+            kept = [line for line in kept if json.loads(line)["step"] < start]  # drop steps being redone
+            metrics_file = open(metrics, "w", buffering=1)
+            metrics_file.writelines(line + "\n" for line in kept)
+        bar = tqdm(total=cfg.steps, initial=start - 1, desc=f"{cfg.preset} x{world}", disable=rank != 0,
                    dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
         history, loop_start = [], time.perf_counter()
         model.train()
-        for step in range(1, cfg.steps + 1):
+        for step in range(start, cfg.steps + 1):
             t0 = time.perf_counter()
             lr = _lr_at(cfg, step)
             for group in optimizer.param_groups:
@@ -327,6 +350,8 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = Non
             dist.all_reduce(loss_sum)
             loss_value = loss_sum.item() / (cfg.grad_accum * world)  # .item() syncs the device
             step_time = time.perf_counter() - t0
+            if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
+                checkpoints.save(step, model, optimizer, extra={"data": loader.state_dict()})
             if rank != 0:
                 continue
             record = {
@@ -349,6 +374,8 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = Non
         if rank != 0:
             return None
         metrics_file.close()
+        if not history:  # resumed at or past --steps: nothing left to train
+            return None
         return _finish(out_dir, history, cfg, n_params, world, time.time() - started_at)
     finally:
         if owns_group:
