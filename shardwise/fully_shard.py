@@ -90,12 +90,13 @@ class ShardedState:
             return args, kwargs
         for g in self.groups:
             g.refresh_model_weights()
+        self.root.start_unshard()
+        if self.prefetch and self.order_recorded and self.forward_order:
+            self.forward_order[0].start_unshard()  # queued behind the root's gather
         self.root.unshard()
         self.grad_forward = torch.is_grad_enabled()
         if self.grad_forward:
             self.root.ran_with_grad = True
-        if self.prefetch and self.order_recorded and self.forward_order:
-            self.forward_order[0].start_unshard()
         return args, kwargs
 
     def root_post_forward(self, module, args, output):
@@ -112,6 +113,10 @@ class ShardedState:
 
     def on_root_pre_backward(self, grad):
         self._queue_final_callback()
+        if self.prefetch and self.forward_order:
+            last = self.forward_order[-1]  # the first unit backward needs: gather it under the loss's backward
+            if last.ran_with_grad and not last.gathered_for_backward:
+                last.start_unshard()
 
     # ---------------------------------------------------------------- units
     def unit_pre_forward(self, unit: Unit, module, args, kwargs):
