@@ -1,0 +1,37 @@
+"""The Megatron-Core face of shardwise.
+
+Megatron-LM users build the same objects they already pass to Megatron's FSDP:
+
+    from shardwise.megatron import (
+        FullyShardedDataParallel, TransformerConfig, DistributedDataParallelConfig, build_process_groups,
+    )
+    model = FullyShardedDataParallel(config, ddp_config, model, pg_collection=build_process_groups())
+
+Megatron-Core's own config and process-group objects work too (read by field
+name); ``megatron.core`` is never required.
+"""
+
+from .config import DistributedDataParallelConfig, TransformerConfig, as_ddp_config, as_transformer_config
+from .mcore_fsdp_adapter import (
+    FullyShardedDataParallel,
+    FullyShardedDataParallelV1,
+    FullyShardedDataParallelV2,
+)
+from .parallelism import MODULE_TYPE_REGISTRY, annotate_tensor_parallelism, detect_parallelism_type
+from .process_groups import ProcessGroupCollection, build_process_groups, rank_layout
+
+__all__ = [
+    "FullyShardedDataParallel",
+    "FullyShardedDataParallelV1",
+    "FullyShardedDataParallelV2",
+    "TransformerConfig",
+    "DistributedDataParallelConfig",
+    "as_transformer_config",
+    "as_ddp_config",
+    "ProcessGroupCollection",
+    "build_process_groups",
+    "rank_layout",
+    "MODULE_TYPE_REGISTRY",
+    "detect_parallelism_type",
+    "annotate_tensor_parallelism",
+]

@@ -1,0 +1,286 @@
+"""Megatron's data-parallel wrapper contract, and what V1 and V2 share on top of the engine.
+
+Megatron-LM's training loop talks to a data-parallel wrapper through a few
+names: the model is ``.module`` and ``forward`` runs it; ``no_sync()`` wraps
+every micro-batch but the last; ``zero_grad_buffer()`` starts a step;
+``finish_grad_sync()`` and ``scale_gradients()`` end one (from
+``finalize_model_grads``); ``start_param_sync()`` / ``start_grad_sync()`` are the
+overlap hooks; ``state_dict`` / ``load_state_dict`` act on the model.
+:class:`_BaseDataParallel` is that contract; :class:`_ShardedDataParallel` fills
+it in with :func:`shardwise.fully_shard`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import logging
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ..fully_shard import ShardedState, fully_shard
+from ..materialize import MetaInitializer, has_meta_tensors
+from ..mesh import default_device_type
+from ..placements import AxisPlacements
+from ..precision import MixedPrecisionPolicy
+from .config import OUTER_SHARDING_STRATEGIES, DistributedDataParallelConfig, TransformerConfig
+from .meshes import _DATA_PARALLEL_PLACEMENTS, INNER_AXIS, OUTER_AXIS
+
+__all__ = ["_BaseDataParallel", "_ShardedDataParallel", "logger"]
+
+# Named after the module Megatron users know; V1, V2 and the factory all log here.
+logger = logging.getLogger("shardwise.megatron.mcore_fsdp_adapter")
+
+
+# ------------------------------------------------ from Megatron's configs to the engine
+def _megatron_layer_types() -> list:
+    """Megatron-Core's layer classes when it is installed (never required)."""
+    try:
+        if importlib.util.find_spec("megatron") is None:
+            return []
+    except (ImportError, ValueError):
+        return []
+    found = []
+    for module_name, names in (
+        ("megatron.core.transformer.transformer_layer", ("TransformerLayer", "MoETransformerLayer")),
+        ("megatron.core.ssm.mamba_layer", ("MambaLayer",)),
+    ):
+        try:
+            mod = importlib.import_module(module_name)
+        except Exception:  # an installed but broken Megatron must not break shardwise
+            continue
+        found += [getattr(mod, n) for n in names if isinstance(getattr(mod, n, None), type)]
+    return found
+
+
+def _default_unit_types() -> list:
+    """Transformer, MoE transformer and Mamba layers (shardwise's, and Megatron-Core's when installed)."""
+    from ..models import MambaLayer, MoETransformerLayer, TransformerLayer
+
+    return [TransformerLayer, MoETransformerLayer, MambaLayer] + _megatron_layer_types()
+
+
+def _present(module: nn.Module, types: list) -> list:
+    """The classes in ``types`` that some submodule (not the root) is an instance of."""
+    subs = [m for m in module.modules() if m is not module]
+    return [t for t in types if any(isinstance(m, t) for m in subs)]
+
+
+def _dtype(value, field: str) -> Optional[torch.dtype]:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and isinstance(getattr(torch, value.replace("torch.", ""), None), torch.dtype):
+        return getattr(torch, value.replace("torch.", ""))
+    raise ValueError(f"{field}={value!r} is not a torch dtype")
+
+
+def _mixed_precision(cfg: TransformerConfig, ddp: DistributedDataParallelConfig) -> MixedPrecisionPolicy:
+    """bf16/fp16 compute from the model config; main weights, main grads, wire dtype from the DDP config."""
+    param_dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else None
+    comm = _dtype(ddp.megatron_fsdp_grad_comm_dtype, "megatron_fsdp_grad_comm_dtype")
+    if comm is None and ddp.grad_reduce_in_fp32:
+        comm = torch.float32
+    return MixedPrecisionPolicy(
+        param_dtype=param_dtype,
+        main_params_dtype=_dtype(ddp.megatron_fsdp_main_params_dtype, "megatron_fsdp_main_params_dtype") or torch.float32,
+        main_grads_dtype=_dtype(ddp.megatron_fsdp_main_grads_dtype, "megatron_fsdp_main_grads_dtype") or torch.float32,
+        grad_comm_dtype=comm,
+    )
+
+
+def _check_strategies(ddp: DistributedDataParallelConfig, who: str) -> None:
+    strategy, outer = ddp.data_parallel_sharding_strategy, ddp.outer_dp_sharding_strategy
+    if strategy not in _DATA_PARALLEL_PLACEMENTS:
+        raise ValueError(
+            f"{who}: data_parallel_sharding_strategy={strategy!r} is not one of {list(_DATA_PARALLEL_PLACEMENTS)}"
+        )
+    if outer not in OUTER_SHARDING_STRATEGIES:
+        raise ValueError(
+            f"{who}: outer_dp_sharding_strategy={outer!r} is not one of {list(OUTER_SHARDING_STRATEGIES)} "
+            "('no_shard' = HSDP, 'optim' = HFSDP)"
+        )
+    instances = ddp.num_distributed_optimizer_instances
+    if not isinstance(instances, int) or instances < 1:
+        raise ValueError(f"{who}: num_distributed_optimizer_instances={instances!r} must be a positive integer")
+    if outer != "no_shard" and instances <= 1:
+        raise ValueError(
+            f"{who}: outer_dp_sharding_strategy={outer!r} needs an outer data-parallel axis, i.e. "
+            f"num_distributed_optimizer_instances > 1 (got {instances})"
+        )
+    if outer == "optim" and instances > 1 and strategy != "optim_grads_params":
+        raise ValueError(
+            f"{who}: outer_dp_sharding_strategy='optim' (HFSDP) needs "
+            f"data_parallel_sharding_strategy='optim_grads_params', got {strategy!r}"
+        )
+
+
+def _placements(ddp: DistributedDataParallelConfig, hybrid: bool) -> dict[str, AxisPlacements]:
+    inner = _DATA_PARALLEL_PLACEMENTS[ddp.data_parallel_sharding_strategy]
+    if not hybrid:
+        return {INNER_AXIS: inner}
+    return {OUTER_AXIS: _DATA_PARALLEL_PLACEMENTS[ddp.outer_dp_sharding_strategy], INNER_AXIS: inner}
+
+
+def _device_type(device: Optional[torch.device]) -> str:
+    return torch.device(device).type if device is not None else default_device_type()
+
+
+# ----------------------------------------------------------------- the wrappers
+class _BaseDataParallel(nn.Module):
+    """The wrapper contract of Megatron-Core's data-parallel classes (no-op sync hooks)."""
+
+    def __init__(self, config: Any, module: nn.Module):
+        super().__init__()
+        self.config = config
+        self.module = module
+
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield
+
+    def start_param_sync(self, *unused, **unused_kwargs) -> None:
+        pass
+
+    def start_grad_sync(self, *unused, **unused_kwargs) -> None:
+        pass
+
+    def finish_grad_sync(self, *unused, **unused_kwargs) -> None:
+        pass
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        pass
+
+    def zero_grad_buffer(self) -> None:
+        pass
+
+    def broadcast_params(self) -> None:
+        pass
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
+        return self.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True):
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+
+class _ShardedDataParallel(_BaseDataParallel):
+    """V1 and V2's common ground: shard with the engine, clear/scale grads, load full state dicts."""
+
+    # ----------------------------------------------------------------- wrapping
+    def _shard(
+        self,
+        *,
+        mesh: DeviceMesh,
+        placements: dict[str, AxisPlacements],
+        unit_types: Sequence[type],
+        policy: MixedPrecisionPolicy,
+        init_on_meta: bool,
+        prefetch: bool,
+    ) -> None:
+        module = self.module
+        initializer = None
+        if has_meta_tensors(module):
+            if not init_on_meta:
+                meta = [n for n, p in module.named_parameters() if p.is_meta][:4]
+                raise ValueError(
+                    f"the model holds meta-device tensors (e.g. {meta}); set "
+                    "TransformerConfig.init_model_with_meta_device=True to initialize them unit by unit"
+                )
+            device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+            initializer = MetaInitializer(module, device)
+            initializer.plan()
+        fully_shard(
+            module,
+            mesh,
+            placements=placements,
+            unit_modules=list(unit_types) or None,
+            mixed_precision=policy,
+            init_fn=initializer,
+            prefetch=prefetch,
+        )
+        if initializer is not None:
+            initializer.finish()
+
+    @property
+    def sharded_state(self) -> ShardedState:
+        """The engine's state for the wrapped model (units, parameter groups, sharding plan)."""
+        return self.module.sharded_state
+
+    def _wait_for_reductions(self) -> None:
+        state = self.sharded_state
+        for flight in state.in_flight:
+            flight.wait()
+        state.in_flight = []
+
+    # ----------------------------------------------------------- micro-batches
+    def no_sync(self):
+        """Accumulate this micro-batch's gradients without finalizing them.
+
+        Wrap every micro-batch but the last; the last backward (outside) reduces
+        what was accumulated on every axis and installs ``.grad``.
+        """
+        return self.module.no_sync()
+
+    # ------------------------------------------------------------------- grads
+    def zero_grad_buffer(self) -> None:
+        """Start a new step: the next backward overwrites the gradient buffers instead of adding.
+
+        Clears every sharded parameter's ``.grad`` (the engine's signal to
+        overwrite), and closes an accumulation window that earlier ``no_sync``
+        micro-batches left open without a final backward, so its partial sums
+        are dropped too.
+        """
+        for group in self.sharded_state.groups:
+            for param in group.sharded_params:
+                param.grad = None
+            # An open window would keep adding to its partial buffer; the next reduction
+            # re-opens it and, seeing every .grad cleared, overwrites.
+            group._window_open = False
+
+    @torch.no_grad()
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiply every installed gradient (the sharded main grads) by ``scaling_factor``."""
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.module.parameters() if p.grad is not None]
+        grads = [g for g in grads if g.numel()]
+        if grads:
+            torch._foreach_mul_(grads, float(scaling_factor))
+
+    # ------------------------------------------------------------- state dict
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True):
+        """Load model weights: the sharded tensors ``state_dict()`` returns, or full (unsharded) tensors.
+
+        Full tensors are cut to this rank's shard locally (no communication);
+        the engine refreshes the compute weights at the next forward.
+        """
+        params = dict(self.module.named_parameters())
+        where = {id(p): (group, i) for group in self.sharded_state.groups for i, p in enumerate(group.sharded_params)}
+        converted = {}
+        for key, value in state_dict.items():
+            param = params.get(key)
+            if param is not None and isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                value = _shard_like(param, value, *where[id(param)])
+            converted[key] = value
+        return self.module.load_state_dict(converted, strict=strict)
+
+
+def _shard_like(param: DTensor, full: torch.Tensor, group, index: int) -> DTensor:
+    """This rank's rows of ``full``, as a DTensor laid out like the sharded ``param``."""
+    if tuple(full.shape) != tuple(param.shape):
+        raise ValueError(f"cannot load a tensor of shape {tuple(full.shape)} into a parameter of shape {tuple(param.shape)}")
+    slot = group.layout.slots[index]
+    first, last = slot.rows_in(*group.opt_range)
+    local = full.detach()[first:last].to(device=param.to_local().device, dtype=param.dtype)
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )

@@ -1,0 +1,97 @@
+"""The Megatron-Core FSDP adapter: ``FullyShardedDataParallel`` and its V1 and V2 wrappers.
+
+Megatron-LM wraps each model chunk with
+``FullyShardedDataParallel(config, ddp_config, module, fsdp_unit_modules,
+disable_bucketing, device, pg_collection)``. This module gives Megatron users
+that call on top of :func:`shardwise.fully_shard`:
+
+* :func:`FullyShardedDataParallel` picks the wrapper from
+  ``ddp_config.megatron_fsdp_version`` (1 or 2).
+* :class:`FullyShardedDataParallelV1` drives the engine with Megatron's
+  schedule API (``start_param_sync``, ``finish_grad_sync``, ``no_sync``,
+  ``broadcast_params``, ...), all four strategies and HSDP / HFSDP.
+* :class:`FullyShardedDataParallelV2` lets the engine's hooks do everything,
+  needs an explicit ``pg_collection`` and rejects, by field name, every option
+  it does not support.
+
+Both are faces of the one engine. Configs and process groups may be this
+package's or Megatron-Core's own objects (read by field name). Composition
+with tensor or expert parallelism is not built yet: V1 with TP > 1 or EP > 1
+raises ``NotImplementedError``, V2's ``_validate_config`` rejects TP/PP/CP > 1.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Type
+
+import torch
+import torch.nn as nn
+
+from ..materialize import materialize_meta_module, materialize_owned_meta_modules
+from ..rng import get_rng_state_dict, load_rng_state_dict
+from .base import _BaseDataParallel, logger  # noqa: F401  (the reference's module logger)
+from .config import DistributedDataParallelConfig, TransformerConfig
+from .meshes import (  # noqa: F401  (the reference API has these names in this module)
+    _AxisPlacements,
+    _build_expert_mesh_and_placements,
+    _build_hybrid_dp_mesh,
+    _check_mesh_ranks_and_group_ranks_are_consistent,
+    _DATA_PARALLEL_PLACEMENTS,
+    _get_dp_tp_mesh,
+    _get_hsdp_tp_mesh,
+)
+from .process_groups import ProcessGroupCollection
+from .v1 import FullyShardedDataParallelV1
+from .v2 import FullyShardedDataParallelV2
+
+__all__ = ["FullyShardedDataParallel"]
+
+
+# ------------------------------------------------------------------ helpers
+def _materialize_meta_module(module: nn.Module, device: Optional[torch.device]) -> None:
+    """Materialize and initialize one module's direct meta parameters (and buffers)."""
+    materialize_meta_module(module, device)
+
+
+def _materialize_owned_meta_modules(module: nn.Module, device: Optional[torch.device]) -> None:
+    """Materialize meta parameters reachable from one FSDP unit.
+
+    Each module's ``reset_parameters()`` runs before the unit is sharded, so a
+    reset that initializes in place (PyTorch style) and one that replaces its
+    ``Parameter`` via ``setattr`` (Transformer Engine style) both end in the
+    parameters that get sharded.
+    """
+    materialize_owned_meta_modules(module, device)
+
+
+def _get_rng_state_dict() -> dict:
+    """Python, NumPy, torch CPU, CUDA (when present) and TP-tracker RNG states."""
+    return get_rng_state_dict()
+
+
+def _load_rng_state_dict(rng_state_dict: dict) -> None:
+    """Restore what :func:`_get_rng_state_dict` captured."""
+    load_rng_state_dict(rng_state_dict)
+
+
+# ------------------------------------------------------------------ factory
+def FullyShardedDataParallel(
+    config: TransformerConfig,
+    ddp_config: DistributedDataParallelConfig,
+    module: nn.Module,
+    fsdp_unit_modules: Optional[List[Type[nn.Module]]] = None,
+    disable_bucketing: bool = False,
+    device: Optional[torch.device] = None,
+    pg_collection: Optional[ProcessGroupCollection] = None,
+) -> _BaseDataParallel:
+    """Construct the configured Megatron-FSDP implementation.
+
+    A factory, not a type: ``ddp_config.megatron_fsdp_version`` 1 gives
+    :class:`FullyShardedDataParallelV1`, 2 :class:`FullyShardedDataParallelV2`;
+    anything else is a ``ValueError``. Use those classes for type checks.
+    """
+    version = getattr(ddp_config, "megatron_fsdp_version", 1)
+    classes = {1: FullyShardedDataParallelV1, 2: FullyShardedDataParallelV2}
+    if type(version) is not int or version not in classes:
+        raise ValueError(f"megatron_fsdp_version={version!r} is not supported; expected 1 or 2")
+    return classes[version](config, ddp_config, module, fsdp_unit_modules, disable_bucketing, device, pg_collection)

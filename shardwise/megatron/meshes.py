@@ -1,0 +1,201 @@
+"""Device meshes built from Megatron's process groups, checked against them.
+
+The adapter never invents a rank layout: it takes the groups the caller made
+(``ProcessGroupCollection``), builds the mesh those groups imply, and checks
+that every axis of the mesh spans exactly the ranks of the group meant for it.
+A mesh whose members are right but whose order is wrong would still reduce
+over valid groups while giving shard indices to the wrong ranks, so the checks
+compare ordered rank lists.
+
+Layout assumed by the tables (Megatron-Core's default order, fastest first):
+``tp``, then ``ep``, then the data-parallel ranks, then anything slower (the
+pipeline stages). ``_get_dp_tp_mesh`` / ``_get_hsdp_tp_mesh`` return the rank
+table of this rank's (data-parallel x tensor-parallel) domain; composing FSDP
+with tensor parallelism on such a mesh is the next step and not built yet.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..mesh import check_mesh_ranks_and_group_ranks_are_consistent as _check_ordered
+from ..placements import STRATEGY_PLACEMENTS, AxisPlacements
+from .config import SHARDING_STRATEGIES
+from .process_groups import group_ranks, group_size
+
+__all__ = [
+    "_AxisPlacements",
+    "_DATA_PARALLEL_PLACEMENTS",
+    "_check_mesh_ranks_and_group_ranks_are_consistent",
+    "_get_dp_tp_mesh",
+    "_get_hsdp_tp_mesh",
+    "_build_hybrid_dp_mesh",
+    "_build_expert_mesh_and_placements",
+    "INNER_AXIS",
+    "OUTER_AXIS",
+    "EXPERT_AXIS",
+]
+
+INNER_AXIS, OUTER_AXIS, EXPERT_AXIS = "dp_shard", "dp_outer", "expert_dp"
+
+# How one mesh axis places the three buffers: the engine's AxisPlacements.
+_AxisPlacements = AxisPlacements
+
+# Per-axis placements of each sharding strategy (ZeRO 0-3). HSDP is `no_shard` on the
+# outer axis over `optim_grads_params` inside; HFSDP is `optim` on the outer axis.
+_DATA_PARALLEL_PLACEMENTS: dict[str, AxisPlacements] = {
+    name: STRATEGY_PLACEMENTS[name] for name in SHARDING_STRATEGIES
+}
+
+
+def _check_mesh_ranks_and_group_ranks_are_consistent(mesh_ranks: Any, group_ranks: Sequence[int]) -> bool:
+    """Check that the mesh row holding this rank is exactly ``group_ranks``.
+
+    ``mesh_ranks`` is a table of rows (one per group of that axis), as a nested
+    list or a 2-D tensor. Raises ``ValueError`` naming both when this rank is in
+    no row, in several, or its row differs from the group. Returns ``True``.
+    """
+    rows = mesh_ranks.tolist() if isinstance(mesh_ranks, torch.Tensor) else [list(r) for r in mesh_ranks]
+    me = dist.get_rank()
+    mine = [row for row in rows if me in row]
+    if len(mine) != 1:
+        raise ValueError(f"rank {me} appears in {len(mine)} rows of the mesh ranks {rows}; expected exactly one")
+    _check_ordered(mine[0], list(group_ranks))
+    return True
+
+
+def _rows(table: torch.Tensor, axis: int) -> torch.Tensor:
+    """The rank lists along ``axis`` of ``table``, one per row."""
+    return table.movedim(axis, -1).reshape(-1, table.shape[axis])
+
+
+def _check_axis(table: torch.Tensor, axis: int, group, what: str) -> None:
+    ranks = group_ranks(group)
+    try:
+        _check_mesh_ranks_and_group_ranks_are_consistent(_rows(table, axis), ranks)
+    except ValueError as err:
+        raise ValueError(f"{what}: {err}") from None
+
+
+def _rank_table(sizes: Sequence[int], names: Sequence[str]) -> torch.Tensor:
+    world = dist.get_world_size()
+    inner = math.prod(sizes)
+    if world % inner:
+        detail = " x ".join(f"{n}={s}" for n, s in zip(names, sizes))
+        raise ValueError(f"world size {world} is not a multiple of {detail}")
+    return torch.arange(world).reshape(world // inner, *sizes)
+
+
+def _this_ranks_block(table: torch.Tensor) -> torch.Tensor:
+    me = dist.get_rank()
+    blocks = [block for block in table if (block == me).any()]
+    if len(blocks) != 1:
+        raise ValueError(f"rank {me} appears in {len(blocks)} blocks of the mesh ranks {table.tolist()}")
+    return blocks[0]
+
+
+def _get_dp_tp_mesh(dp_cp_group, tp_group, ep_size: int = 1) -> torch.Tensor:
+    """This rank's (data parallel, tensor parallel) rank table, checked against both groups.
+
+    Ranks are laid out ``(rest, dp, ep, tp)`` slowest first; the table is the
+    ``dp x tp`` block of this rank's ``(rest, ep)``.
+    """
+    dp, tp = group_size(dp_cp_group), group_size(tp_group)
+    table = _rank_table((dp, ep_size, tp), ("dp_cp", "ep", "tp")).permute(0, 2, 1, 3)  # rest, ep, dp, tp
+    _check_axis(table, 2, dp_cp_group, "data-parallel group")
+    _check_axis(table, 3, tp_group, "tensor-parallel group")
+    return _this_ranks_block(table.flatten(0, 1))
+
+
+def _get_hsdp_tp_mesh(outer_fsdp_dp_group, dp_cp_group, tp_group, ep_size: int = 1) -> torch.Tensor:
+    """This rank's (outer data parallel, inner data parallel, tensor parallel) rank table.
+
+    Ranks are laid out ``(rest, outer, inner, ep, tp)`` slowest first; each of the
+    three groups is checked against its axis.
+    """
+    outer, inner, tp = group_size(outer_fsdp_dp_group), group_size(dp_cp_group), group_size(tp_group)
+    sizes, names = (outer, inner, ep_size, tp), ("outer_dp", "dp_cp", "ep", "tp")
+    table = _rank_table(sizes, names).permute(0, 3, 1, 2, 4)  # rest, ep, outer, inner, tp
+    _check_axis(table, 2, outer_fsdp_dp_group, "outer data-parallel group")
+    _check_axis(table, 3, dp_cp_group, "inner data-parallel group")
+    _check_axis(table, 4, tp_group, "tensor-parallel group")
+    return _this_ranks_block(table.flatten(0, 1))
+
+
+def _build_hybrid_dp_mesh(outer_group, inner_group, device_type: str) -> DeviceMesh:
+    """The (``dp_outer``, ``dp_shard``) mesh of a hybrid data-parallel domain.
+
+    The table is built from the groups themselves: this rank's outer group gives
+    the first column, each of its members' inner group a row. Every rank's inner
+    group must then be its row and its outer group its column, else
+    ``ValueError`` naming both lists. A collective over the default group.
+    """
+    if outer_group is None or inner_group is None:
+        raise ValueError(
+            "num_distributed_optimizer_instances > 1 needs both the inter_dist_opt (outer) and the "
+            "intra_dp_cp (inner) process groups"
+        )
+    me = dist.get_rank()
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (me, group_ranks(inner_group), group_ranks(outer_group)))
+    inner_of = {rank: inner for rank, inner, _ in gathered}
+    outer_of = {rank: outer for rank, _, outer in gathered}
+    table = [inner_of[r] for r in outer_of[me]]
+    flat = [r for row in table for r in row]
+    if len(set(flat)) != len(flat):
+        raise ValueError(
+            f"hybrid mesh {table} repeats ranks: the intra_dp_cp and inter_dist_opt groups overlap "
+            f"beyond this rank (inter_dist_opt group {outer_of[me]})"
+        )
+    if len({len(row) for row in table}) != 1:
+        raise ValueError(
+            f"hybrid mesh rows {table} differ in length: the intra_dp_cp groups of the inter_dist_opt "
+            f"group {outer_of[me]} are not the same size"
+        )
+    for row in table:
+        for rank in row:
+            if inner_of[rank] != row:
+                raise ValueError(
+                    f"hybrid mesh row {row} does not match the intra_dp_cp group {inner_of[rank]} of rank {rank}"
+                )
+    for column in map(list, zip(*table)):
+        for rank in column:
+            if outer_of[rank] != column:
+                raise ValueError(
+                    f"hybrid mesh column {column} does not match the inter_dist_opt group "
+                    f"{outer_of[rank]} of rank {rank}"
+                )
+    return DeviceMesh.from_group(
+        [outer_group, inner_group], device_type, mesh=table, mesh_dim_names=(OUTER_AXIS, INNER_AXIS)
+    )
+
+
+def _build_expert_mesh_and_placements(config, ddp_config, pg_collection, device_type: str):
+    """The expert-data-parallel mesh and its placements, or ``(None, None)`` when EP is off.
+
+    Experts are replicated over ``expt_dp`` only (each EP rank holds different
+    experts), so they are sharded over that single axis with the expert strategy
+    (``expert_data_parallel_sharding_strategy``, else the dense one).
+    """
+    ep_size = max(getattr(config, "expert_model_parallel_size", 1) or 1, group_size(getattr(pg_collection, "ep", None)))
+    if ep_size <= 1:
+        return None, None
+    expt_dp = getattr(pg_collection, "expt_dp", None)
+    if expt_dp is None:
+        raise ValueError(
+            f"expert_model_parallel_size={ep_size} needs the expt_dp process group in pg_collection"
+        )
+    strategy = getattr(ddp_config, "expert_data_parallel_sharding_strategy", None) or getattr(
+        ddp_config, "data_parallel_sharding_strategy", "no_shard"
+    )
+    if strategy not in _DATA_PARALLEL_PLACEMENTS:
+        raise ValueError(
+            f"expert_data_parallel_sharding_strategy={strategy!r} is not one of {list(_DATA_PARALLEL_PLACEMENTS)}"
+        )
+    mesh = DeviceMesh.from_group(expt_dp, device_type, mesh_dim_names=(EXPERT_AXIS,))
+    return mesh, {EXPERT_AXIS: _DATA_PARALLEL_PLACEMENTS[strategy]}

@@ -1,0 +1,224 @@
+"""``FullyShardedDataParallelV2``: the engine's hooks do everything; unsupported options are rejected by name."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, List, Optional, Type
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .base import (
+    _check_strategies,
+    _default_unit_types,
+    _device_type,
+    _mixed_precision,
+    _placements,
+    _present,
+    _ShardedDataParallel,
+    logger,
+)
+from .config import DistributedDataParallelConfig, TransformerConfig, as_ddp_config, as_transformer_config
+from .meshes import INNER_AXIS, _build_expert_mesh_and_placements, _build_hybrid_dp_mesh
+from .process_groups import ProcessGroupCollection, group_size
+
+__all__ = ["FullyShardedDataParallelV2"]
+
+
+_MOE_CLASS_NAMES = {"MoE", "MoELayer", "MoETransformerLayer"}
+
+# (config source, field, why) for options V2 rejects whenever they are set (truthy).
+_V2_UNSUPPORTED_FLAGS = (
+    ("config", "calculate_per_token_loss", "per-token loss normalization is not supported"),
+    ("config", "fp8", "fp8 compute is not supported"),
+    ("config", "fp8_param", "fp8 parameters are not supported"),
+    ("config", "fp4", "fp4 compute is not supported"),
+    ("ddp_config", "fp8_param_gather", "fp8 parameter gathers are not supported"),
+    ("ddp_config", "fp4_param_gather", "fp4 parameter gathers are not supported"),
+    ("config", "enable_cuda_graph", "CUDA graphs are not supported"),
+    ("ddp_config", "megatron_fsdp_cuda_graph_mode", "CUDA graphs are not supported"),
+    ("config", "gradient_accumulation_fusion", "parameters have no .main_grad to fuse into"),
+    ("config", "delay_wgrad_compute", "delayed weight-gradient computation is not supported"),
+    ("ddp_config", "delay_wgrad_compute", "delayed weight-gradient computation is not supported"),
+    ("ddp_config", "fsdp_manual_registration", "manual buffer registration is not supported"),
+    ("ddp_config", "megatron_fsdp_use_decoupled_grad", "decoupled gradients are not supported"),
+    ("ddp_config", "megatron_fsdp_enable_fine_grained_param_gather", "fine-grained parameter gathers are not supported"),
+    ("config", "overlap_moe_expert_parallel_comm", "it needs fine-grained parameter gathers, which are not supported"),
+    ("ddp_config", "megatron_fsdp_max_pool_double_buffer", "the max-pool double buffer is not supported"),
+    ("ddp_config", "fsdp_db_use_persist_buf_on_alloc_fail", "communication buffers come from PyTorch's allocator"),
+    ("ddp_config", "fsdp_trace_pool", "the trace pool allocator is not supported"),
+)
+
+
+def _reject(field: str, value, why: str) -> ValueError:
+    return ValueError(f"FullyShardedDataParallelV2 does not support {field}={value!r}: {why}")
+
+
+class FullyShardedDataParallelV2(_ShardedDataParallel):
+    """MFSDP v2 wrapper: the engine's hooks gather, reduce and finalize; the sync calls are no-ops."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        ddp_config: DistributedDataParallelConfig,
+        module: nn.Module,
+        fsdp_unit_modules: Optional[List[Type[nn.Module]]] = None,
+        disable_bucketing: bool = False,
+        device: Optional[torch.device] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ):
+        """Initialize the MFSDP v2 wrapper.
+
+        Args:
+            config: Transformer configuration for the model.
+            ddp_config: Data-parallel and sharding configuration.
+            module: Root model module to shard.
+            fsdp_unit_modules: Module types to shard as child FSDP units. If
+                unspecified, transformer, MoE transformer, and Mamba layers are used.
+            disable_bucketing: Compatibility argument that must remain False.
+            device: Device whose type is used to build the data-parallel mesh
+                (default: CUDA with NCCL, else CPU).
+            pg_collection: Explicit process groups; ``dp_cp`` defines the
+                data-parallel mesh.
+
+        Raises:
+            ValueError: A required process group is missing or the configuration
+                requests a feature V2 does not support (the message names the field).
+            NotImplementedError: expert parallelism, which passes validation but is
+                not composed with the engine yet.
+        """
+        if pg_collection is None:
+            raise ValueError(
+                "FullyShardedDataParallelV2 needs an explicit pg_collection (ProcessGroupCollection); "
+                "its dp_cp group defines the data-parallel mesh"
+            )
+        self._validate_config(config, ddp_config, module, pg_collection, disable_bucketing)
+        super().__init__(config=config, module=module)
+        cfg, ddp = as_transformer_config(config), as_ddp_config(ddp_config)
+        self.ddp_config = ddp_config
+        logger.info("Setting up FullyShardedDataParallelV2 with config %s", ddp)
+        device_type = _device_type(device)
+        expert_mesh, expert_placements = _build_expert_mesh_and_placements(cfg, ddp, pg_collection, device_type)
+        if expert_mesh is not None:
+            raise NotImplementedError(
+                f"FullyShardedDataParallelV2 with expert_model_parallel_size={cfg.expert_model_parallel_size}: "
+                "sharding experts over expt_dp next to dense layers over dp_cp is not built yet"
+            )
+        for field in ("nccl_ub", "fsdp_double_buffer"):
+            if getattr(ddp, field):
+                logger.warning("%s=True is accepted and ignored: buffers come from PyTorch's allocator", field)
+        hybrid = ddp.num_distributed_optimizer_instances > 1
+        if hybrid:
+            self.mesh = _build_hybrid_dp_mesh(pg_collection.inter_dist_opt, pg_collection.intra_dp_cp, device_type)
+        else:
+            self.mesh = DeviceMesh.from_group(pg_collection.dp_cp, device_type, mesh_dim_names=(INNER_AXIS,))
+        self.moe_mesh = None
+        if fsdp_unit_modules is None:
+            fsdp_unit_modules = _present(module, _default_unit_types())
+        self.fsdp_unit_modules = list(fsdp_unit_modules)
+        self._shard(
+            mesh=self.mesh,
+            placements=_placements(ddp, hybrid),
+            unit_types=self.fsdp_unit_modules,
+            policy=_mixed_precision(cfg, ddp),
+            init_on_meta=cfg.init_model_with_meta_device,
+            prefetch=True,
+        )
+
+    @staticmethod
+    def _validate_config(config, ddp_config, module: nn.Module, pg_collection, disable_bucketing: bool = False) -> None:
+        """Validate that the model and configuration are supported by MFSDP v2.
+
+        Raises:
+            ValueError: naming the field, for a missing process group or an
+                unsupported feature, topology or data-parallel option.
+        """
+        cfg, ddp = as_transformer_config(config), as_ddp_config(ddp_config)
+        if disable_bucketing:
+            raise _reject("disable_bucketing", disable_bucketing, "V2 forms its own parameter groups; leave it False")
+        if pg_collection is None or getattr(pg_collection, "dp_cp", None) is None:
+            raise ValueError("FullyShardedDataParallelV2 needs pg_collection.dp_cp, the data-parallel process group")
+        for field in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            value = getattr(cfg, field)
+            if value != 1:
+                raise _reject(field, value, "composing FSDP with tensor, pipeline or context parallelism is not built yet")
+        if (cfg.expert_tensor_parallel_size or 1) != 1:
+            raise _reject("expert_tensor_parallel_size", cfg.expert_tensor_parallel_size,
+                          "expert tensor parallelism is not built yet")
+        for name in ("tp", "pp", "cp", "expt_tp"):
+            size = group_size(getattr(pg_collection, name, None))
+            if size != 1:
+                raise ValueError(
+                    f"FullyShardedDataParallelV2 needs pg_collection.{name} of size 1, got {size}: "
+                    "composing FSDP with model parallelism is not built yet"
+                )
+        ep = cfg.expert_model_parallel_size
+        if ep > 1:
+            ep_group = getattr(pg_collection, "ep", None)
+            if ep_group is None or group_size(ep_group) != ep:
+                found = None if ep_group is None else group_size(ep_group)
+                raise ValueError(
+                    f"expert_model_parallel_size={ep} needs pg_collection.ep with {ep} ranks, got {found}"
+                )
+            if getattr(pg_collection, "expt_dp", None) is None:
+                raise ValueError(f"expert_model_parallel_size={ep} needs pg_collection.expt_dp (expert data parallel)")
+            if not any(type(m).__name__ in _MOE_CLASS_NAMES for m in module.modules()):
+                raise ValueError(f"expert_model_parallel_size={ep} but the model has no MoE layers")
+        _check_strategies(ddp, "FullyShardedDataParallelV2")
+        if ddp.num_distributed_optimizer_instances > 1:
+            for name in ("intra_dp_cp", "inter_dist_opt"):
+                if getattr(pg_collection, name, None) is None:
+                    raise ValueError(
+                        f"num_distributed_optimizer_instances={ddp.num_distributed_optimizer_instances} needs "
+                        f"pg_collection.{name}"
+                    )
+        sources = {"config": cfg, "ddp_config": ddp}
+        for source, field, why in _V2_UNSUPPORTED_FLAGS:
+            value = getattr(sources[source], field)
+            if value:
+                raise _reject(field, value, why)
+        if cfg.cuda_graph_impl != "none":
+            raise _reject("cuda_graph_impl", cfg.cuda_graph_impl, "CUDA graphs are not supported")
+        if ddp.nccl_ub and ddp.disable_symmetric_registration:
+            raise _reject("disable_symmetric_registration", True, "nccl_ub needs symmetric registration")
+        for field in ("num_buckets", "suggested_communication_unit_size"):
+            value = getattr(ddp, field)
+            if value is not None:
+                raise _reject(field, value, "V2 sizes its communication per unit")
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Suppress gradient finalization for a non-final micro-batch.
+
+        HSDP/HFSDP leave the outer data-parallel axis Partial across micro-batches
+        and reduce it on the last backward of a step, so the engine has to be told
+        which backward that is. Without it every backward finalizes that axis and
+        the next micro-batch starts over, so only the last micro-batch's gradient
+        would reach the optimizer. Megatron's schedules wrap every micro-batch but
+        the last in ``no_sync_func``.
+        """
+        with self.module.no_sync():
+            yield
+
+    def start_param_sync(self, *unused, **unused_kwargs) -> None:
+        """No-op: parameters are gathered by the forward pre-hooks."""
+
+    def start_grad_sync(self, *unused, **unused_kwargs) -> None:
+        """No-op: gradients are reduced during backward."""
+
+    def finish_grad_sync(self, *unused, **unused_kwargs) -> None:
+        """No-op: gradient reduction is complete when backward returns."""
+
+    def synchronize_param_gather(self, *unused, **unused_kwargs) -> None:
+        """No-op: parameter gathers complete inside the module hooks."""
+
+    def broadcast_params(self) -> None:
+        """Reject parameter broadcast, which V2 does not support."""
+        raise NotImplementedError(
+            "FullyShardedDataParallelV2 does not support broadcast_params (data-parallel random "
+            "initialization); initialize the model identically on every rank, e.g. with the same seed"
+        )
+
+    def stop_communication(self) -> None:
+        """No-op: communication is complete when backward returns."""
