@@ -1,6 +1,7 @@
 """shardwise: Fully Sharded Data Parallel training for PyTorch."""
 
 from .fully_shard import ShardedModule, fully_shard
+from .materialize import MetaInitializer, materialize_meta_module, materialize_owned_meta_modules
 from .mesh import build_dp_mesh, build_expert_mesh, check_mesh_ranks_and_group_ranks_are_consistent
 from .optim import clip_grad_norm_, grad_norm
 from .placements import AxisPlacements, STRATEGY_PLACEMENTS, resolve_strategy, strategy_placements
@@ -10,6 +11,9 @@ from .state_dict import full_state_dict
 __all__ = [
     "fully_shard",
     "ShardedModule",
+    "MetaInitializer",
+    "materialize_meta_module",
+    "materialize_owned_meta_modules",
     "MixedPrecisionPolicy",
     "AxisPlacements",
     "STRATEGY_PLACEMENTS",

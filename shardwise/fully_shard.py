@@ -265,6 +265,11 @@ class ShardedModule(nn.Module):
         for unit in self.sharded_state.all_units:
             unit.reshard()
 
+    def zero_grad_buffer(self) -> None:
+        """Drop every gradient, including micro-batches accumulated under ``no_sync`` and not finalized."""
+        for group in self.sharded_state.groups:
+            group.discard_grads()
+
     def mark_weights_modified(self) -> None:
         """Tell the engine the main weights changed outside an optimizer step (refreshed at next forward)."""
         self.sharded_state.mark_weights_modified()
@@ -416,6 +421,21 @@ def _place_model_parallel(ref: ParamRef, plan: ShardingPlan, expert_plan, tp_axi
     return target
 
 
+def _split(refs: list[ParamRef], limit: int) -> list[list[ParamRef]]:
+    """Consecutive runs of parameters with at most ``limit`` elements each (a bigger one alone)."""
+    chunks, current, size = [], [], 0
+    for ref in refs:
+        n = ref.param.numel()
+        if current and size + n > limit:
+            chunks.append(current)
+            current, size = [], 0
+        current.append(ref)
+        size += n
+    if current:
+        chunks.append(current)
+    return chunks
+
+
 def _sync_from_first_rank(param: torch.Tensor, group, device: torch.device) -> None:
     """Make a TP-replicated parameter identical across its TP group (rank 0's values)."""
     import torch.distributed as dist
@@ -455,6 +475,8 @@ def fully_shard(
     expert_mesh: DeviceMesh | None = None,
     expert_placements: Mapping[str, AxisPlacements] | None = None,
     ep_axis: str = "ep",
+    gradient_reduction: str = "mean",
+    bucket_size: int | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters, gradients and optimizer state over ``mesh``.
 
@@ -479,13 +501,22 @@ def fully_shard(
     names = mesh.mesh_dim_names or ()
     plan = ShardingPlan(mesh, placements, model_parallel_axes=[tp_axis] if tp_axis in names else [])
     expert_plan = _expert_plan(plan, placements, expert_mesh, expert_placements, ep_axis)
+    if gradient_reduction not in ("mean", "sum"):
+        raise ValueError(f"gradient_reduction={gradient_reduction!r} must be 'mean' or 'sum'")
+    if gradient_reduction == "sum":  # e.g. per-token losses normalized after the reduction
+        for p in (plan, expert_plan):
+            if p is not None:
+                p.grad_scale *= plan.dp_size
+    if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
+        raise ValueError(f"bucket_size={bucket_size!r} must be a positive number of elements")
     unit_list = _resolve_units(module, unit_modules)
     _check_parameters(module)
     meta = [n for n, p in module.named_parameters() if p.is_meta]
     if meta and init_fn is None:
         raise ValueError(
             f"parameters {meta[:4]}{'...' if len(meta) > 4 else ''} are on the meta device; "
-            "pass init_fn= (e.g. shardwise.materialize_meta_module) to materialize them unit by unit"
+            "pass init_fn=shardwise.MetaInitializer(model) (or shardwise.materialize_owned_meta_modules) "
+            "to materialize them unit by unit"
         )
 
     device = (
@@ -518,8 +549,12 @@ def fully_shard(
             buckets.setdefault(key, []).append(ref)
             if tp_axis in ref_plan.model_parallel and tp_axis not in ref.model_parallel_dims:
                 _sync_from_first_rank(ref.param, ref_plan.model_parallel[tp_axis].group, device)
+        if owner is module and bucket_size is not None:  # split what no unit owns into buckets
+            buckets = {
+                key + (i,): chunk for key, bucket in buckets.items() for i, chunk in enumerate(_split(bucket, bucket_size))
+            }
         groups = []
-        for (plan_id, dtype, rg, sequence_parallel), bucket in buckets.items():
+        for (plan_id, dtype, rg, sequence_parallel, *_), bucket in buckets.items():
             ref_plan = expert_plan if expert_plan is not None and plan_id == id(expert_plan) else plan
             kind = ("" if rg else ",frozen") + (",experts" if ref_plan is not plan else "")
             label = f"{module_names.get(id(owner), '') or '<root>'}[{str(dtype).replace('torch.', '')}{kind}]"

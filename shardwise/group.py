@@ -355,6 +355,17 @@ class ParamGroup:
         self._window_open = False
         self._pending_install = True
 
+    def discard_grads(self) -> None:
+        """Drop installed grads and any accumulation still open (the next backward overwrites)."""
+        for param in self.sharded_params:
+            param.grad = None
+        for param in self.unsharded_params:
+            param.grad = None
+        self.grad_acc = None
+        self.main_grad = None
+        self._window_open = False
+        self._pending_install = False
+
     def install_grads(self) -> None:
         """Expose the finalized main grads as the sharded parameters' ``.grad``.
 

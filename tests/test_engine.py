@@ -355,3 +355,46 @@ def test_bad_input_raises_early_naming_the_argument():
     for key, fragment in EXPECTED_ERRORS.items():
         assert errors[key] is not None, f"{key}: no error raised"
         assert fragment in errors[key], f"{key}: {errors[key]!r} does not mention {fragment!r}"
+
+
+# ------------------------------------------------- buckets, sum reduction, discard
+
+
+def _grads_with(bucket_size, reduction, discard_first):
+    """Full gradients after one backward (optionally after a discarded no_sync micro-batch)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    config = TinyConfig()
+    torch.manual_seed(0)
+    model = shardwise.fully_shard(
+        TinyLM(config), unit_modules=[Block], bucket_size=bucket_size, gradient_reduction=reduction
+    )
+    tokens, targets = (t.to(device()) for t in batch(0, 2 * world, config))
+    mine = slice(2 * rank, 2 * rank + 2)
+    if discard_first:
+        with model.no_sync():
+            model(tokens[mine].flip(0), targets[mine]).backward()
+        model.zero_grad_buffer()
+    model(tokens[mine], targets[mine]).backward()
+    root_groups = len(model.sharded_state.root.groups)
+    grads = {}
+    for group in model.sharded_state.groups:
+        for fqn, p in zip(group.fqns, group.sharded_params):
+            if p.grad is not None:
+                full = torch.empty(group.layout.total)
+                dist.all_gather_into_tensor(full, group._main_grad_ref(), group=group.plan.axes["dp_shard"].group)
+                slot = group.layout.slots[group.fqns.index(fqn)]
+                grads[fqn] = full[slot.offset : slot.end].view(slot.shape)
+    return root_groups, grads
+
+
+def test_bucket_size_sum_reduction_and_zero_grad_buffer():
+    world = 2
+    base_groups, base = run_distributed(_grads_with, world, None, "mean", False)[0]
+    bucket_groups, bucketed = run_distributed(_grads_with, world, 40, "mean", False)[0]
+    assert bucket_groups > base_groups  # the root's own parameters were split into buckets
+    _, summed = run_distributed(_grads_with, world, None, "sum", False)[0]
+    _, discarded = run_distributed(_grads_with, world, None, "mean", True)[0]
+    for name, grad in base.items():
+        torch.testing.assert_close(bucketed[name], grad, rtol=1e-6, atol=0)
+        torch.testing.assert_close(summed[name], grad * world, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(discarded[name], grad, rtol=1e-6, atol=0)
