@@ -14,6 +14,7 @@ __all__ = ["COMMANDS", "main"]
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("shardwise.train", "train a reference model with fully_shard"),
     "ckpt": ("shardwise.checkpoint.cli", "inspect a checkpoint or export it as safetensors (info, export)"),
+    "bench": ("shardwise.bench.cli", "compare shardwise with FSDP2, DDP and megatron-fsdp (speed, memory, exposed comm)"),
 }
 
 

@@ -27,7 +27,6 @@ import contextlib
 import json
 import math
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -39,6 +38,7 @@ import torch.distributed as dist
 from .checkpoint import CheckpointManager
 from .data import DATA_DTYPES, TokenLoader, check_data_path, load_tokens
 from .models import GPT, GPTConfig
+from .launch import launch_local, under_launcher
 from .presets import PRESETS
 
 __all__ = ["TrainConfig", "ConfigError", "resolve_config", "train", "main"]
@@ -428,34 +428,22 @@ def _plot(path: Path, history: list[dict], cfg: TrainConfig) -> None:
 
 
 # ------------------------------------------------------------------ launching
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawned_worker(local_rank: int, world: int, port: int, cfg, model_cfg, started_at) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
-                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    train(cfg, model_cfg, started_at)
-
-
 def main(argv=None) -> int:
     started_at = time.time()
     try:
         cfg, model_cfg = resolve_config(argv)
-        under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-        if under_launcher:
+        launched = under_launcher()
+        if launched:
             world = int(os.environ["WORLD_SIZE"])
         elif cfg.nproc:
             world = cfg.nproc
         else:
             world = torch.cuda.device_count() if _device_type(cfg) == "cuda" else 2
-        if _device_type(cfg) == "cuda" and not under_launcher and world > torch.cuda.device_count():
+        if _device_type(cfg) == "cuda" and not launched and world > torch.cuda.device_count():
             raise ConfigError("nproc", world, f"more processes than GPUs ({torch.cuda.device_count()})")
         _check_world(cfg, model_cfg, world)
         cfg = replace(cfg, out_dir=_default_out_dir(cfg))
-        if not under_launcher:
+        if not launched:
             try:
                 Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
             except OSError as e:
@@ -463,21 +451,10 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"shardwise train: error: {e}", file=sys.stderr)
         return 2
-    if under_launcher:
+    if launched:
         train(cfg, model_cfg, started_at)
         return 0
-    import torch.multiprocessing as mp
-
-    try:
-        mp.start_processes(_spawned_worker, args=(world, _free_port(), cfg, model_cfg, started_at),
-                           nprocs=world, start_method="spawn")
-    except mp.ProcessRaisedException as e:
-        print(f"shardwise train: a worker failed:\n{e}", file=sys.stderr)
-        return 1
-    except mp.ProcessExitedException as e:
-        print(f"shardwise train: a worker exited: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return launch_local(train, world, (cfg, model_cfg, started_at), "shardwise train")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ from dataclasses import fields
 
 import torch
 import torch.distributed as dist
+
+from ..launch import launch_local
 
 
 def _status_mib(key: str) -> float:
@@ -35,14 +36,12 @@ def _status_mib(key: str) -> float:
         pass
     return float("nan")
 
-
 def _reset_peak() -> None:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
         pass
-
 
 def _build(args, strategy: str, device: torch.device):
     import shardwise
@@ -61,7 +60,6 @@ def _build(args, strategy: str, device: torch.device):
         mixed_precision=shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4), config
 
-
 def _checksum(model, optimizer) -> torch.Tensor:
     """Sums over every main weight and optimizer value (identical whatever the sharding)."""
     from shardwise.checkpoint.dcp_state import sharded_groups
@@ -75,11 +73,10 @@ def _checksum(model, optimizer) -> torch.Tensor:
                 total[i] += state[key].to_local().double().abs().sum()
     return total
 
-
-def _worker(rank: int, world: int, port: int, args) -> None:
+def _worker(args) -> None:
     from shardwise.checkpoint import CheckpointManager
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cuda = torch.cuda.is_available() and not args.cpu
     if cuda:
         torch.cuda.set_device(rank)
@@ -138,13 +135,6 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     report("load", seconds, strategy=args.load_strategy, checksum_equal=same)
     dist.destroy_process_group()
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _EXPORT = r"""
 import json, sys, time
 from shardwise.checkpoint.export import export_safetensors
@@ -165,7 +155,6 @@ print(json.dumps({"phase": "export bf16", "seconds": round(time.perf_counter() -
                   "files": len(files), "bytes": sum(f.stat().st_size for f in files)}), flush=True)
 """
 
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shardwise.checkpoint.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="1b")
@@ -178,13 +167,11 @@ def main(argv=None) -> int:
     parser.add_argument("--no-export", action="store_true")
     args = parser.parse_args(argv)
     world = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() and not args.cpu else 2)
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_worker, args=(world, _free_port(), args), nprocs=world, start_method="spawn")
+    if launch_local(_worker, world, (args,), "shardwise.checkpoint.bench"):
+        return 1
     if not args.no_export:
         subprocess.run([sys.executable, "-c", _EXPORT, args.dir, os.path.join(args.dir, "export")], check=True)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

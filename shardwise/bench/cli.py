@@ -1,0 +1,208 @@
+"""``shardwise bench``: train one model under shardwise, FSDP2, DDP and megatron-fsdp in one job.
+
+    shardwise bench --size tiny --device cpu --nproc 2              # CPU, gloo, a minute
+    shardwise bench --sizes 0.9b,2.8b,8b --out runs/bench           # one process per GPU
+    shardwise bench --sizes 0.9b --repeats 2 --steps 20 --wrappers fsdp2,shardwise
+    torchrun --nproc-per-node 2 -m shardwise.bench --sizes 8b --steps 8b=6
+
+Started directly it spawns ``--nproc`` local workers (default: one per GPU, or 2
+on CPU); under ``torchrun`` it is the worker. Each size is trained under every
+wrapper in turn (``--repeats 2`` runs the order again reversed), results are
+printed as each run ends, and rank 0 writes ``bench.json`` (every run, the
+summary and the settings), ``bench.md`` (the table) and ``bench.png`` (bar
+charts) under ``--out``; the JSON and table are rewritten after every run, so a
+job cut short still leaves what it measured. See :mod:`shardwise.bench.runner`
+for exactly what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..launch import launch_local, under_launcher
+from .report import format_run, write_reports
+from .runner import BenchOptions, run_benchmark
+from .sizes import SIZES
+from .wrappers import DEFAULT_ORDER, WRAPPERS, wrapper_version
+
+__all__ = ["build_parser", "parse_options", "worker", "main"]
+
+GPU_SIZES = "0.9b,2.8b,8b"
+
+
+class UsageError(ValueError):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardwise bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--sizes", "--size", dest="sizes", default=None,
+                   help=f"comma list of {', '.join(SIZES)} (default: tiny on CPU, {GPU_SIZES} on CUDA)")
+    p.add_argument("--wrappers", default=",".join(DEFAULT_ORDER),
+                   help=f"comma list, run in this order: {', '.join(WRAPPERS)}")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--nproc", type=int, default=0, help="local workers (0 = one per GPU, or 2 on CPU)")
+    p.add_argument("--steps", default="", help="timed steps: N for every size, or SIZE=N,... (default: 10)")
+    p.add_argument("--warmup", default="", help="warm-up steps before timing: N or SIZE=N,... (default: 3)")
+    p.add_argument("--profile-steps", type=int, default=2,
+                   help="extra profiled steps per run for exposed communication (CUDA; 0 = off)")
+    p.add_argument("--repeats", type=int, default=1, help="run every wrapper this many times, order alternated")
+    p.add_argument("--strategy", default="optim_grads_params", help="shardwise sharding strategy (or ZeRO 0-3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the random tokens")
+    p.add_argument("--micro-batch", type=int, default=0, help="sequences per GPU per step (0 = the size's)")
+    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (0 = the size's)")
+    p.add_argument("--loss-rtol", type=float, default=2**-8,
+                   help="last-step loss tolerance against FSDP2 (relative; bf16 unit roundoff)")
+    p.add_argument("--out", default="runs/bench", help="folder for bench.json, bench.md, bench.png")
+    p.add_argument("--save-traces", action="store_true",
+                   help="also write rank 0's chrome trace of the profiled steps to OUT/traces/")
+    return p
+
+
+def _per_size(text: str, flag: str) -> dict:
+    values = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, _, value = item.rpartition("=")
+        key = key or "*"
+        if key != "*" and key not in SIZES:
+            raise UsageError(f"{flag} {text}: unknown size {key!r}")
+        try:
+            values[key] = int(value)
+        except ValueError:
+            raise UsageError(f"{flag} {text}: {value!r} is not an integer") from None
+        if values[key] < (1 if flag == "--steps" else 0):
+            raise UsageError(f"{flag} {text}: {values[key]} is too small")
+    return values
+
+
+def parse_options(argv) -> tuple[BenchOptions, argparse.Namespace]:
+    """Flags -> options, with every check that needs no process group."""
+    import shardwise
+
+    args = build_parser().parse_args(argv)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    sizes = [s.strip() for s in (args.sizes or ("tiny" if device == "cpu" else GPU_SIZES)).split(",") if s.strip()]
+    for s in sizes:
+        if s not in SIZES:
+            raise UsageError(f"--sizes {args.sizes}: unknown size {s!r}; choose from {', '.join(SIZES)}")
+    wrappers = [w.strip() for w in args.wrappers.split(",") if w.strip()]
+    for w in wrappers:
+        if w not in WRAPPERS:
+            raise UsageError(f"--wrappers {args.wrappers}: unknown wrapper {w!r}; "
+                             f"choose from {', '.join(WRAPPERS)}")
+    if not wrappers or len(set(wrappers)) != len(wrappers):
+        raise UsageError(f"--wrappers {args.wrappers}: name each wrapper once")
+    try:
+        strategy = shardwise.resolve_strategy(args.strategy)
+    except ValueError:
+        raise UsageError(f"--strategy {args.strategy}: unknown strategy") from None
+    for flag in ("repeats", "nproc", "profile_steps", "micro_batch", "seq_len"):
+        value = getattr(args, flag)
+        if value < (1 if flag == "repeats" else 0):
+            raise UsageError(f"--{flag.replace('_', '-')} {value}: too small")
+    opts = BenchOptions(
+        sizes=sizes, wrappers=wrappers, device=device, steps=_per_size(args.steps, "--steps"),
+        warmup=_per_size(args.warmup, "--warmup"), profile_steps=args.profile_steps, repeats=args.repeats,
+        strategy=strategy, seed=args.seed, micro_batch=args.micro_batch, seq_len=args.seq_len,
+        loss_rtol=args.loss_rtol, trace_dir=str(Path(args.out) / "traces") if args.save_traces else "")
+    return opts, args
+
+
+def _meta(opts: BenchOptions, out: str, command: str) -> dict:
+    cuda = opts.device == "cuda"
+    nccl = None
+    if cuda:
+        try:
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001
+            nccl = "unknown"
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": command, "out": out,
+        "world_size": dist.get_world_size(), "device": opts.device,
+        "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__, "nccl": nccl, "python": sys.version.split()[0],
+        "versions": {w: wrapper_version(w) for w in opts.wrappers if w != "fsdp2" and w != "ddp"},
+        "loss_rtol": opts.loss_rtol,
+        "options": {k: v for k, v in vars(opts).items()},
+        "sizes": {s: {"seq_len": opts.shape_for(SIZES[s])[1], "micro_batch": opts.shape_for(SIZES[s])[0],
+                      "steps": opts.steps_for(SIZES[s]), "warmup": opts.warmup_for(SIZES[s]),
+                      "profile_steps": opts.profile_steps if cuda else 0,
+                      **SIZES[s].model} for s in opts.sizes},
+    }
+
+
+def worker(opts: BenchOptions, out: str, command: str = "") -> list[dict]:
+    """One rank: set up the device and group (unless already up), run, and (rank 0) write the reports."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if opts.device == "cuda":
+        torch.cuda.set_device(local_rank)
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        if opts.device == "cuda":
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        else:
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+            dist.init_process_group("gloo")
+    try:
+        rank = dist.get_rank()
+        meta = _meta(opts, out, command) if rank == 0 else {}
+        finished: list[dict] = []
+        if rank == 0:
+            print(f"shardwise bench: sizes {','.join(opts.sizes)}, wrappers {','.join(opts.wrappers)}, "
+                  f"{meta['world_size']} x {meta['device_name']}, torch {meta['torch']}"
+                  + (f", NCCL {meta['nccl']}" if meta["nccl"] else "") + f" -> {out}", flush=True)
+
+        def on_result(run: dict) -> None:
+            finished.append(run)
+            print(format_run(run), flush=True)
+            write_reports(out, meta, finished, png=False)
+
+        runs = run_benchmark(opts, on_result)
+        if rank == 0:
+            table = write_reports(out, meta, runs, png=True)
+            print("\n" + table + f"\nwrote {out}/bench.json, bench.md, bench.png", flush=True)
+        return runs
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = "shardwise bench " + shlex.join(argv)
+    try:
+        opts, args = parse_options(argv)
+        launched = under_launcher()
+        if launched:
+            world = int(os.environ["WORLD_SIZE"])
+        else:
+            world = args.nproc or (torch.cuda.device_count() if opts.device == "cuda" else 2)
+            if opts.device == "cuda" and world > torch.cuda.device_count():
+                raise UsageError(f"--nproc {world}: more processes than GPUs ({torch.cuda.device_count()})")
+        if world < 2:
+            print("shardwise bench: warning: one process measures no communication", file=sys.stderr)
+    except UsageError as e:
+        print(f"shardwise bench: error: {e}", file=sys.stderr)
+        return 2
+    if launched:
+        worker(opts, args.out, command)
+        return 0
+    return launch_local(worker, world, (opts, args.out, command), "shardwise bench")
+
+
+if __name__ == "__main__":
+    from shardwise.bench.cli import main as _main  # so spawned workers unpickle shardwise.bench.*
+
+    sys.exit(_main())

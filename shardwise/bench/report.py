@@ -1,0 +1,237 @@
+"""Benchmark results: per-run records, a per-wrapper summary, JSON, a markdown table and a bar chart.
+
+A *run* is one wrapper trained once on one size (the dicts
+:func:`shardwise.bench.runner.run_one` returns). A *row* summarizes the runs of
+one (size, wrapper) over the repeats: mean tokens/s, the largest peak memory
+and exposed communication, and the comparison against FSDP2 of the same size
+(ratios of the means; the loss check per repeat against FSDP2's run of that
+repeat, which trained on the same data from the same weights).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+__all__ = ["REFERENCE", "annotate", "summarize", "markdown_table", "markdown_report", "write_json",
+           "plot", "write_reports", "format_run"]
+
+REFERENCE = "fsdp2"
+
+
+def _ok(run: dict) -> bool:
+    return run.get("status") == "ok"
+
+
+def _mean(values):
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(values) / len(values) if values else None
+
+
+def _max(values):
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return max(values) if values else None
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def annotate(runs: list[dict], loss_rtol: float) -> list[dict]:
+    """Add each run's comparison with FSDP2's run of the same size and repeat (in place)."""
+    refs = {(r["size"], r["repeat"]): r for r in runs if r["wrapper"] == REFERENCE and _ok(r)}
+    for run in runs:
+        ref = refs.get((run["size"], run["repeat"]))
+        if not _ok(run) or ref is None:
+            run.update(loss_rel_diff=None, loss_ok=None, tokens_ratio=None, mem_ratio=None)
+            continue
+        diff = abs(run["loss_last"] - ref["loss_last"]) / abs(ref["loss_last"])
+        run.update(loss_rel_diff=diff, loss_ok=bool(diff <= loss_rtol),
+                   tokens_ratio=_ratio(run["tokens_per_s_per_gpu"], ref["tokens_per_s_per_gpu"]),
+                   mem_ratio=_ratio(run["peak_alloc_gib"], ref["peak_alloc_gib"]))
+    return runs
+
+
+def summarize(runs: list[dict], loss_rtol: float) -> list[dict]:
+    """One row per (size, wrapper), in the order they first ran."""
+    annotate(runs, loss_rtol)
+    keys = list(dict.fromkeys((r["size"], r["wrapper"]) for r in runs))
+    rows = []
+    for size, wrapper in keys:
+        mine = [r for r in runs if r["size"] == size and r["wrapper"] == wrapper]
+        ok = [r for r in mine if _ok(r)]
+        row = {"size": size, "wrapper": wrapper, "params": mine[0]["params"], "device": mine[0]["device"],
+               "world_size": mine[0]["world_size"], "runs": len(mine), "ok_runs": len(ok)}
+        if not ok:
+            row.update(status=mine[0]["status"], reason=mine[0].get("reason", ""))
+            rows.append(row)
+            continue
+        row.update(
+            status="ok",
+            tokens_per_s_per_gpu=_mean([r["tokens_per_s_per_gpu"] for r in ok]),
+            tokens_per_s_per_repeat=[r["tokens_per_s_per_gpu"] for r in ok],
+            mfu=_mean([r["mfu"] for r in ok]),
+            peak_alloc_gib=_max([r["peak_alloc_gib"] for r in ok]),
+            peak_reserved_gib=_max([r["peak_reserved_gib"] for r in ok]),
+            exposed_comm_frac=_max([r["exposed_comm_frac"] for r in ok]),
+            exposed_comm_ms_per_step=_max([r["exposed_comm_ms_per_step"] for r in ok]),
+            loss_first=ok[0]["loss_first"], loss_last=ok[0]["loss_last"],
+            loss_rel_diff=_max([r["loss_rel_diff"] for r in ok]),
+            loss_ok=None if any(r["loss_ok"] is None for r in ok) else all(r["loss_ok"] for r in ok),
+        )
+        rows.append(row)
+    refs = {r["size"]: r for r in rows if r["wrapper"] == REFERENCE and r["status"] == "ok"}
+    for row in rows:
+        ref = refs.get(row["size"])
+        if row["status"] != "ok" or ref is None:
+            row.update(tokens_ratio=None, mem_ratio=None)
+            continue
+        row["tokens_ratio"] = _ratio(row["tokens_per_s_per_gpu"], ref["tokens_per_s_per_gpu"])
+        row["mem_ratio"] = _ratio(row["peak_alloc_gib"], ref["peak_alloc_gib"])
+    return rows
+
+
+# ------------------------------------------------------------------ text
+def _f(value, fmt: str, none: str = "n/a") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return none
+    return format(value, fmt)
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    cpu = all(r["device"] == "cpu" for r in rows)
+    mem = "peak RSS GiB (host)" if cpu else "peak alloc GiB"
+    head = (f"| size | wrapper | tokens/s/GPU | vs FSDP2 | MFU | {mem} | vs FSDP2 | peak reserved GiB "
+            "| exposed comm | loss first -> last | loss vs FSDP2 | check |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        name = f"{r['size']} ({_params(r['params'])})"
+        if r["status"] != "ok":
+            lines.append(f"| {name} | {r['wrapper']} | {r['status']}: {r.get('reason', '')} "
+                         "| | | | | | | | | |")
+            continue
+        per_repeat = r["tokens_per_s_per_repeat"]
+        speed = f"{r['tokens_per_s_per_gpu']:,.0f}"
+        if len(per_repeat) > 1:
+            speed += " (" + ", ".join(f"{v:,.0f}" for v in per_repeat) + ")"
+        exposed = "n/a" if r["exposed_comm_frac"] is None else (
+            f"{100 * r['exposed_comm_frac']:.1f}% ({r['exposed_comm_ms_per_step']:.1f} ms/step)")
+        check = {None: "n/a", True: "pass", False: "FAIL"}[r["loss_ok"]]
+        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        lines.append(
+            f"| {name} | {r['wrapper']} | {speed} | {_f(r['tokens_ratio'], '.3f')}x "
+            f"| {mfu} "
+            f"| {_f(r['peak_alloc_gib'], '.2f')} | {_f(r['mem_ratio'], '.3f')}x "
+            f"| {_f(r['peak_reserved_gib'], '.2f')} | {exposed} "
+            f"| {r['loss_first']:.4f} -> {r['loss_last']:.4f} | {_f(r['loss_rel_diff'], '.2e')} | {check} |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown_report(rows: list[dict], meta: dict) -> str:
+    when = meta.get("date", "")
+    lines = [f"# shardwise bench ({when})", ""]
+    for key in ("command", "device_name", "world_size", "torch", "nccl", "versions"):
+        if meta.get(key) not in (None, "", {}):
+            value = meta[key]
+            if isinstance(value, dict):
+                value = ", ".join(f"{k}: {v}" for k, v in value.items())
+            lines.append(f"- {key}: `{value}`" if key == "command" else f"- {key}: {value}")
+    for name, size in meta.get("sizes", {}).items():
+        lines.append(
+            f"- {name}: dim {size.get('dim')}, {size.get('n_layers')} layers, {size.get('n_heads')}/"
+            f"{size.get('n_kv_heads')} heads, ffn {size.get('ffn_hidden')}, vocab {size.get('vocab_size')}, "
+            f"seq {size.get('seq_len')}, micro-batch {size.get('micro_batch')}, activation checkpointing "
+            f"{'on' if size.get('activation_checkpointing') else 'off'}; {size.get('warmup')} warm-up + "
+            f"{size.get('steps')} timed + {size.get('profile_steps', 0)} profiled steps")
+    lines += ["", markdown_table(rows), *_notes(meta)]
+    return "\n".join(lines)
+
+
+def _notes(meta: dict) -> list[str]:
+    rtol = meta.get("loss_rtol")
+    return [
+        "Measured: tokens/s per GPU over the timed steps after the warm-up steps (device-synchronized "
+        "wall clock, slowest rank); MFU = tokens/s x (6 x params + 12 x layers x dim x seq) / 989e12; "
+        "peak memory = maximum over ranks of the allocator's peaks over warm-up + timed steps, reset after "
+        "wrapping (the unsharded model built before wrapping is not counted; optimizer state is); "
+        "exposed comm = time a NCCL kernel runs while no other GPU kernel/memcpy/memset does, over the "
+        "profiled steps, divided by their wall time (worst rank); loss = mean over ranks at the first "
+        "warm-up step and the last timed step; check = last-step loss within "
+        f"{_f(rtol, '.2e')} relative of FSDP2's on the same data. Ratios are against FSDP2 in the same job.",
+        "",
+    ]
+
+
+def format_run(run: dict) -> str:
+    """One line for a finished run, printed as soon as it ends."""
+    head = f"[{run['size']} r{run['repeat']}] {run['wrapper']:14s}"
+    if run["status"] != "ok":
+        return f"{head} {run['status']}: {run.get('reason', '')}"
+    mem = "peak RSS" if run["device"] == "cpu" else "peak alloc"
+    mfu = f" MFU {100 * run['mfu']:.1f}%" if run.get("mfu") is not None else ""
+    exposed = ("" if run.get("exposed_comm_frac") is None
+               else f" exposed comm {100 * run['exposed_comm_frac']:.1f}%")
+    reserved = ("" if run.get("peak_reserved_gib") is None else f" reserved {run['peak_reserved_gib']:.2f} GiB")
+    return (f"{head} {run['tokens_per_s_per_gpu']:,.0f} tok/s/GPU{mfu} {mem} {run['peak_alloc_gib']:.2f} GiB"
+            f"{reserved}{exposed} loss {run['loss_first']:.4f} -> {run['loss_last']:.4f} "
+            f"(wrap {run['wrap_s']:.1f}s, step {1000 * run['step_s']:.0f} ms)")
+
+
+# ------------------------------------------------------------------ files
+def write_json(path: Path, meta: dict, runs: list[dict], rows: list[dict]) -> None:
+    Path(path).write_text(json.dumps({"meta": meta, "summary": rows, "runs": runs}, indent=2, default=str) + "\n")
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    """Bar chart: tokens/s per GPU (top) and peak memory (bottom), one column per size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(dict.fromkeys(r["size"] for r in rows))
+    fig, axes = plt.subplots(2, len(sizes), figsize=(4.2 * len(sizes), 6.5), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    wrappers = list(dict.fromkeys(r["wrapper"] for r in rows))
+    for col, size in enumerate(sizes):
+        mine = [r for r in rows if r["size"] == size]
+        labels = [r["wrapper"] for r in mine]
+        color = [colors[wrappers.index(w) % len(colors)] for w in labels]
+        cpu = mine[0]["device"] == "cpu"
+        for ax, key, title in ((axes[0][col], "tokens_per_s_per_gpu", "tokens/s per GPU"),
+                               (axes[1][col], "peak_alloc_gib",
+                                "peak RSS GiB (host)" if cpu else "peak allocated GiB")):
+            values = [r.get(key) or 0.0 for r in mine]
+            bars = ax.bar(range(len(mine)), values, color=color)
+            for bar, r in zip(bars, mine):
+                digits = 0 if key.startswith("tok") else 2
+                text = r["status"] if r["status"] != "ok" else f"{r.get(key) or 0:,.{digits}f}"
+                ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=8)
+            ax.set_xticks(range(len(mine)), labels, rotation=20, fontsize=8)
+            ax.set_title(f"{size} ({_params(mine[0]['params'])}): {title}", fontsize=9)
+            ax.margins(y=0.12)
+            ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_reports(out_dir, meta: dict, runs: list[dict], png: bool = True) -> str:
+    """Write ``bench.json``, ``bench.md`` (and ``bench.png``) under ``out_dir``; return the table."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = summarize(runs, meta.get("loss_rtol", 2**-8))
+    write_json(out / "bench.json", meta, runs, rows)
+    (out / "bench.md").write_text(markdown_report(rows, meta))
+    if png and rows:
+        try:
+            plot(out / "bench.png", rows)
+        except Exception as e:  # noqa: BLE001 - e.g. no matplotlib on the machine: keep the rest
+            print(f"shardwise bench: no bench.png ({type(e).__name__}: {e})", flush=True)
+    return markdown_table(rows)

@@ -1,0 +1,373 @@
+"""Train one model under each wrapper in one job and measure it.
+
+For each size, every rank builds the same model (same seed) directly on its
+device, hands it to a wrapper, and trains it on the same random tokens (a
+fixed ``torch.Generator`` per rank) for ``warmup`` + ``steps`` steps, then
+``profile_steps`` more under the torch profiler. Measured per run:
+
+* tokens/s per GPU: ``steps x micro_batch x seq_len`` over the wall clock of the
+  timed steps, device-synchronized at both ends, slowest rank;
+* MFU: tokens/s x (6 x params + 12 x layers x dim x seq) / 989e12 (CUDA only);
+* peak allocated / reserved memory: maximum over ranks of the CUDA caching
+  allocator's peaks over the warm-up and timed steps; the statistics are reset
+  after wrapping and building the optimizer (and emptying the cache), so the
+  unsharded fp32 model built before wrapping is not counted, while optimizer
+  state created during the first step is. On CPU: peak resident set size of the
+  process over the same window (host memory, whole process);
+* loss at the first warm-up step and at the last timed step (mean over ranks);
+* exposed communication (CUDA only): over the profiled steps on every rank, the
+  time during which a NCCL kernel runs on the GPU while no other kernel, memcpy
+  or memset does (union of intervals), divided by the wall time of those steps;
+  the largest rank is reported.
+
+Everything between runs is freed (``gc.collect``, ``empty_cache``); the allocated
+memory left at the start of a run is reported too (``base_alloc_gib``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..models import GPT
+from .sizes import SIZES, BenchSize, ddp_bytes_estimate, model_config
+from .wrappers import DEFAULT_ORDER, WRAPPERS, unavailable_reason
+
+__all__ = ["BenchOptions", "run_benchmark", "run_one", "merge_intervals", "interval_length",
+           "exposed_length", "kernel_intervals", "PEAK_FLOPS_PER_GPU"]
+
+PEAK_FLOPS_PER_GPU = 989e12  # H100/H200 dense bf16
+GIB = 2**30
+DDP_FIT_MARGIN = 0.9  # skip DDP when its estimate passes this fraction of free memory
+
+
+@dataclass
+class BenchOptions:
+    sizes: Sequence[str] = ("tiny",)
+    wrappers: Sequence[str] = DEFAULT_ORDER
+    device: str = "cpu"  # "cpu" or "cuda"
+    steps: dict = field(default_factory=dict)  # size -> timed steps (default: the size's)
+    warmup: dict = field(default_factory=dict)  # size -> warm-up steps
+    profile_steps: int = 2
+    repeats: int = 1
+    strategy: str = "optim_grads_params"
+    seed: int = 0
+    micro_batch: int = 0  # 0: the size's
+    seq_len: int = 0  # 0: the size's
+    loss_rtol: float = 2**-8  # bf16 unit roundoff
+    trace_dir: str = ""  # where rank 0 writes a chrome trace per run ("" = none)
+
+    def steps_for(self, size: BenchSize) -> int:
+        return int(self.steps.get(size.name, self.steps.get("*", size.steps)))
+
+    def warmup_for(self, size: BenchSize) -> int:
+        return int(self.warmup.get(size.name, self.warmup.get("*", size.warmup)))
+
+    def shape_for(self, size: BenchSize) -> tuple[int, int]:
+        return self.micro_batch or size.micro_batch, self.seq_len or size.seq_len
+
+
+# ------------------------------------------------------------------ interval arithmetic
+def merge_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint union of ``(start, end)`` intervals (empty ones dropped)."""
+    merged: list[list[float]] = []
+    for start, end in sorted((s, e) for s, e in intervals if e > s):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def interval_length(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length covered by ``intervals`` (overlaps counted once)."""
+    return sum(e - s for s, e in merge_intervals(intervals))
+
+
+def exposed_length(comm: Iterable[tuple[float, float]], compute: Iterable[tuple[float, float]]) -> float:
+    """Length of time covered by ``comm`` but not by ``compute``: union(comm) minus union(compute)."""
+    cover = merge_intervals(compute)
+    total, j = 0.0, 0
+    for start, end in merge_intervals(comm):
+        while j < len(cover) and cover[j][1] <= start:
+            j += 1
+        cursor, k = start, j
+        while k < len(cover) and cover[k][0] < end:
+            if cover[k][0] > cursor:
+                total += cover[k][0] - cursor
+            cursor = max(cursor, cover[k][1])
+            if cursor >= end:
+                break
+            k += 1
+        if cursor < end:
+            total += end - cursor
+    return total
+
+
+def _is_comm_kernel(name: str) -> bool:
+    return "nccl" in name.lower()
+
+
+def kernel_intervals(prof) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(communication, other) GPU activity intervals in ns from a finished ``torch.profiler.profile``.
+
+    Communication: kernels whose name contains ``nccl``. Other: every other
+    kernel, memcpy and memset. Annotations on the GPU timeline are ignored.
+    """
+    from torch.autograd import DeviceType
+
+    comm, other = [], []
+    for event in prof.profiler.kineto_results.events():
+        if event.device_type() != DeviceType.CUDA:
+            continue
+        kind = event.activity_type() if hasattr(event, "activity_type") else None
+        if kind is not None and kind not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        if kind is None and event.is_user_annotation():
+            continue
+        start = event.start_ns()
+        span = (start, start + event.duration_ns())
+        (comm if _is_comm_kernel(event.name()) else other).append(span)
+    return comm, other
+
+
+# ------------------------------------------------------------------ helpers
+def _sync(device: torch.device) -> None:
+    """Wait for this rank's device, then for every rank (a tiny all-reduce)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    flag = torch.zeros(1, device=device)
+    dist.all_reduce(flag)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _reset_host_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _host_peak_bytes() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def _make_batches(vocab: int, micro_batch: int, seq_len: int, count: int, seed: int, rank: int,
+                  device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+    tokens = torch.randint(0, vocab, (count, micro_batch, seq_len + 1), generator=generator).to(device)
+    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+
+
+def _train_step(model, optimizer, batch) -> torch.Tensor:
+    inputs, targets = batch
+    loss = model(inputs, targets)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _reduce(values: list[float], device: torch.device, op) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def _skip_reason(name: str, size: BenchSize, config, n_params: int, micro_batch: int, seq_len: int,
+                 device: torch.device) -> str | None:
+    why = unavailable_reason(name, device)
+    if why or name != "ddp" or device.type != "cuda":
+        return why
+    need = ddp_bytes_estimate(config, n_params, seq_len, micro_batch)
+    free = _reduce([torch.cuda.mem_get_info(device)[0]], device, dist.ReduceOp.MIN)[0]
+    if need > DDP_FIT_MARGIN * free:
+        return (f"does not fit: needs ~{need / GIB:.0f} GiB (16 B/param states + bf16 autocast copy "
+                f"+ activations), {free / GIB:.0f} GiB free")
+    return None
+
+
+# ------------------------------------------------------------------ one run
+def run_one(name: str, size: BenchSize, opts: BenchOptions, device: torch.device, batches,
+            repeat: int = 0) -> dict:
+    """Wrap a fresh model with wrapper ``name``, train and measure it; every rank returns the result."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro_batch, seq_len = opts.shape_for(size)
+    steps, warmup = opts.steps_for(size), opts.warmup_for(size)
+    config = model_config(size)
+    config.max_seq_len = max(config.max_seq_len, seq_len)
+    with torch.device("meta"):
+        shape = GPT(config)
+    n_params, flops_per_token = shape.num_params(), shape.flops_per_token(seq_len)
+    del shape
+    result = {"size": size.name, "wrapper": name, "repeat": repeat, "world_size": world,
+              "device": device.type, "params": n_params, "micro_batch": micro_batch, "seq_len": seq_len,
+              "activation_checkpointing": config.activation_checkpointing, "steps": steps, "warmup": warmup,
+              "tokens_per_step_per_gpu": micro_batch * seq_len}
+    why = _skip_reason(name, size, config, n_params, micro_batch, seq_len, device)
+    if why:
+        return {**result, "status": "skipped", "reason": why}
+    try:
+        result.update(_measure(name, config, opts, device, batches, steps, warmup, flops_per_token,
+                               micro_batch * seq_len, f"{size.name}-{name}-r{repeat}"))
+        result["status"] = "ok"
+    except torch.cuda.OutOfMemoryError:
+        result.update(status="failed", reason="out of memory")
+        if rank == 0:
+            traceback.print_exc()
+    except Exception as e:  # noqa: BLE001 - recorded; later wrappers still run
+        result.update(status="failed", reason=f"{type(e).__name__}: {e}"[:300])
+        traceback.print_exc()
+    return result
+
+
+def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token, tokens_per_step,
+             tag) -> dict:
+    cuda = device.type == "cuda"
+    world = dist.get_world_size()
+    base_alloc = torch.cuda.memory_allocated(device) if cuda else 0
+    torch.manual_seed(opts.seed)
+    t0 = time.perf_counter()
+    with torch.device(device):
+        model = GPT(config)
+    t1 = time.perf_counter()
+    extra = {"strategy": opts.strategy} if name == "shardwise" else {}
+    model, optimizer = WRAPPERS[name](model, device, **extra)
+    model.train()
+    _sync(device)
+    wrap_s = time.perf_counter() - t1
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        after_wrap = torch.cuda.memory_allocated(device)
+    else:
+        _reset_host_peak()
+        after_wrap = 0
+
+    losses = [_train_step(model, optimizer, batches[i]) for i in range(warmup)]
+    _sync(device)
+    start = time.perf_counter()
+    for i in range(warmup, warmup + steps):
+        losses.append(_train_step(model, optimizer, batches[i]))
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    if cuda:
+        peak_alloc, peak_reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    else:
+        peak_alloc, peak_reserved = _host_peak_bytes(), float("nan")
+    first_loss, last_loss = (float(x) for x in torch.stack([losses[0], losses[-1]]).float().cpu())
+
+    exposed = _profile(model, optimizer, batches[warmup + steps:], device, opts, tag) if cuda else None
+    del model, optimizer, losses
+
+    elapsed, peak_alloc, peak_reserved, base_alloc, after_wrap = _reduce(
+        [elapsed, peak_alloc, peak_reserved, base_alloc, after_wrap], device, dist.ReduceOp.MAX)
+    first_loss, last_loss = (x / world for x in _reduce([first_loss, last_loss], device, dist.ReduceOp.SUM))
+    tokens_per_s = steps * tokens_per_step / elapsed
+    out = {
+        "build_s": t1 - t0, "wrap_s": wrap_s, "timed_s": elapsed, "step_s": elapsed / steps,
+        "tokens_per_s_per_gpu": tokens_per_s,
+        "mfu": tokens_per_s * flops_per_token / PEAK_FLOPS_PER_GPU if cuda else None,
+        "flops_per_token": flops_per_token,
+        "peak_alloc_gib": peak_alloc / GIB,
+        "peak_reserved_gib": peak_reserved / GIB if cuda else None,
+        "base_alloc_gib": base_alloc / GIB, "after_wrap_alloc_gib": after_wrap / GIB,
+        "memory_measured": ("CUDA allocator peaks, reset after wrap + optimizer, over warm-up and timed steps, "
+                            "max over ranks") if cuda else
+                           ("host peak RSS of the whole process over warm-up and timed steps, max over ranks"),
+        "loss_first": first_loss, "loss_last": last_loss,
+    }
+    out.update(exposed or {"exposed_comm_frac": None, "exposed_comm_ms_per_step": None,
+                           "comm_ms_per_step": None, "gpu_idle_frac": None})
+    return out
+
+
+def _profile(model, optimizer, batches, device, opts, tag) -> dict | None:
+    """Exposed communication over ``len(batches)`` profiled steps; runs on every rank (collectives)."""
+    if not batches:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = ([ProfilerActivity.CUDA] if cuda else []) + (
+        [ProfilerActivity.CPU] if opts.trace_dir or not cuda else [])
+    _sync(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for batch in batches:
+            _train_step(model, optimizer, batch)
+        if cuda:
+            torch.cuda.synchronize(device)
+        window = time.perf_counter() - start
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        comm, other = kernel_intervals(prof)
+        exposed_ns = exposed_length(comm, other)
+        comm_ns, busy_ns = interval_length(comm), interval_length(comm + other)
+        local = [exposed_ns / 1e9 / window, exposed_ns / 1e6 / len(batches), comm_ns / 1e6 / len(batches),
+                 1.0 - busy_ns / 1e9 / window]
+    except Exception:  # noqa: BLE001 - a profiler API difference must not stop the benchmark
+        traceback.print_exc()
+        local = [float("nan")] * 4
+    if opts.trace_dir and rank == 0:
+        os.makedirs(opts.trace_dir, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(opts.trace_dir, f"{tag}-rank0.json"))
+    del prof
+    gathered = [torch.zeros(4, dtype=torch.float64, device=device) for _ in range(world)]
+    dist.all_gather(gathered, torch.tensor(local, dtype=torch.float64, device=device))
+    per_rank = [t.tolist() for t in gathered]
+    worst = max(per_rank, key=lambda r: r[0] if r[0] == r[0] else float("-inf"))  # NaN last
+    frac, exposed_ms, comm_ms, idle = worst
+    return {"exposed_comm_frac": frac, "exposed_comm_ms_per_step": exposed_ms, "comm_ms_per_step": comm_ms,
+            "gpu_idle_frac": idle, "exposed_comm_frac_per_rank": [r[0] for r in per_rank],
+            "profiled_steps": len(batches)}
+
+
+# ------------------------------------------------------------------ the whole job
+def run_benchmark(opts: BenchOptions, on_result: Callable[[dict], None] | None = None) -> list[dict]:
+    """Run every size x repeat x wrapper in this process group; ``on_result`` is called on rank 0."""
+    device = (torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda"
+              else torch.device("cpu"))
+    rank = dist.get_rank()
+    results = []
+    for size_name in opts.sizes:
+        size = SIZES[size_name]
+        micro_batch, seq_len = opts.shape_for(size)
+        total = opts.warmup_for(size) + opts.steps_for(size) + (opts.profile_steps if device.type == "cuda" else 0)
+        batches = _make_batches(size.model["vocab_size"], micro_batch, seq_len, total, opts.seed, rank, device)
+        for repeat in range(opts.repeats):
+            order = list(opts.wrappers) if repeat % 2 == 0 else list(reversed(opts.wrappers))
+            for name in order:
+                _release(device)
+                result = run_one(name, size, opts, device, batches, repeat)
+                _release(device)
+                results.append(result)
+                if rank == 0 and on_result is not None:
+                    on_result(result)
+        del batches
+    return results

@@ -1,0 +1,171 @@
+"""The data-parallel wrappers the benchmark compares, one function each.
+
+Each ``wrap_<name>(model, device, **options)`` takes a freshly built fp32
+:class:`shardwise.models.GPT` (already on ``device``, process group initialized)
+and returns ``(model, optimizer)``: a module whose ``model(inputs, targets)``
+is the loss in bf16 compute, and an AdamW over whatever parameters the wrapper
+exposes. Every wrapper keeps fp32 main weights, reduces gradients in fp32 and
+computes in bf16; the optimizer settings are the same for all (:func:`make_optimizer`).
+
+megatron-fsdp is a benchmark peer only: it is imported when installed and never
+vendored; :func:`unavailable_reason` says why a wrapper cannot run here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import fields
+from typing import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["WRAPPERS", "DEFAULT_ORDER", "LR", "make_optimizer", "unavailable_reason", "wrapper_version",
+           "wrap_shardwise", "wrap_fsdp2", "wrap_ddp", "wrap_megatron_fsdp"]
+
+LR = 1e-4
+# No weight decay: megatron-fsdp's fully_shard_optimizer takes one step on zero
+# gradients to create the optimizer state; without decay that step moves nothing.
+WEIGHT_DECAY = 0.0
+DEFAULT_ORDER = ("fsdp2", "shardwise", "ddp", "megatron-fsdp")
+
+
+def make_optimizer(params, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW, lr 1e-4: one fused kernel per step on CUDA, the foreach kernels on CPU."""
+    impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **impl)
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    from ..models import UNIT_MODULES
+
+    return [m for m in model.modules() if isinstance(m, UNIT_MODULES)]
+
+
+# ------------------------------------------------------------------ shardwise
+def wrap_shardwise(model: nn.Module, device: torch.device, strategy: str = "optim_grads_params"):
+    """shardwise.fully_shard: each layer, the embedding and the output head are units."""
+    import shardwise
+
+    unit_types = list(dict.fromkeys(type(m) for m in _layers(model)))
+    units = unit_types + [m for m in (model.embed, model.output) if m is not None]
+    model = shardwise.fully_shard(
+        model, strategy=strategy, unit_modules=units,
+        mixed_precision=shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    return model, make_optimizer(model.parameters(), device)
+
+
+# ------------------------------------------------------------------ PyTorch FSDP2
+def wrap_fsdp2(model: nn.Module, device: torch.device):
+    """torch.distributed.fsdp.fully_shard on each layer, then the root; bf16 params, fp32 reduce."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in _layers(model):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model, make_optimizer(model.parameters(), device)
+
+
+# ------------------------------------------------------------------ DDP
+class AutocastForward(nn.Module):
+    """Runs the wrapped module's forward under ``torch.autocast(bf16)``; backward runs outside."""
+
+    def __init__(self, module: nn.Module, device_type: str):
+        super().__init__()
+        self.module = module
+        self.device_type = device_type
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(self.device_type, dtype=torch.bfloat16):
+            return self.module(*args, **kwargs)
+
+
+def wrap_ddp(model: nn.Module, device: torch.device):
+    """DistributedDataParallel over fp32 weights, forward under bf16 autocast."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None,
+        gradient_as_bucket_view=True)
+    return AutocastForward(ddp, device.type), make_optimizer(ddp.parameters(), device)
+
+
+# ------------------------------------------------------------------ megatron-fsdp
+def _bf16_parameters(model: nn.Module) -> None:
+    """Cast parameters (not buffers: the RoPE tables stay fp32) to bf16 in place."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(torch.bfloat16)
+
+
+def wrap_megatron_fsdp(model: nn.Module, device: torch.device):
+    """megatron_fsdp.fully_shard_model, ZeRO-3, fp32 main weights and grads, bf16 compute.
+
+    megatron-fsdp computes in the dtype of the model's own parameters, so they
+    are cast to bf16 first (the fp32 main weights are made from them); the
+    layers are its units. Its ``fully_shard_optimizer`` takes one step on zero
+    gradients to create the Adam state; the step counters are reset afterwards
+    so every wrapper's first real step has the same bias correction.
+    """
+    import megatron_fsdp
+
+    layer_types = list(dict.fromkeys(type(m) for m in _layers(model)))
+    _bf16_parameters(model)
+    names = {f.name for f in fields(megatron_fsdp.MixedPrecisionPolicy)}
+    policy_kwargs = {"main_params_dtype": torch.float32, "main_grads_dtype": torch.float32,
+                     "grad_comm_dtype": torch.float32}
+    policy = megatron_fsdp.MixedPrecisionPolicy(**{k: v for k, v in policy_kwargs.items() if k in names})
+    wrapped = megatron_fsdp.fully_shard_model(
+        module=model, fsdp_unit_modules=layer_types, zero_dp_strategy="optim_grads_params",
+        device=device, mixed_precision_policy=policy)
+    optimizer = megatron_fsdp.fully_shard_optimizer(make_optimizer(wrapped.parameters(), device))
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            state["step"] = 0
+    return wrapped, optimizer
+
+
+WRAPPERS: dict[str, Callable] = {
+    "fsdp2": wrap_fsdp2,
+    "shardwise": wrap_shardwise,
+    "ddp": wrap_ddp,
+    "megatron-fsdp": wrap_megatron_fsdp,
+}
+
+
+def unavailable_reason(name: str, device: torch.device) -> str | None:
+    """Why wrapper ``name`` cannot run on ``device`` (``None`` when it can)."""
+    if name not in WRAPPERS:
+        return f"unknown wrapper (choose from {', '.join(WRAPPERS)})"
+    if name == "megatron-fsdp":
+        if importlib.util.find_spec("megatron_fsdp") is None:
+            return "not installed (pip install megatron-fsdp)"
+        if device.type != "cuda":
+            return "needs CUDA/NCCL (skipped on CPU)"
+    return None
+
+
+def wrapper_version(name: str) -> str:
+    """Version string of the code behind wrapper ``name``."""
+    if name == "megatron-fsdp":
+        if importlib.util.find_spec("megatron_fsdp") is None:
+            return "megatron-fsdp not installed"
+        try:
+            from importlib.metadata import version
+
+            return "megatron-fsdp " + version("megatron-fsdp")
+        except Exception:
+            return "megatron-fsdp (version unknown)"
+    if name == "shardwise":
+        try:
+            from importlib.metadata import version
+
+            return "shardwise " + version("shardwise")
+        except Exception:
+            return "shardwise (source tree)"
+    return "torch " + torch.__version__
