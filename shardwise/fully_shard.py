@@ -66,7 +66,10 @@ class ShardedState:
         self._order_index: dict[int, int] = {}
         self.order_recorded = False
         self.callback_queued = False
-        self.in_flight: list[InFlight] = []
+        self.in_flight: list[tuple[ParamGroup, InFlight]] = []
+        # id(group) -> optimizer stepped as soon as the group's grads are final (see
+        # shardwise.optim.BackwardOptimizer); empty for the usual optimizer.step() loop.
+        self.backward_optimizers: dict[int, torch.optim.Optimizer] = {}
         self.grad_forward = False
 
     @property
@@ -182,9 +185,19 @@ class ShardedState:
     def _reduce(self, unit: Unit) -> None:
         # Let the compute stream catch up with the previous reduction before its
         # flat buffer is released; it has had a whole unit's backward to finish.
-        for flight in self.in_flight:
-            flight.wait()
+        self._land_in_flight()
         self.in_flight = unit.reduce_grads(finalize=self.sync_grads)
+
+    def _land_in_flight(self) -> None:
+        """Wait for the reductions in flight; step the groups that have a backward optimizer."""
+        for group, flight in self.in_flight:
+            flight.wait()
+            optimizer = self.backward_optimizers.get(id(group))
+            if optimizer is not None and self.sync_grads:
+                group.install_grads()
+                optimizer.step()
+                group.discard_grads()  # the fp32 grad shard is freed right here
+        self.in_flight = []
 
     # ------------------------------------------------------- end of backward
     def _queue_final_callback(self) -> None:
@@ -199,9 +212,7 @@ class ShardedState:
                 self._reduce(unit)
             elif not unit.ran_with_grad and self.sync_grads:
                 self.in_flight.extend(unit.finalize_idle_groups())
-        for flight in self.in_flight:
-            flight.wait()
-        self.in_flight = []
+        self._land_in_flight()
         late = [u.name for u in self.all_units if any(g.has_unsharded_grads() for g in u.groups)]
         if late:
             raise RuntimeError(

@@ -62,17 +62,17 @@ class Unit:
         for g in self.groups:
             g.refresh_model_weights()
 
-    def reduce_grads(self, finalize: bool) -> list[InFlight]:
+    def reduce_grads(self, finalize: bool) -> list[tuple[ParamGroup, InFlight]]:
         self.reduced = True
-        return [g.reduce_grads(finalize) for g in self.trainable_groups]
+        return [(g, g.reduce_grads(finalize)) for g in self.trainable_groups]
 
-    def finalize_idle_groups(self) -> list[InFlight]:
+    def finalize_idle_groups(self) -> list[tuple[ParamGroup, InFlight]]:
         """Finalize windows left open by earlier micro-batches of a unit this backward skipped."""
         out = []
         for g in self.trainable_groups:
             flight = g.finalize_without_new_grads()
             if flight is not None:
-                out.append(flight)
+                out.append((g, flight))
         return out
 
     def install_grads(self) -> None:

@@ -23,7 +23,7 @@ class Run:
     strategy: object = "optim_grads_params"
     outer: str | None = None  # "no_shard" (HSDP) / "optim" (HFSDP) on a (2, N/2) mesh
     bf16: bool = False
-    optimizer: str = "adamw"  # adamw | adamw_fused | adam_foreach | sgd
+    optimizer: str = "adamw"  # adamw | adamw_fused | adam_foreach | sgd | adamw_in_backward
     checkpointing: str = "none"
     micro_batches: int = 1
     steps: int = 5
@@ -63,8 +63,12 @@ def train_both(run: Run):
         unit_modules=[Block],
         mixed_precision=policy,
     )
-    opt = _optimizer(run.optimizer, sharded.parameters())
-    ref_opt = _optimizer(run.optimizer, reference.parameters())
+    if run.optimizer == "adamw_in_backward":  # stepped group by group inside backward
+        opt = shardwise.BackwardOptimizer(sharded, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+        ref_opt = _optimizer("adamw", reference.parameters())
+    else:
+        opt = _optimizer(run.optimizer, sharded.parameters())
+        ref_opt = _optimizer(run.optimizer, reference.parameters())
     per_rank = run.global_batch // world
     per_micro = per_rank // run.micro_batches
     losses, ref_losses = [], []

@@ -84,7 +84,7 @@ def test_reports_contain_every_wrapper(tmp_path):
             _run("0.9b", "ddp", tok=900, mem=20, loss=5.2), _run("0.9b", "megatron-fsdp", status="skipped"),
             _run("8b", "fsdp2", tok=100, mem=60), _run("8b", "shardwise", tok=110, mem=50),
             _run("8b", "ddp", status="skipped", reason="does not fit")]
-    meta = {"date": "today", "command": "shardwise bench --sizes 0.9b,8b", "loss_rtol": 2**-8,
+    meta = {"date": "today", "command": "shardwise bench --sizes 0.9b,8b", "loss_rtol": 1.6e-2,
             "torch": "2.11", "nccl": "2.28.9", "world_size": 2}
     table = report.write_reports(tmp_path, meta, runs)
     data = json.loads((tmp_path / "bench.json").read_text())
@@ -105,7 +105,7 @@ def test_reports_contain_every_wrapper(tmp_path):
 def test_repeats_average_and_compare_per_repeat(tmp_path):
     runs = [_run("0.9b", "fsdp2", 0, tok=1000), _run("0.9b", "shardwise", 0, tok=1200),
             _run("0.9b", "shardwise", 1, tok=1000), _run("0.9b", "fsdp2", 1, tok=1000)]
-    rows = report.summarize(runs, 2**-8)
+    rows = report.summarize(runs, 1.6e-2)
     mine = next(r for r in rows if r["wrapper"] == "shardwise")
     assert mine["tokens_per_s_per_gpu"] == pytest.approx(1100) and mine["tokens_ratio"] == pytest.approx(1.1)
     assert [r["tokens_ratio"] for r in runs if r["wrapper"] == "shardwise"] == pytest.approx([1.2, 1.0])

@@ -42,3 +42,14 @@ def test_activation_checkpointing(checkpointing, strategy):
 @pytest.mark.parametrize("world", [2, 4])
 def test_clip_grad_norm_matches_torch(world):
     run_distributed(assert_parity, world, Run(clip=0.5, outer="optim" if world == 4 else None))
+
+
+@pytest.mark.parametrize("world,strategy,outer,micro_batches", [
+    (2, "optim_grads_params", None, 1),
+    (2, "optim", None, 4),
+    (4, "optim_grads_params", "optim", 2),
+])
+def test_optimizer_in_backward_matches_a_step_after_backward(world, strategy, outer, micro_batches):
+    run = Run(strategy=strategy, outer=outer, optimizer="adamw_in_backward", micro_batches=micro_batches,
+              global_batch=16)
+    run_distributed(assert_parity, world, run)

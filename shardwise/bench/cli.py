@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the random tokens")
     p.add_argument("--micro-batch", type=int, default=0, help="sequences per GPU per step (0 = the size's)")
     p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (0 = the size's)")
-    p.add_argument("--loss-rtol", type=float, default=2**-8,
+    p.add_argument("--loss-rtol", type=float, default=1.6e-2,
                    help="last-step loss tolerance against FSDP2 (relative; bf16 unit roundoff)")
     p.add_argument("--out", default="runs/bench", help="folder for bench.json, bench.md, bench.png")
     p.add_argument("--save-traces", action="store_true",

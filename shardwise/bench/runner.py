@@ -61,7 +61,7 @@ class BenchOptions:
     seed: int = 0
     micro_batch: int = 0  # 0: the size's
     seq_len: int = 0  # 0: the size's
-    loss_rtol: float = 2**-8  # bf16 unit roundoff
+    loss_rtol: float = 1.6e-2  # torch.testing's default bf16 rtol
     trace_dir: str = ""  # where rank 0 writes a chrome trace per run ("" = none)
 
     def steps_for(self, size: BenchSize) -> int:
@@ -255,7 +255,7 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
     with torch.device(device):
         model = GPT(config)
     t1 = time.perf_counter()
-    extra = {"strategy": opts.strategy} if name == "shardwise" else {}
+    extra = {"strategy": opts.strategy} if name.startswith("shardwise") else {}
     model, optimizer = WRAPPERS[name](model, device, **extra)
     model.train()
     _sync(device)
@@ -285,8 +285,12 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
     exposed = _profile(model, optimizer, batches[warmup + steps:], device, opts, tag) if cuda else None
     del model, optimizer, losses
 
-    elapsed, peak_alloc, peak_reserved, base_alloc, after_wrap = _reduce(
-        [elapsed, peak_alloc, peak_reserved, base_alloc, after_wrap], device, dist.ReduceOp.MAX)
+    # Count only what this run added: a peer that leaks (megatron-fsdp keeps its buffers
+    # alive after its run) must not inflate the next run's peak.
+    peak_alloc_raw = peak_alloc
+    peak_alloc = peak_alloc - base_alloc
+    elapsed, peak_alloc, peak_alloc_raw, peak_reserved, base_alloc, after_wrap = _reduce(
+        [elapsed, peak_alloc, peak_alloc_raw, peak_reserved, base_alloc, after_wrap], device, dist.ReduceOp.MAX)
     first_loss, last_loss = (x / world for x in _reduce([first_loss, last_loss], device, dist.ReduceOp.SUM))
     tokens_per_s = steps * tokens_per_step / elapsed
     out = {
@@ -294,11 +298,11 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
         "tokens_per_s_per_gpu": tokens_per_s,
         "mfu": tokens_per_s * flops_per_token / PEAK_FLOPS_PER_GPU if cuda else None,
         "flops_per_token": flops_per_token,
-        "peak_alloc_gib": peak_alloc / GIB,
+        "peak_alloc_gib": peak_alloc / GIB, "peak_alloc_raw_gib": peak_alloc_raw / GIB,
         "peak_reserved_gib": peak_reserved / GIB if cuda else None,
         "base_alloc_gib": base_alloc / GIB, "after_wrap_alloc_gib": after_wrap / GIB,
-        "memory_measured": ("CUDA allocator peaks, reset after wrap + optimizer, over warm-up and timed steps, "
-                            "max over ranks") if cuda else
+        "memory_measured": ("CUDA allocator peak, reset after wrap + optimizer, over warm-up and timed steps, "
+                            "minus what was still allocated when the run started, max over ranks") if cuda else
                            ("host peak RSS of the whole process over warm-up and timed steps, max over ranks"),
         "loss_first": first_loss, "loss_last": last_loss,
     }

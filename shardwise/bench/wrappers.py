@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 __all__ = ["WRAPPERS", "DEFAULT_ORDER", "LR", "make_optimizer", "unavailable_reason", "wrapper_version",
-           "wrap_shardwise", "wrap_fsdp2", "wrap_ddp", "wrap_megatron_fsdp"]
+           "wrap_shardwise", "wrap_shardwise_optimizer_in_backward", "wrap_fsdp2", "wrap_ddp", "wrap_megatron_fsdp"]
 
 LR = 1e-4
 # No weight decay: megatron-fsdp's fully_shard_optimizer takes one step on zero
@@ -55,12 +55,24 @@ def wrap_shardwise(model: nn.Module, device: torch.device, strategy: str = "opti
     return model, make_optimizer(model.parameters(), device)
 
 
+def wrap_shardwise_optimizer_in_backward(model: nn.Module, device: torch.device, strategy: str = "optim_grads_params"):
+    """As wrap_shardwise, with AdamW stepped per group inside backward (gradients freed at once)."""
+    import shardwise
+
+    model, _ = wrap_shardwise(model, device, strategy)
+    impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return model, shardwise.BackwardOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, **impl)
+
+
 # ------------------------------------------------------------------ PyTorch FSDP2
 def wrap_fsdp2(model: nn.Module, device: torch.device):
     """torch.distributed.fsdp.fully_shard on each layer, then the root; bf16 params, fp32 reduce."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # cast_forward_inputs=False: the layers take fp32 RoPE tables, and FSDP2's input cast is
+    # not re-applied when activation checkpointing recomputes a layer (dtype mismatch error);
+    # shardwise does not cast inputs either, so both compute alike.
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for layer in _layers(model):
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
@@ -133,6 +145,7 @@ def wrap_megatron_fsdp(model: nn.Module, device: torch.device):
 WRAPPERS: dict[str, Callable] = {
     "fsdp2": wrap_fsdp2,
     "shardwise": wrap_shardwise,
+    "shardwise-obo": wrap_shardwise_optimizer_in_backward,
     "ddp": wrap_ddp,
     "megatron-fsdp": wrap_megatron_fsdp,
 }
