@@ -32,7 +32,7 @@ from shardwise.megatron import (
 )
 from shardwise.models import GPT, GPTConfig, MambaLayer, MoETransformerLayer, TransformerLayer
 
-README_SNIPPET = Path(__file__).resolve().parent.parent / "docs" / "megatron.md"
+README = Path(__file__).resolve().parent.parent / "README.md"
 VOCAB, SEQ, GLOBAL_BATCH = 64, 12, 8
 
 
@@ -401,11 +401,15 @@ def _units_configs_and_duck_typing():
     assert wrapped.config is config and wrapped.ddp_config is ddp
     assert wrapped.bucket_size == 1000
     assert wrapped.fsdp_unit_modules == [TransformerLayer, MoETransformerLayer, MambaLayer]
+    # parameters no unit owns go in buckets of at most 1000 elements (a bigger one alone)
+    root_groups = [g.fqns for g in wrapped.sharded_state.root.groups]
+    assert root_groups == [["embed.weight"], ["norm.weight"], ["output.weight"]], root_groups
     wrapped = FullyShardedDataParallel(
         config, ddp, GPT(gpt_config()), fsdp_unit_modules=[MambaLayer], disable_bucketing=True,
         device=device(), pg_collection=pg,
     )
     assert wrapped.bucket_size is None
+    assert len(wrapped.sharded_state.root.groups) == 1  # one group with disable_bucketing
     assert [type(u.module).__name__ for u in wrapped.sharded_state.units] == ["MambaLayer"]
     # tensor-parallel annotations survive sharding
     modes = {n: getattr(p, "_tensor_parallel_mode", None) for n, p in wrapped.module.named_parameters()}
@@ -437,14 +441,25 @@ def test_factory_rejects_unknown_version():
             FullyShardedDataParallel(TransformerConfig(), SimpleNamespace(megatron_fsdp_version=version), nn.Linear(2, 2))
 
 
+# TP and EP each compose with FSDP (tests/test_megatron_tp_ep.py); these combinations do not yet.
 @pytest.mark.parametrize(
-    "field,value",
-    [("tensor_model_parallel_size", 2), ("expert_model_parallel_size", 2), ("expert_tensor_parallel_size", 2)],
+    "sizes,message",
+    [
+        (dict(tensor_model_parallel_size=2, expert_model_parallel_size=2), "expert_model_parallel_size=2.*not built yet"),
+        (dict(expert_model_parallel_size=2, expert_tensor_parallel_size=2), "expert_tensor_parallel_size=2.*not built yet"),
+        (dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1), "expert_tensor_parallel_size=1.*only built"),
+    ],
 )
-def test_v1_tensor_and_expert_parallel_composition_is_not_built_yet(field, value):
-    config = TransformerConfig(**{field: value})
-    with pytest.raises(NotImplementedError, match=f"{field}={value}.*not built yet"):
-        FullyShardedDataParallelV1(config, ddp_config(1), nn.Linear(2, 2))
+def test_v1_tensor_and_expert_parallel_combinations_not_built_yet(sizes, message):
+    # checked from the configs before any process group is built; the model has experts
+    with pytest.raises(NotImplementedError, match=message):
+        FullyShardedDataParallelV1(TransformerConfig(**sizes), ddp_config(1), GPT(gpt_config()))
+
+
+@pytest.mark.parametrize("field", ["fp8_param_gather", "fp4_param_gather"])
+def test_v1_low_precision_param_gathers_not_built_yet(field):
+    with pytest.raises(NotImplementedError, match=f"{field}=True.*not built yet"):
+        FullyShardedDataParallelV1(TransformerConfig(), ddp_config(1, **{field: True}), nn.Linear(2, 2))
 
 
 def test_v1_rejects_bad_strategies_by_field():
@@ -460,15 +475,16 @@ def test_v1_rejects_bad_strategies_by_field():
 
 # ------------------------------------------------------------ README snippet
 def _readme_code() -> str:
-    text = README_SNIPPET.read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert blocks, f"no python block in {README_SNIPPET}"
+    """The python block of the README's "Megatron users" section."""
+    section = README.read_text().split("\n## Megatron users\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert blocks, f"no python block in the Megatron users section of {README}"
     return blocks[0]
 
 
 def _run_snippet(code):
     namespace = {"__name__": "__readme__"}
-    exec(compile(code, str(README_SNIPPET), "exec"), namespace)
+    exec(compile(code, str(README), "exec"), namespace)
     return namespace["losses"]
 
 

@@ -27,6 +27,8 @@ from shardwise.megatron.mcore_fsdp_adapter import (
     _load_rng_state_dict,
 )
 from shardwise.megatron.config import DistributedDataParallelConfig, TransformerConfig
+from shardwise.megatron.meshes import _build_dense_mesh, _get_edp_ep_mesh
+from shardwise.megatron.parallelism import mark_tensor_parallel
 from shardwise.models import ColumnParallelLinear, GPT, GPTConfig, Linear, RMSNorm, RowParallelLinear
 
 
@@ -103,6 +105,23 @@ def test_annotate_sets_the_mode_only_where_known():
                      "2.weight": "replicated"}
     assert model[1].weight._tensor_parallel_mode == "row"
     assert not hasattr(model[3].weight, "_tensor_parallel_mode")  # unknown: no attribute
+
+
+def test_mark_tensor_parallel_writes_the_engines_marks_where_missing():
+    # layers known only by class name (Transformer Engine's) carry no marks of their own
+    column = _holder("TEColumnParallelLinear", ("weight", "bias"))
+    row = _holder("TERowParallelLinear", ("weight", "bias"))
+    marked = ColumnParallelLinear(4, 4)  # marks set by the layer itself are kept
+    marked.weight.partition_dim = 0
+    model = nn.ModuleDict(dict(column=column, row=row, marked=marked, other=_holder("Experts", ("w1",))))
+    unknown = mark_tensor_parallel(model, annotate_tensor_parallelism(model))
+    assert unknown == ["other.w1"]
+    assert column.weight.tensor_model_parallel and column.weight.partition_dim == 0
+    assert column.bias.tensor_model_parallel and column.bias.partition_dim == 0
+    assert row.weight.tensor_model_parallel and row.weight.partition_dim == 1
+    assert row.bias.tensor_model_parallel is False and not hasattr(row.bias, "partition_dim")
+    assert marked.weight.tensor_model_parallel and marked.weight.partition_dim == 0
+    assert not hasattr(model["other"].w1, "tensor_model_parallel")
 
 
 def test_gpt_is_fully_classified_except_experts_router_and_mamba():
@@ -294,7 +313,7 @@ def _mesh_builders():
     with pytest.raises(ValueError, match="inter_dist_opt"):
         _build_hybrid_dp_mesh(None, hybrid.intra_dp_cp, "cpu")
 
-    # expert mesh: neither when EP is off, the expt_dp axis with the expert strategy when on
+    # expert mesh: neither when EP is off; when on, (expt_dp, ep) with the expert strategy on expert_dp
     assert _build_expert_mesh_and_placements(TransformerConfig(), DistributedDataParallelConfig(), hybrid, "cpu") == (None, None)
     mesh, placements = _build_expert_mesh_and_placements(
         TransformerConfig(expert_model_parallel_size=2),
@@ -302,11 +321,26 @@ def _mesh_builders():
                                       expert_data_parallel_sharding_strategy="optim"),
         ep2, "cpu",
     )
-    assert mesh.mesh.tolist() == dist.get_process_group_ranks(ep2.expt_dp) and mesh.mesh_dim_names == ("expert_dp",)
+    assert mesh.mesh.tolist() == [[0, 1], [2, 3]] and mesh.mesh_dim_names == ("expert_dp", "ep")
+    assert mesh.get_group("expert_dp") is ep2.expt_dp and mesh.get_group("ep") is ep2.ep
+    assert mesh.get_local_rank("ep") == rank % 2 and mesh.get_local_rank("expert_dp") == rank // 2
     assert placements == {"expert_dp": _DATA_PARALLEL_PLACEMENTS["optim"]}
+    assert _get_edp_ep_mesh(ep2.expt_dp, ep2.ep).tolist() == [[0, 1], [2, 3]]
     with pytest.raises(ValueError, match="expt_dp"):
         _build_expert_mesh_and_placements(TransformerConfig(expert_model_parallel_size=2), DistributedDataParallelConfig(),
                                           type(ep2)(dp_cp=ep2.dp_cp, ep=ep2.ep), "cpu")
+    with pytest.raises(ValueError, match="expert-parallel group.*do not match"):  # ep and expt_dp swapped
+        _get_edp_ep_mesh(ep2.expt_dp, ep2.expt_dp)
+
+    # dense meshes with a tp axis: (dp_shard, tp) and (dp_outer, dp_shard, tp), named as the engine expects
+    mesh = _build_dense_mesh(tp2, False, "cpu")
+    assert mesh.mesh.tolist() == [[0, 1], [2, 3]] and mesh.mesh_dim_names == ("dp_shard", "tp")
+    assert mesh.get_group("tp") is tp2.tp and mesh.get_group("dp_shard") is tp2.dp_cp
+    hybrid_tp = build_process_groups(tensor_model_parallel_size=2, num_distributed_optimizer_instances=2)
+    mesh = _build_dense_mesh(hybrid_tp, True, "cpu")
+    assert mesh.mesh.tolist() == [[[0, 1]], [[2, 3]]] and mesh.mesh_dim_names == ("dp_outer", "dp_shard", "tp")
+    assert mesh.get_local_rank("dp_outer") == rank // 2 and mesh.get_local_rank("tp") == rank % 2
+    assert _build_dense_mesh(hybrid, True, "cpu").mesh_dim_names == ("dp_outer", "dp_shard")  # no tp axis at TP=1
 
 
 def test_mesh_builders_check_groups_and_reject_inconsistent_ones():

@@ -69,12 +69,14 @@ def test_missing_pg_collection_in_the_constructor():
         V2(TransformerConfig(), _ddp(), nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize(
-    "field", ["tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-              "expert_tensor_parallel_size"],
-)
-def test_model_parallel_sizes_not_composed_yet(field):
+@pytest.mark.parametrize("field", ["pipeline_model_parallel_size", "context_parallel_size"])
+def test_pipeline_and_context_parallel_sizes_not_composed_yet(field):
     _rejects(field, config=TransformerConfig(**{field: 2}))
+
+
+def test_tensor_parallel_needs_its_tp_group():
+    # TP itself is composed (tests/test_megatron_tp_ep.py); the collection must hold a tp group of that size
+    _rejects("pg_collection.tp", config=TransformerConfig(tensor_model_parallel_size=2))
 
 
 def test_expert_parallel_without_ep_group():
@@ -143,12 +145,30 @@ def test_communication_sizing_options(field, value):
 # ------------------------------------------- rules that need real process groups
 def _group_rules():
     world = dist.group.WORLD
-    # model-parallel groups of more than one rank
-    for name in ("tp", "pp", "cp", "expt_tp"):
+    # pipeline / context parallel groups of more than one rank
+    for name in ("pp", "cp"):
         with pytest.raises(ValueError, match=re.escape(f"pg_collection.{name}")):
             _validate(pg=ProcessGroupCollection(dp_cp=world, **{name: world}))
+    # tp / expt_tp groups whose size is not the config's
+    with pytest.raises(ValueError, match=re.escape("tensor_model_parallel_size=1 needs pg_collection.tp")):
+        _validate(pg=ProcessGroupCollection(dp_cp=world, tp=world))
+    with pytest.raises(ValueError, match=re.escape("expert_tensor_parallel_size=1 needs pg_collection.expt_tp")):
+        _validate(config=TransformerConfig(expert_tensor_parallel_size=1), pg=ProcessGroupCollection(dp_cp=world, expt_tp=world))
+    # expert TP only matters with experts: unset, it follows the expt_tp group (Megatron's default: TP's size)
+    _validate(pg=ProcessGroupCollection(dp_cp=world, expt_tp=world))
+    _validate(config=TransformerConfig(tensor_model_parallel_size=2), pg=ProcessGroupCollection(dp_cp=world, tp=world))
     ep2 = TransformerConfig(expert_model_parallel_size=2, num_moe_experts=2)
     moe_model = GPT(GPTConfig(vocab_size=16, dim=16, n_layers=1, n_heads=2, layer_pattern="E", moe_num_experts=2))
+    # combinations not composed yet: TP with EP, expert TP with EP, experts with TP but another expert TP size
+    with pytest.raises(ValueError, match="expert_model_parallel_size=2.*tensor_model_parallel_size=2"):
+        _validate(config=TransformerConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2),
+                  module=moe_model, pg=ProcessGroupCollection(dp_cp=world, tp=world, ep=world, expt_dp=world))
+    with pytest.raises(ValueError, match=re.escape("expert_tensor_parallel_size=2")):
+        _validate(config=TransformerConfig(expert_model_parallel_size=2, expert_tensor_parallel_size=2),
+                  module=moe_model, pg=ProcessGroupCollection(dp_cp=world, ep=world, expt_tp=world, expt_dp=world))
+    with pytest.raises(ValueError, match=re.escape("expert_tensor_parallel_size=1")):
+        _validate(config=TransformerConfig(tensor_model_parallel_size=2, expert_tensor_parallel_size=1),
+                  module=moe_model, pg=ProcessGroupCollection(dp_cp=world, tp=world))
     # an EP group whose size is not expert_model_parallel_size
     with pytest.raises(ValueError, match="expert_model_parallel_size=4.*pg_collection.ep"):
         _validate(config=TransformerConfig(expert_model_parallel_size=4), pg=ProcessGroupCollection(dp_cp=world, ep=world))
@@ -159,13 +179,16 @@ def _group_rules():
     # EP on a model without MoE layers
     with pytest.raises(ValueError, match="no MoE layers"):
         _validate(config=ep2, module=nn.Linear(2, 2), pg=pg)
-    # a valid EP setup passes validation; sharding experts next to dense layers is not built yet
+    # a valid EP setup passes validation, but the model must be built with pg_collection.ep
     _validate(config=ep2, module=moe_model, pg=pg)
-    with pytest.raises(NotImplementedError, match="expert_model_parallel_size=2.*not built yet"):
+    with pytest.raises(ValueError, match=r"expert-parallel ranks \[\d\] \(its 'ep_group'\).*\[0, 1\]"):
         V2(ep2, _ddp(), moe_model, device=device(), pg_collection=pg)
+    config = GPTConfig(vocab_size=16, dim=16, n_layers=1, n_heads=2, layer_pattern="E", moe_num_experts=2, ep_group=pg.ep)
+    wrapped = V2(ep2, _ddp(), GPT(config), device=device(), pg_collection=pg)
+    assert wrapped.moe_mesh.mesh_dim_names == ("expert_dp", "ep") and wrapped.mesh.mesh_dim_names == ("dp_shard",)
     # validation runs in the constructor too
     with pytest.raises(ValueError, match="calculate_per_token_loss"):
-        V2(TransformerConfig(calculate_per_token_loss=True), _ddp(), nn.Linear(2, 2), pg_collection=pg)
+        V2(TransformerConfig(calculate_per_token_loss=True), _ddp(), nn.Linear(2, 2), pg_collection=build_process_groups())
 
 
 def test_rules_on_real_process_groups():

@@ -17,7 +17,7 @@ from .mcore_fsdp_adapter import (
     FullyShardedDataParallelV1,
     FullyShardedDataParallelV2,
 )
-from .parallelism import MODULE_TYPE_REGISTRY, annotate_tensor_parallelism, detect_parallelism_type
+from .parallelism import MODULE_TYPE_REGISTRY, annotate_tensor_parallelism, detect_parallelism_type, mark_tensor_parallel
 from .process_groups import ProcessGroupCollection, build_process_groups, rank_layout
 
 __all__ = [
@@ -34,4 +34,5 @@ __all__ = [
     "MODULE_TYPE_REGISTRY",
     "detect_parallelism_type",
     "annotate_tensor_parallelism",
+    "mark_tensor_parallel",
 ]

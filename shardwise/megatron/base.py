@@ -16,6 +16,7 @@ import contextlib
 import importlib
 import importlib.util
 import logging
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -29,7 +30,8 @@ from ..mesh import default_device_type
 from ..placements import AxisPlacements
 from ..precision import MixedPrecisionPolicy
 from .config import OUTER_SHARDING_STRATEGIES, DistributedDataParallelConfig, TransformerConfig
-from .meshes import _DATA_PARALLEL_PLACEMENTS, INNER_AXIS, OUTER_AXIS
+from .meshes import _DATA_PARALLEL_PLACEMENTS, EP_AXIS, INNER_AXIS, OUTER_AXIS, TP_AXIS
+from .process_groups import group_size
 
 __all__ = ["_BaseDataParallel", "_ShardedDataParallel", "logger"]
 
@@ -130,6 +132,63 @@ def _device_type(device: Optional[torch.device]) -> str:
     return torch.device(device).type if device is not None else default_device_type()
 
 
+def _has_expert_params(module: nn.Module) -> bool:
+    """Whether some parameter lies under ``.experts.`` (what the engine puts on the expert mesh)."""
+    return any(".experts." in f".{name}" for name, _ in module.named_parameters())
+
+
+@dataclass(frozen=True)
+class _ModelParallelSizes:
+    tp: int
+    ep: int
+    expert_tp: int
+
+
+def _model_parallel_sizes(cfg: TransformerConfig, pg) -> _ModelParallelSizes:
+    """TP, EP and expert-TP sizes, the config's and ``pg_collection``'s agreeing (else ``ValueError``).
+
+    ``pg=None`` means the groups will be built from the config. An unset
+    ``expert_tensor_parallel_size`` follows the TP size (Megatron's default), or
+    the size of ``pg_collection.expt_tp`` when that group is given. Expert TP
+    only matters for models with expert parameters (see
+    :func:`_unbuilt_model_parallelism`).
+    """
+    sizes = {}
+    for field, name, configured in (
+        ("tensor_model_parallel_size", "tp", cfg.tensor_model_parallel_size),
+        ("expert_model_parallel_size", "ep", cfg.expert_model_parallel_size),
+        ("expert_tensor_parallel_size", "expt_tp", cfg.expert_tensor_parallel_size),
+    ):
+        group = getattr(pg, name, None) if pg is not None else None
+        if configured is None:  # expert TP follows TP unless its group says otherwise
+            sizes[name] = group_size(group) if group is not None else sizes["tp"]
+            continue
+        # The adapter meshes tp and ep, so they must be there; expt_tp only has to agree when given.
+        if pg is not None and (group is not None or name != "expt_tp") and group_size(group) != configured:
+            found = "missing" if group is None else f"{group_size(group)} ranks"
+            raise ValueError(
+                f"{field}={configured} needs pg_collection.{name} with {configured} ranks, got {found}"
+            )
+        sizes[name] = configured
+    return _ModelParallelSizes(sizes["tp"], sizes["ep"], sizes["expt_tp"])
+
+
+def _unbuilt_model_parallelism(sizes: _ModelParallelSizes, module: nn.Module) -> Optional[tuple[str, int, str]]:
+    """``(field, value, why)`` for a tensor/expert-parallel combination the engine cannot shard yet."""
+    experts = _has_expert_params(module)
+    if sizes.tp > 1 and sizes.ep > 1:
+        return ("expert_model_parallel_size", sizes.ep,
+                f"composing expert parallelism with tensor_model_parallel_size={sizes.tp} is not built yet")
+    if experts and sizes.ep > 1 and sizes.expert_tp > 1:
+        return ("expert_tensor_parallel_size", sizes.expert_tp,
+                "expert tensor parallelism (TP inside the expert mesh) is not built yet")
+    if experts and sizes.tp > 1 and sizes.expert_tp != sizes.tp:
+        return ("expert_tensor_parallel_size", sizes.expert_tp,
+                f"experts next to tensor_model_parallel_size={sizes.tp} are only built with the same "
+                "expert tensor-parallel size (experts split like the dense layers, over the same TP group)")
+    return None
+
+
 # ----------------------------------------------------------------- the wrappers
 class _BaseDataParallel(nn.Module):
     """The wrapper contract of Megatron-Core's data-parallel classes (no-op sync hooks)."""
@@ -187,7 +246,13 @@ class _ShardedDataParallel(_BaseDataParallel):
         policy: MixedPrecisionPolicy,
         init_on_meta: bool,
         prefetch: bool,
+        expert_mesh: Optional[DeviceMesh] = None,
+        expert_placements: Optional[dict[str, AxisPlacements]] = None,
+        gradient_reduction: str = "mean",
+        bucket_size: Optional[int] = None,
     ) -> None:
+        """Shard ``self.module`` with the engine: dense parameters over ``mesh`` (its ``tp`` axis, if
+        any, is tensor-parallel), ``.experts.`` parameters over ``expert_mesh`` (its ``ep`` axis)."""
         module = self.module
         initializer = None
         if has_meta_tensors(module):
@@ -208,6 +273,12 @@ class _ShardedDataParallel(_BaseDataParallel):
             mixed_precision=policy,
             init_fn=initializer,
             prefetch=prefetch,
+            tp_axis=TP_AXIS,
+            expert_mesh=expert_mesh,
+            expert_placements=expert_placements,
+            ep_axis=EP_AXIS,
+            gradient_reduction=gradient_reduction,
+            bucket_size=bucket_size,
         )
         if initializer is not None:
             initializer.finish()
@@ -236,17 +307,10 @@ class _ShardedDataParallel(_BaseDataParallel):
     def zero_grad_buffer(self) -> None:
         """Start a new step: the next backward overwrites the gradient buffers instead of adding.
 
-        Clears every sharded parameter's ``.grad`` (the engine's signal to
-        overwrite), and closes an accumulation window that earlier ``no_sync``
-        micro-batches left open without a final backward, so its partial sums
-        are dropped too.
+        Clears every sharded parameter's ``.grad`` and drops what earlier
+        ``no_sync`` micro-batches accumulated without a final backward.
         """
-        for group in self.sharded_state.groups:
-            for param in group.sharded_params:
-                param.grad = None
-            # An open window would keep adding to its partial buffer; the next reduction
-            # re-opens it and, seeing every .grad cleared, overwrites.
-            group._window_open = False
+        self.module.zero_grad_buffer()
 
     @torch.no_grad()
     def scale_gradients(self, scaling_factor: float) -> None:
@@ -275,12 +339,20 @@ class _ShardedDataParallel(_BaseDataParallel):
 
 
 def _shard_like(param: DTensor, full: torch.Tensor, group, index: int) -> DTensor:
-    """This rank's rows of ``full``, as a DTensor laid out like the sharded ``param``."""
+    """This rank's rows of ``full``, as a DTensor laid out like the sharded ``param``.
+
+    ``full`` is the global tensor: first this rank's tensor- / expert-parallel
+    slice is cut along each model-parallel dimension, then the data-parallel rows.
+    """
     if tuple(full.shape) != tuple(param.shape):
         raise ValueError(f"cannot load a tensor of shape {tuple(full.shape)} into a parameter of shape {tuple(param.shape)}")
+    value = full.detach()
+    for axis_name, dim in group.refs[index].model_parallel_dims.items():
+        axis = group.plan.model_parallel[axis_name]
+        value = value.chunk(axis.size, dim=dim)[axis.index]
     slot = group.layout.slots[index]
     first, last = slot.rows_in(*group.opt_range)
-    local = full.detach()[first:last].to(device=param.to_local().device, dtype=param.dtype)
+    local = value[first:last].to(device=param.to_local().device, dtype=param.dtype).contiguous()
     return DTensor.from_local(
         local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
     )

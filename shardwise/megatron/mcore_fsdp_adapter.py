@@ -15,9 +15,12 @@ that call on top of :func:`shardwise.fully_shard`:
   it does not support.
 
 Both are faces of the one engine. Configs and process groups may be this
-package's or Megatron-Core's own objects (read by field name). Composition
-with tensor or expert parallelism is not built yet: V1 with TP > 1 or EP > 1
-raises ``NotImplementedError``, V2's ``_validate_config`` rejects TP/PP/CP > 1.
+package's or Megatron-Core's own objects (read by field name). Both compose
+FSDP with tensor parallelism (a ``dp x tp`` or ``dp_outer x dp_shard x tp``
+mesh) and with expert parallelism (experts over an ``(expert_dp, ep)`` mesh,
+the rest over ``dp_cp``); the model must be built with ``pg_collection``'s
+``tp`` / ``ep`` groups. Not built yet, and rejected by field name: TP together
+with EP, expert tensor parallelism, and (V2) pipeline or context parallelism.
 """
 
 from __future__ import annotations

@@ -10,8 +10,13 @@ compare ordered rank lists.
 Layout assumed by the tables (Megatron-Core's default order, fastest first):
 ``tp``, then ``ep``, then the data-parallel ranks, then anything slower (the
 pipeline stages). ``_get_dp_tp_mesh`` / ``_get_hsdp_tp_mesh`` return the rank
-table of this rank's (data-parallel x tensor-parallel) domain; composing FSDP
-with tensor parallelism on such a mesh is the next step and not built yet.
+table of this rank's (data-parallel x tensor-parallel) domain, and
+``_get_edp_ep_mesh`` the (expert data parallel x expert parallel) one.
+
+Axis names are the engine's: data-parallel axes ``dp_outer`` / ``dp_shard``
+(``expert_dp`` on the expert mesh), named as in the placements passed to
+:func:`shardwise.fully_shard`, and the model-parallel axes ``tp`` and ``ep``
+(its ``tp_axis`` / ``ep_axis``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..mesh import check_mesh_ranks_and_group_ranks_are_consistent as _check_ordered
@@ -35,13 +41,19 @@ __all__ = [
     "_get_dp_tp_mesh",
     "_get_hsdp_tp_mesh",
     "_build_hybrid_dp_mesh",
+    "_get_edp_ep_mesh",
+    "_build_dense_mesh",
     "_build_expert_mesh_and_placements",
+    "_check_model_groups",
     "INNER_AXIS",
     "OUTER_AXIS",
     "EXPERT_AXIS",
+    "TP_AXIS",
+    "EP_AXIS",
 ]
 
 INNER_AXIS, OUTER_AXIS, EXPERT_AXIS = "dp_shard", "dp_outer", "expert_dp"
+TP_AXIS, EP_AXIS = "tp", "ep"
 
 # How one mesh axis places the three buffers: the engine's AxisPlacements.
 _AxisPlacements = AxisPlacements
@@ -127,6 +139,53 @@ def _get_hsdp_tp_mesh(outer_fsdp_dp_group, dp_cp_group, tp_group, ep_size: int =
     return _this_ranks_block(table.flatten(0, 1))
 
 
+def _get_edp_ep_mesh(expt_dp_group, ep_group, expt_tp_size: int = 1) -> torch.Tensor:
+    """This rank's (expert data parallel, expert parallel) rank table, checked against both groups.
+
+    Expert ranks are laid out ``(rest, edp, ep, etp)`` slowest first; the table is
+    the ``edp x ep`` block of this rank's ``(rest, etp)``.
+    """
+    edp, ep = group_size(expt_dp_group), group_size(ep_group)
+    table = _rank_table((edp, ep, expt_tp_size), ("expt_dp", "ep", "expt_tp")).permute(0, 3, 1, 2)  # rest, etp, edp, ep
+    _check_axis(table, 2, expt_dp_group, "expert data-parallel group")
+    _check_axis(table, 3, ep_group, "expert-parallel group")
+    return _this_ranks_block(table.flatten(0, 1))
+
+
+def _from_groups(groups: Sequence, table: torch.Tensor, names: Sequence[str], device_type: str) -> DeviceMesh:
+    """A mesh over ``table`` whose axis ``i`` communicates over ``groups[i]`` (already checked)."""
+    return DeviceMesh.from_group(list(groups), device_type, mesh=table.contiguous(), mesh_dim_names=tuple(names))
+
+
+def _build_dense_mesh(pg_collection, hybrid: bool, device_type: str) -> DeviceMesh:
+    """The mesh dense parameters are sharded over.
+
+    ``(dp_shard,)`` over ``dp_cp``, or ``(dp_outer, dp_shard)`` over
+    ``inter_dist_opt`` x ``intra_dp_cp`` when ``hybrid`` (built from the groups
+    themselves, any layout). With a tensor-parallel group of more than one rank
+    a last ``tp`` axis over ``pg_collection.tp`` is added, on the table of
+    :func:`_get_dp_tp_mesh` / :func:`_get_hsdp_tp_mesh` (Megatron's rank layout;
+    every group is checked against its axis, ``ValueError`` naming both rank
+    lists when they differ).
+    """
+    tp_group = getattr(pg_collection, "tp", None)
+    dp_group = getattr(pg_collection, "dp_cp", None)
+    if dp_group is None:
+        raise ValueError("pg_collection.dp_cp (the data-parallel group) is needed to build the data-parallel mesh")
+    tp = group_size(tp_group)
+    if hybrid:
+        outer = getattr(pg_collection, "inter_dist_opt", None)
+        inner = getattr(pg_collection, "intra_dp_cp", None)
+        if tp == 1:
+            return _build_hybrid_dp_mesh(outer, inner, device_type)
+        table = _get_hsdp_tp_mesh(outer, inner, tp_group)
+        return _from_groups([outer, inner, tp_group], table, (OUTER_AXIS, INNER_AXIS, TP_AXIS), device_type)
+    if tp == 1:
+        return DeviceMesh.from_group(dp_group, device_type, mesh_dim_names=(INNER_AXIS,))
+    table = _get_dp_tp_mesh(dp_group, tp_group)
+    return _from_groups([dp_group, tp_group], table, (INNER_AXIS, TP_AXIS), device_type)
+
+
 def _build_hybrid_dp_mesh(outer_group, inner_group, device_type: str) -> DeviceMesh:
     """The (``dp_outer``, ``dp_shard``) mesh of a hybrid data-parallel domain.
 
@@ -176,11 +235,14 @@ def _build_hybrid_dp_mesh(outer_group, inner_group, device_type: str) -> DeviceM
 
 
 def _build_expert_mesh_and_placements(config, ddp_config, pg_collection, device_type: str):
-    """The expert-data-parallel mesh and its placements, or ``(None, None)`` when EP is off.
+    """The ``(expert_dp, ep)`` mesh expert parameters are sharded over and its placements, or
+    ``(None, None)`` when EP is off.
 
-    Experts are replicated over ``expt_dp`` only (each EP rank holds different
-    experts), so they are sharded over that single axis with the expert strategy
-    (``expert_data_parallel_sharding_strategy``, else the dense one).
+    Each EP rank holds different experts, so they are replicated (and sharded by
+    FSDP) over ``expt_dp`` only, with the expert strategy
+    (``expert_data_parallel_sharding_strategy``, else the dense one); ``ep`` is
+    the model-parallel axis the engine places expert slices on. Both groups are
+    checked against Megatron's expert rank layout.
     """
     ep_size = max(getattr(config, "expert_model_parallel_size", 1) or 1, group_size(getattr(pg_collection, "ep", None)))
     if ep_size <= 1:
@@ -190,6 +252,10 @@ def _build_expert_mesh_and_placements(config, ddp_config, pg_collection, device_
         raise ValueError(
             f"expert_model_parallel_size={ep_size} needs the expt_dp process group in pg_collection"
         )
+    ep_group = getattr(pg_collection, "ep", None)
+    if group_size(ep_group) != ep_size:
+        found = None if ep_group is None else group_size(ep_group)
+        raise ValueError(f"expert_model_parallel_size={ep_size} needs pg_collection.ep with {ep_size} ranks, got {found}")
     strategy = getattr(ddp_config, "expert_data_parallel_sharding_strategy", None) or getattr(
         ddp_config, "data_parallel_sharding_strategy", "no_shard"
     )
@@ -197,5 +263,48 @@ def _build_expert_mesh_and_placements(config, ddp_config, pg_collection, device_
         raise ValueError(
             f"expert_data_parallel_sharding_strategy={strategy!r} is not one of {list(_DATA_PARALLEL_PLACEMENTS)}"
         )
-    mesh = DeviceMesh.from_group(expt_dp, device_type, mesh_dim_names=(EXPERT_AXIS,))
+    table = _get_edp_ep_mesh(expt_dp, ep_group, group_size(getattr(pg_collection, "expt_tp", None)))
+    mesh = _from_groups([expt_dp, ep_group], table, (EXPERT_AXIS, EP_AXIS), device_type)
     return mesh, {EXPERT_AXIS: _DATA_PARALLEL_PLACEMENTS[strategy]}
+
+
+def _group_attr(module: nn.Module, names: Sequence[str]):
+    """``(name, value)`` of the first attribute in ``names`` that holds a process group (or None)."""
+    for name in names:
+        if name in vars(module) or hasattr(type(module), name):
+            value = getattr(module, name, None)
+            if value is None or isinstance(value, dist.ProcessGroup):
+                return name, value
+    return None
+
+
+def _check_model_groups(module: nn.Module, tp_group, ep_group) -> None:
+    """Check that the model was built with the adapter's tensor- and expert-parallel groups.
+
+    A module holding tensor-parallel parameters (``tensor_model_parallel=True``)
+    and a ``tp_group`` / ``group`` attribute must use the ranks of the mesh's
+    ``tp`` axis (``pg_collection.tp``); a module with an ``ep_group`` attribute
+    those of the ``ep`` axis. ``None`` means a single rank: a model built without
+    TP under ``tensor_model_parallel_size=2`` holds whole tensors, which would be
+    read as halves. ``ValueError`` names the module and both rank lists.
+    """
+    checks = []
+    for name, sub in module.named_modules():
+        own = sub._parameters.values()
+        if any(p is not None and getattr(p, "tensor_model_parallel", False) for p in own):
+            found = _group_attr(sub, ("tp_group", "group"))
+            if found is not None:
+                checks.append((name, found, tp_group, "tensor-parallel", "tp"))
+        found = _group_attr(sub, ("ep_group",))
+        if found is not None:
+            checks.append((name, found, ep_group, "expert-parallel", "ep"))
+    for name, (attr, model_group), mesh_group, what, field in checks:
+        try:
+            _check_ordered(group_ranks(mesh_group), group_ranks(model_group))
+        except ValueError:
+            where = f"module {name!r}" if name else "the root module"
+            raise ValueError(
+                f"{where} was built with {what} ranks {group_ranks(model_group)} (its {attr!r}), but the "
+                f"mesh axis {field!r} (pg_collection.{field}) has ranks {group_ranks(mesh_group)}; build the "
+                f"model with the {field} group of the pg_collection passed to the adapter"
+            ) from None

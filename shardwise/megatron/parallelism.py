@@ -19,6 +19,11 @@ rank (``"replicated"``). The rules, in order:
 6. ``TELinear`` follows its ``parallel_mode`` (``column``, ``row``, else replicated).
 
 Anything else is unknown: ``None``, and no attribute is set.
+
+The engine itself reads Megatron's per-parameter marks (``tensor_model_parallel``,
+``partition_dim``): :func:`mark_tensor_parallel` writes them from the detected
+mode onto parameters that do not carry them yet, so a layer recognized only by
+its class name is still sharded as the TP slice it is.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ __all__ = [
     "MODULE_TYPE_REGISTRY",
     "detect_parallelism_type",
     "annotate_tensor_parallelism",
+    "mark_tensor_parallel",
     "TENSOR_PARALLEL_MODE_ATTR",
 ]
 
@@ -118,3 +124,31 @@ def annotate_tensor_parallelism(
                 setattr(param, TENSOR_PARALLEL_MODE_ATTR, mode)
                 found[f"{prefix}.{name}" if prefix else name] = mode
     return found
+
+
+_PARTITION_DIM = {"column": 0, "row": 1}
+
+
+def mark_tensor_parallel(root: nn.Module, modes: Mapping[str, str]) -> list[str]:
+    """Give every parameter the engine's tensor-parallel marks; return the names of those left unknown.
+
+    A parameter that already carries ``tensor_model_parallel`` keeps its marks (the
+    layer that split it knows best). Otherwise ``modes[name]`` decides: ``column``
+    is ``tensor_model_parallel=True, partition_dim=0``, ``row`` the same with
+    ``partition_dim=1``, ``replicated`` is ``tensor_model_parallel=False``. The
+    parameters in neither case are returned: the engine treats them as
+    replicated over the TP ranks (it broadcasts them from TP rank 0).
+    """
+    unknown = []
+    for name, param in root.named_parameters():
+        if hasattr(param, "tensor_model_parallel"):
+            continue
+        mode = modes.get(name)
+        if mode is None:
+            unknown.append(name)
+        elif mode == "replicated":
+            param.tensor_model_parallel = False
+        else:
+            param.tensor_model_parallel = True
+            param.partition_dim = _PARTITION_DIM[mode]
+    return unknown

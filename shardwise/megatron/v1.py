@@ -19,23 +19,44 @@ from .base import (
     _check_strategies,
     _default_unit_types,
     _device_type,
+    _has_expert_params,
     _mixed_precision,
+    _model_parallel_sizes,
+    _ModelParallelSizes,
     _placements,
     _present,
     _ShardedDataParallel,
+    _unbuilt_model_parallelism,
     logger,
 )
 from .config import DistributedDataParallelConfig, TransformerConfig, as_ddp_config, as_transformer_config
-from .meshes import INNER_AXIS, _build_expert_mesh_and_placements, _build_hybrid_dp_mesh, _get_dp_tp_mesh, _get_hsdp_tp_mesh
-from .parallelism import MODULE_TYPE_REGISTRY, TENSOR_PARALLEL_MODE_ATTR, annotate_tensor_parallelism, detect_parallelism_type
-from .process_groups import ProcessGroupCollection, build_process_groups, group_size
+from .meshes import (
+    _build_dense_mesh,
+    _build_expert_mesh_and_placements,
+    _check_model_groups,
+    _get_dp_tp_mesh,
+    _get_hsdp_tp_mesh,
+)
+from .parallelism import (
+    MODULE_TYPE_REGISTRY,
+    TENSOR_PARALLEL_MODE_ATTR,
+    annotate_tensor_parallelism,
+    detect_parallelism_type,
+    mark_tensor_parallel,
+)
+from .process_groups import ProcessGroupCollection, build_process_groups
 
 __all__ = ["FullyShardedDataParallelV1"]
 
 
 @dataclass
 class _DistIndex:
-    """Where this rank sits: the data-parallel mesh the engine shards over, and the groups around it."""
+    """Where this rank sits: the meshes the engine shards over, and the groups around them.
+
+    ``mesh`` is ``(dp_shard,)`` or ``(dp_outer, dp_shard)``, with a last ``tp``
+    axis when tensor parallelism is on; ``expert_mesh`` is ``(expert_dp, ep)``
+    when expert parallelism is on.
+    """
 
     mesh: DeviceMesh
     placements: dict[str, AxisPlacements]
@@ -45,6 +66,8 @@ class _DistIndex:
     hybrid_fsdp_group: Optional[dist.ProcessGroup] = None
     expert_mesh: Optional[DeviceMesh] = None
     expert_placements: Optional[dict] = None
+    ep_group: Optional[dist.ProcessGroup] = None
+    expert_dp_group: Optional[dist.ProcessGroup] = None
 
 
 # ----------------------------------------------------------------------- V1
@@ -56,6 +79,13 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
     ``optim`` = HFSDP). Units default to the transformer, MoE transformer and
     Mamba layers (none for ``no_shard``). With ``pg_collection=None`` the groups
     are built from the configs' parallel sizes over all ranks.
+
+    Tensor parallelism (``tensor_model_parallel_size > 1``): the model's TP
+    slices are sharded over the data-parallel axes of a ``dp x tp`` mesh and
+    their DTensors describe the global tensors. Expert parallelism
+    (``expert_model_parallel_size > 1``): ``.experts.`` parameters are sharded
+    over ``expt_dp`` on an ``(expert_dp, ep)`` mesh, the rest over ``dp_cp``.
+    The model must be built with ``pg_collection``'s ``tp`` / ``ep`` groups.
     """
 
     _MODULE_TYPE_REGISTRY: Dict[str, set] = {mode: set(names) for mode, names in MODULE_TYPE_REGISTRY.items()}
@@ -101,12 +131,11 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         self.ddp_config = ddp_config
         logger.info("Setting up FullyShardedDataParallelV1 with config %s", ddp)
         _check_strategies(ddp, "FullyShardedDataParallelV1")
-        self._reject_unbuilt(cfg, ddp, pg_collection)
-        self._calculate_per_token_loss = cfg.calculate_per_token_loss
+        sizes = self._reject_unbuilt(cfg, ddp, pg_collection, module)
         self.device_type = _device_type(device)
-        self.megatron_fsdp_dist_index = self._init_dist_index(pg_collection)
-        # The engine packs the parameters that no unit owns into one group per dtype
-        # (one bucket); `bucket_size` is recorded for Megatron's code that reads it.
+        self.megatron_fsdp_dist_index = index = self._init_dist_index(pg_collection)
+        # Parameters no unit owns (embeddings, head, final norm) are packed in groups of at
+        # most `bucket_size` elements; one group per dtype with `disable_bucketing`.
         self.bucket_size = None if disable_bucketing else ddp.bucket_size
         if fsdp_unit_modules is not None:
             self.fsdp_unit_modules = list(fsdp_unit_modules)
@@ -115,13 +144,27 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         else:
             self.fsdp_unit_modules = _present(module, _default_unit_types())
         modes = self._annotate_tensor_parallelism(module)
+        if sizes.tp > 1:
+            unknown = mark_tensor_parallel(module, modes)
+            if unknown:
+                logger.warning(
+                    "tensor_model_parallel_size=%d: the tensor-parallel layout of %s is unknown; they are "
+                    "treated as replicated over the TP ranks (initialized from TP rank 0)", sizes.tp, unknown,
+                )
+        _check_model_groups(module, index.tp_group, index.ep_group)
+        # With per-token losses Megatron sums gradients over the data-parallel ranks and then
+        # scales them by 1 / (total tokens) in scale_gradients.
         self._shard(
-            mesh=self.megatron_fsdp_dist_index.mesh,
-            placements=self.megatron_fsdp_dist_index.placements,
+            mesh=index.mesh,
+            placements=index.placements,
             unit_types=self.fsdp_unit_modules,
             policy=_mixed_precision(cfg, ddp),
             init_on_meta=cfg.init_model_with_meta_device,
             prefetch=ddp.overlap_param_gather,
+            expert_mesh=index.expert_mesh,
+            expert_placements=index.expert_placements,
+            gradient_reduction="sum" if cfg.calculate_per_token_loss else "mean",
+            bucket_size=self.bucket_size,
         )
         # The sharded parameters are new objects: carry the annotations over by name.
         for name, param in self.module.named_parameters():
@@ -131,17 +174,24 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
 
     # ------------------------------------------------------------ building
     @staticmethod
-    def _reject_unbuilt(cfg: TransformerConfig, ddp: DistributedDataParallelConfig, pg) -> None:
-        tp = max(cfg.tensor_model_parallel_size, group_size(getattr(pg, "tp", None)))
-        ep = max(cfg.expert_model_parallel_size, group_size(getattr(pg, "ep", None)))
-        etp = max(cfg.expert_tensor_parallel_size or 1, group_size(getattr(pg, "expt_tp", None)))
-        for field, value in (("tensor_model_parallel_size", tp), ("expert_model_parallel_size", ep),
-                             ("expert_tensor_parallel_size", etp)):
-            if value > 1:
-                raise NotImplementedError(
-                    f"FullyShardedDataParallelV1 with {field}={value}: composing FSDP with tensor or "
-                    "expert parallelism is not built yet; use a size of 1 (data parallelism only)"
-                )
+    def _reject_unbuilt(
+        cfg: TransformerConfig, ddp: DistributedDataParallelConfig, pg, module: nn.Module
+    ) -> _ModelParallelSizes:
+        """Reject what the engine cannot do yet; return the checked TP / EP / expert-TP sizes.
+
+        ``ValueError`` for a config and ``pg_collection`` that disagree or options that
+        cannot work, ``NotImplementedError`` for what is not built yet.
+        """
+        sizes = _model_parallel_sizes(cfg, pg)
+        unbuilt = _unbuilt_model_parallelism(sizes, module)
+        if unbuilt is not None:
+            field, value, why = unbuilt
+            raise NotImplementedError(f"FullyShardedDataParallelV1 with {field}={value}: {why}")
+        if sizes.ep > 1 and not _has_expert_params(module):
+            raise ValueError(
+                f"FullyShardedDataParallelV1 with expert_model_parallel_size={sizes.ep}: the model has no MoE "
+                "layers (no parameter under '.experts.')"
+            )
         for field in ("fp8_param_gather", "fp4_param_gather"):
             if getattr(ddp, field):
                 raise NotImplementedError(
@@ -152,9 +202,10 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
                 "FullyShardedDataParallelV1 with gradient_accumulation_fusion=True: shardwise reduces autograd's "
                 ".grad and gives parameters no .main_grad to fuse into; set gradient_accumulation_fusion=False"
             )
+        return sizes
 
     def _init_dist_index(self, pg_collection: Optional[ProcessGroupCollection]) -> _DistIndex:
-        """Initialize the distributed index: the data-parallel mesh from the process groups.
+        """Initialize the distributed index: the meshes from the process groups, checked against them.
 
         Without ``pg_collection`` the groups are built from the configs' sizes over
         all ranks (Megatron would read its global parallel state instead).
@@ -176,19 +227,17 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         dp_group = getattr(pg_collection, "dp_cp", None)
         if dp_group is None:
             raise ValueError("FullyShardedDataParallelV1 needs pg_collection.dp_cp (the data-parallel group)")
+        if hybrid and (getattr(pg_collection, "inter_dist_opt", None) is None
+                       or getattr(pg_collection, "intra_dp_cp", None) is None):
+            raise ValueError(
+                f"num_distributed_optimizer_instances={ddp.num_distributed_optimizer_instances} needs "
+                "pg_collection.inter_dist_opt and pg_collection.intra_dp_cp"
+            )
         if hybrid:
-            outer = getattr(pg_collection, "inter_dist_opt", None)
-            inner = getattr(pg_collection, "intra_dp_cp", None)
-            if outer is None or inner is None:
-                raise ValueError(
-                    f"num_distributed_optimizer_instances={ddp.num_distributed_optimizer_instances} needs "
-                    "pg_collection.inter_dist_opt and pg_collection.intra_dp_cp"
-                )
-            ranks = _get_hsdp_tp_mesh(outer, inner, tp_group)
-            mesh = _build_hybrid_dp_mesh(outer, inner, self.device_type)
+            ranks = _get_hsdp_tp_mesh(pg_collection.inter_dist_opt, pg_collection.intra_dp_cp, tp_group)
         else:
             ranks = _get_dp_tp_mesh(dp_group, tp_group)
-            mesh = DeviceMesh.from_group(dp_group, self.device_type, mesh_dim_names=(INNER_AXIS,))
+        mesh = _build_dense_mesh(pg_collection, hybrid, self.device_type)
         expert_mesh, expert_placements = _build_expert_mesh_and_placements(cfg, ddp, pg_collection, self.device_type)
         self.tp_group = tp_group
         return _DistIndex(
@@ -200,6 +249,8 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
             hybrid_fsdp_group=dp_group if hybrid else None,
             expert_mesh=expert_mesh,
             expert_placements=expert_placements,
+            ep_group=getattr(pg_collection, "ep", None),
+            expert_dp_group=getattr(pg_collection, "expt_dp", None) if expert_mesh is not None else None,
         )
 
     def _detect_parallelism_type(self, param_name: str, module: nn.Module) -> Optional[str]:
@@ -244,34 +295,24 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         for unit in self.sharded_state.all_units:
             unit.install_grads()
 
-    def scale_gradients(self, scaling_factor: float) -> None:
-        """Multiply the gradients by ``scaling_factor``.
-
-        With ``calculate_per_token_loss`` Megatron reduces gradients as sums over
-        the data-parallel ranks and then calls this with ``1 / total tokens``; the
-        engine averages, so the data-parallel size is folded in here.
-        """
-        if self._calculate_per_token_loss:
-            scaling_factor = scaling_factor * self.sharded_state.plan.dp_size
-        super().scale_gradients(scaling_factor)
-
     @torch.no_grad()
     def broadcast_params(self) -> None:
         """Make every data-parallel replica hold the first replica's weights.
 
-        On each mesh axis where the main weights are replicated, the axis's first
-        rank broadcasts them (an axis that shards them has nothing to agree on);
-        the compute weights are rebuilt at the next forward.
+        On each data-parallel axis of a parameter group's mesh where its main
+        weights are replicated, the axis's first rank broadcasts them (an axis that
+        shards them has nothing to agree on; expert groups use the expert mesh, so
+        EP ranks keep their own experts); the compute weights are rebuilt at the
+        next forward.
         """
-        state = self.sharded_state
-        for name, placement in state.plan.placements.items():
-            axis = state.plan.axes[name]
-            if axis.size == 1 or not isinstance(placement.optimizer, Replicate):
+        for group in self.sharded_state.groups:
+            if not group.main.numel():
                 continue
-            src = dist.get_global_rank(axis.group, 0)
-            for group in state.groups:
-                if group.main.numel():
-                    dist.broadcast(group.main, src=src, group=axis.group)
+            plan = group.plan
+            for name, placement in plan.placements.items():
+                axis = plan.axes[name]
+                if axis.size > 1 and isinstance(placement.optimizer, Replicate):
+                    dist.broadcast(group.main, src=dist.get_global_rank(axis.group, 0), group=axis.group)
         self.module.mark_weights_modified()
 
     def stop_communication(self) -> None:

@@ -7,26 +7,26 @@ from typing import Iterator, List, Optional, Type
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from .base import (
     _check_strategies,
     _default_unit_types,
     _device_type,
+    _has_expert_params,
     _mixed_precision,
+    _model_parallel_sizes,
     _placements,
     _present,
     _ShardedDataParallel,
+    _unbuilt_model_parallelism,
     logger,
 )
 from .config import DistributedDataParallelConfig, TransformerConfig, as_ddp_config, as_transformer_config
-from .meshes import INNER_AXIS, _build_expert_mesh_and_placements, _build_hybrid_dp_mesh
+from .meshes import _build_dense_mesh, _build_expert_mesh_and_placements, _check_model_groups
+from .parallelism import annotate_tensor_parallelism, mark_tensor_parallel
 from .process_groups import ProcessGroupCollection, group_size
 
 __all__ = ["FullyShardedDataParallelV2"]
-
-
-_MOE_CLASS_NAMES = {"MoE", "MoELayer", "MoETransformerLayer"}
 
 # (config source, field, why) for options V2 rejects whenever they are set (truthy).
 _V2_UNSUPPORTED_FLAGS = (
@@ -80,13 +80,14 @@ class FullyShardedDataParallelV2(_ShardedDataParallel):
             device: Device whose type is used to build the data-parallel mesh
                 (default: CUDA with NCCL, else CPU).
             pg_collection: Explicit process groups; ``dp_cp`` defines the
-                data-parallel mesh.
+                data-parallel mesh, ``tp`` its tensor-parallel axis, ``ep`` and
+                ``expt_dp`` the expert mesh. The model must be built with the same
+                ``tp`` / ``ep`` groups.
 
         Raises:
-            ValueError: A required process group is missing or the configuration
-                requests a feature V2 does not support (the message names the field).
-            NotImplementedError: expert parallelism, which passes validation but is
-                not composed with the engine yet.
+            ValueError: A required process group is missing, a group disagrees with
+                the config or the mesh, or the configuration requests a feature V2
+                does not support (the message names the field).
         """
         if pg_collection is None:
             raise ValueError(
@@ -99,21 +100,21 @@ class FullyShardedDataParallelV2(_ShardedDataParallel):
         self.ddp_config = ddp_config
         logger.info("Setting up FullyShardedDataParallelV2 with config %s", ddp)
         device_type = _device_type(device)
-        expert_mesh, expert_placements = _build_expert_mesh_and_placements(cfg, ddp, pg_collection, device_type)
-        if expert_mesh is not None:
-            raise NotImplementedError(
-                f"FullyShardedDataParallelV2 with expert_model_parallel_size={cfg.expert_model_parallel_size}: "
-                "sharding experts over expt_dp next to dense layers over dp_cp is not built yet"
-            )
         for field in ("nccl_ub", "fsdp_double_buffer"):
             if getattr(ddp, field):
                 logger.warning("%s=True is accepted and ignored: buffers come from PyTorch's allocator", field)
         hybrid = ddp.num_distributed_optimizer_instances > 1
-        if hybrid:
-            self.mesh = _build_hybrid_dp_mesh(pg_collection.inter_dist_opt, pg_collection.intra_dp_cp, device_type)
-        else:
-            self.mesh = DeviceMesh.from_group(pg_collection.dp_cp, device_type, mesh_dim_names=(INNER_AXIS,))
-        self.moe_mesh = None
+        self.mesh = _build_dense_mesh(pg_collection, hybrid, device_type)
+        self.moe_mesh, expert_placements = _build_expert_mesh_and_placements(cfg, ddp, pg_collection, device_type)
+        tp = group_size(getattr(pg_collection, "tp", None))
+        if tp > 1:
+            unknown = mark_tensor_parallel(module, annotate_tensor_parallelism(module))
+            if unknown:
+                logger.warning(
+                    "tensor_model_parallel_size=%d: the tensor-parallel layout of %s is unknown; they are "
+                    "treated as replicated over the TP ranks (initialized from TP rank 0)", tp, unknown,
+                )
+        _check_model_groups(module, getattr(pg_collection, "tp", None), getattr(pg_collection, "ep", None))
         if fsdp_unit_modules is None:
             fsdp_unit_modules = _present(module, _default_unit_types())
         self.fsdp_unit_modules = list(fsdp_unit_modules)
@@ -124,6 +125,8 @@ class FullyShardedDataParallelV2(_ShardedDataParallel):
             policy=_mixed_precision(cfg, ddp),
             init_on_meta=cfg.init_model_with_meta_device,
             prefetch=True,
+            expert_mesh=self.moe_mesh,
+            expert_placements=expert_placements,
         )
 
     @staticmethod
@@ -139,32 +142,31 @@ class FullyShardedDataParallelV2(_ShardedDataParallel):
             raise _reject("disable_bucketing", disable_bucketing, "V2 forms its own parameter groups; leave it False")
         if pg_collection is None or getattr(pg_collection, "dp_cp", None) is None:
             raise ValueError("FullyShardedDataParallelV2 needs pg_collection.dp_cp, the data-parallel process group")
-        for field in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        for field in ("pipeline_model_parallel_size", "context_parallel_size"):
             value = getattr(cfg, field)
             if value != 1:
-                raise _reject(field, value, "composing FSDP with tensor, pipeline or context parallelism is not built yet")
-        if (cfg.expert_tensor_parallel_size or 1) != 1:
-            raise _reject("expert_tensor_parallel_size", cfg.expert_tensor_parallel_size,
-                          "expert tensor parallelism is not built yet")
-        for name in ("tp", "pp", "cp", "expt_tp"):
+                raise _reject(field, value, "composing FSDP with pipeline or context parallelism is not built yet")
+        for name in ("pp", "cp"):
             size = group_size(getattr(pg_collection, name, None))
             if size != 1:
                 raise ValueError(
                     f"FullyShardedDataParallelV2 needs pg_collection.{name} of size 1, got {size}: "
-                    "composing FSDP with model parallelism is not built yet"
+                    "composing FSDP with pipeline or context parallelism is not built yet"
                 )
-        ep = cfg.expert_model_parallel_size
-        if ep > 1:
-            ep_group = getattr(pg_collection, "ep", None)
-            if ep_group is None or group_size(ep_group) != ep:
-                found = None if ep_group is None else group_size(ep_group)
-                raise ValueError(
-                    f"expert_model_parallel_size={ep} needs pg_collection.ep with {ep} ranks, got {found}"
-                )
+        sizes = _model_parallel_sizes(cfg, pg_collection)
+        unbuilt = _unbuilt_model_parallelism(sizes, module)
+        if unbuilt is not None:
+            raise _reject(*unbuilt)
+        if sizes.ep > 1:
             if getattr(pg_collection, "expt_dp", None) is None:
-                raise ValueError(f"expert_model_parallel_size={ep} needs pg_collection.expt_dp (expert data parallel)")
-            if not any(type(m).__name__ in _MOE_CLASS_NAMES for m in module.modules()):
-                raise ValueError(f"expert_model_parallel_size={ep} but the model has no MoE layers")
+                raise ValueError(
+                    f"expert_model_parallel_size={sizes.ep} needs pg_collection.expt_dp (expert data parallel)"
+                )
+            if not _has_expert_params(module):
+                raise ValueError(
+                    f"expert_model_parallel_size={sizes.ep} but the model has no MoE layers "
+                    "(no parameter under '.experts.')"
+                )
         _check_strategies(ddp, "FullyShardedDataParallelV2")
         if ddp.num_distributed_optimizer_instances > 1:
             for name in ("intra_dp_cp", "inter_dist_opt"):
