@@ -107,7 +107,7 @@ class ParamGroup:
         )
         with torch.no_grad():
             self.model_shard: torch.Tensor | None = None
-            if self.main_aliases_model or not self.casts_on_gather:
+            if not self.casts_on_gather:
                 self.model_shard = torch.zeros(p1 - p0, dtype=self.compute_dtype, device=device)
                 self._fill(self.model_shard, p0, p1)
             if self.main_aliases_model:
