@@ -380,10 +380,10 @@ def _grads_with(bucket_size, reduction, discard_first):
     for group in model.sharded_state.groups:
         for fqn, p in zip(group.fqns, group.sharded_params):
             if p.grad is not None:
-                full = torch.empty(group.layout.total)
+                full = torch.empty(group.layout.total, device=device())
                 dist.all_gather_into_tensor(full, group._main_grad_ref(), group=group.plan.axes["dp_shard"].group)
                 slot = group.layout.slots[group.fqns.index(fqn)]
-                grads[fqn] = full[slot.offset : slot.end].view(slot.shape)
+                grads[fqn] = full[slot.offset : slot.end].view(slot.shape).cpu()
     return root_groups, grads
 
 
