@@ -1,0 +1,244 @@
+"""The hooks that schedule a sharded model: gather, free, reduce, finish backward.
+
+A unit's pre-forward gathers its parameters (and starts gathering the next
+unit's); its post-forward frees them (not during activation recompute). Hooks
+on the unit's outputs gather it again when backward reaches it; an autograd
+function on its inputs fires once its backward is done and reduces its
+gradients. A callback queued on the autograd engine finishes whatever is left
+when backward ends: the root's own gradients, waits, ``.grad`` installation.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from .buffers import InFlight, StreamSet
+from .group import ParamGroup
+from .mesh import ShardingPlan
+from .unit import Unit
+
+__all__ = ["ShardedState"]
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward marks the end of the unit's backward."""
+
+    @staticmethod
+    def forward(ctx, state, unit, recompute, *inputs):
+        ctx.state, ctx.unit, ctx.recompute = state, unit, recompute
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.state.on_post_backward(ctx.unit, ctx.recompute)
+        return (None, None, None) + grads
+
+
+class ShardedState:
+    """Everything one ``fully_shard`` call created, and the hook logic."""
+
+    def __init__(self, root: Unit, units: list[Unit], plan: ShardingPlan, streams: StreamSet, prefetch: bool):
+        self.root = root
+        self.units = units
+        self.plan = plan
+        self.streams = streams
+        self.prefetch = prefetch
+        self.sync_grads = True
+        self.forward_order: list[Unit] = []
+        self._order_index: dict[int, int] = {}
+        self.order_recorded = False
+        self.callback_queued = False
+        self.in_flight: list[tuple[ParamGroup, InFlight]] = []
+        # id(group) -> optimizer stepped as soon as the group's grads are final (see
+        # shardwise.optim.BackwardOptimizer); empty for the usual optimizer.step() loop.
+        self.backward_optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.grad_forward = False
+
+    @property
+    def all_units(self) -> list[Unit]:
+        return self.units + [self.root]
+
+    @property
+    def groups(self) -> list[ParamGroup]:
+        return [g for u in self.all_units for g in u.groups]
+
+    # ------------------------------------------------------------- ordering
+    def _neighbour(self, unit: Unit, step: int) -> Unit | None:
+        i = self._order_index.get(id(unit))
+        if i is None or not 0 <= i + step < len(self.forward_order):
+            return None
+        return self.forward_order[i + step]
+
+    # ---------------------------------------------------------------- root
+    def root_pre_forward(self, module, args, kwargs):
+        if _in_backward():
+            return args, kwargs
+        for g in self.groups:
+            g.refresh_model_weights()
+        self.root.start_unshard()
+        if self.prefetch and self.order_recorded and self.forward_order:
+            self.forward_order[0].start_unshard()  # queued behind the root's gather
+        self.root.unshard()
+        self.grad_forward = torch.is_grad_enabled()
+        if self.grad_forward:
+            self.root.ran_with_grad = True
+        return args, kwargs
+
+    def root_post_forward(self, module, args, output):
+        if _in_backward():
+            return output
+        self.root.use_sharded()
+        if not self.order_recorded and self.forward_order:
+            self.order_recorded = True
+        hooked = torch.is_grad_enabled() and self._hook_outputs(output, self.on_root_pre_backward)
+        if not hooked:  # nothing will run backward through this forward
+            for unit in self.all_units:
+                unit.reshard()
+        return output
+
+    def on_root_pre_backward(self, grad):
+        self._queue_final_callback()
+        if self.prefetch and self.forward_order:
+            last = self.forward_order[-1]  # the first unit backward needs: gather it under the loss's backward
+            if last.ran_with_grad and not last.gathered_for_backward:
+                last.start_unshard()
+
+    # ---------------------------------------------------------------- units
+    def unit_pre_forward(self, unit: Unit, module, args, kwargs):
+        recompute = _in_backward()
+        unit.unshard()
+        if not recompute:
+            if not self.order_recorded:
+                if id(unit) not in self._order_index:
+                    self._order_index[id(unit)] = len(self.forward_order)
+                    self.forward_order.append(unit)
+            elif self.prefetch:
+                nxt = self._neighbour(unit, +1)
+                if nxt is not None:
+                    nxt.start_unshard()
+        if torch.is_grad_enabled():
+            unit.ran_with_grad = True
+            flat, spec = pytree.tree_flatten((args, kwargs))
+            positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+            if positions:
+                outs = _PostBackward.apply(self, unit, recompute, *[flat[i] for i in positions])
+                for i, t in zip(positions, outs):
+                    flat[i] = t
+                if not recompute:
+                    unit.pending_backward += 1
+                args, kwargs = pytree.tree_unflatten(flat, spec)
+        elif self.grad_forward and not recompute:
+            unit.expected_recompute += 1
+        return args, kwargs
+
+    def unit_post_forward(self, unit: Unit, module, args, output):
+        if not _in_backward():
+            if unit.reshard_after_forward:
+                unit.reshard()
+            else:
+                unit.use_sharded()
+        if torch.is_grad_enabled():
+            self._hook_outputs(output, lambda grad: self.on_unit_pre_backward(unit))
+        return output
+
+    def on_unit_pre_backward(self, unit: Unit) -> None:
+        self._queue_final_callback()
+        if unit.gathered_for_backward:
+            return
+        unit.gathered_for_backward = True
+        unit.unshard()
+        if self.prefetch:
+            prev = self._neighbour(unit, -1)
+            if prev is not None and prev.ran_with_grad and not prev.gathered_for_backward:
+                prev.start_unshard()
+
+    def on_post_backward(self, unit: Unit, recompute: bool) -> None:
+        # A non-reentrant recompute's autograd function never runs backward, so only
+        # the original forward and reentrant re-runs are counted.
+        if recompute:
+            unit.expected_recompute -= 1
+        else:
+            unit.pending_backward -= 1
+        if unit.pending_backward > 0 or unit.expected_recompute > 0 or unit.reduced:
+            return
+        self._reduce(unit)
+        unit.reshard()
+
+    def _reduce(self, unit: Unit) -> None:
+        # Let the compute stream catch up with the previous reduction before its
+        # flat buffer is released; it has had a whole unit's backward to finish.
+        self._land_in_flight()
+        self.in_flight = unit.reduce_grads(finalize=self.sync_grads)
+
+    def _land_in_flight(self) -> None:
+        """Wait for the reductions in flight; step the groups that have a backward optimizer."""
+        for group, flight in self.in_flight:
+            flight.wait()
+            optimizer = self.backward_optimizers.get(id(group))
+            if optimizer is not None and self.sync_grads:
+                group.install_grads()
+                optimizer.step()
+                group.discard_grads()  # the fp32 grad shard is freed right here
+        self.in_flight = []
+
+    # ------------------------------------------------------- end of backward
+    def _queue_final_callback(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        ordered = list(reversed(self.forward_order)) + [u for u in self.units if id(u) not in self._order_index]
+        for unit in ordered + [self.root]:
+            if unit.ran_with_grad and not unit.reduced:
+                self._reduce(unit)
+            elif not unit.ran_with_grad and self.sync_grads:
+                self.in_flight.extend(unit.finalize_idle_groups())
+        self._land_in_flight()
+        late = [u.name for u in self.all_units if any(g.has_unsharded_grads() for g in u.groups)]
+        if late:
+            raise RuntimeError(
+                f"gradients reached units {late} after their gradients were reduced in this backward; "
+                "this happens when a unit's backward runs in pieces the hooks cannot see "
+                "(a custom autograd path around the unit); please report it with the model"
+            )
+        if self.sync_grads:
+            for unit in self.all_units:
+                unit.install_grads()
+        for unit in self.all_units:
+            unit.reshard()
+            unit.reset_iteration()
+        self.callback_queued = False
+
+    # ------------------------------------------------------------- helpers
+    @staticmethod
+    def _hook_outputs(output, hook: Callable) -> bool:
+        hooked = False
+        for t in pytree.tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(hook)
+                hooked = True
+        return hooked
+
+    def mark_weights_modified(self) -> None:
+        for g in self.groups:
+            g.weights_stale = True
+
+
+def _mark_stale_after_step(optimizer, args, kwargs) -> None:
+    for param_group in optimizer.param_groups:
+        for p in param_group["params"]:
+            group = getattr(p, "_shardwise_group", None)
+            if group is not None and p.grad is not None:  # torch.optim skips grad-less params
+                group.weights_stale = True
+
+
+register_optimizer_step_post_hook(_mark_stale_after_step)
