@@ -83,6 +83,9 @@ class TrainConfig:
     resume: bool = field(default=False, metadata=_help(
         "resume from the latest complete checkpoint in <out-dir>/checkpoints (needs --out-dir or --name)"))
     nproc: int = field(default=0, metadata=_help("local worker processes (0 = one per GPU, or 2 on CPU)"))
+    meta_init: bool = field(default=True, metadata=_help(
+        "build the model on the meta device and initialize it one layer at a time while sharding "
+        "(the same weights as a direct build, without ever holding the whole model)"))
     device: str = field(default="auto", metadata=_help("auto, cpu or cuda"))
 
 
@@ -288,8 +291,12 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = Non
         rank, world = dist.get_rank(), dist.get_world_size()
         out_dir = Path(cfg.out_dir)
         torch.manual_seed(cfg.seed)
-        with torch.device(device):
+        init_fn = None
+        with torch.device("meta" if cfg.meta_init else device):
             model = GPT(model_cfg)
+        if cfg.meta_init:
+            init_fn = shardwise.MetaInitializer(model, device)
+            init_fn.plan()  # records the RNG state each layer's init starts from in a direct build
         n_params, flops_per_token = model.num_params(), model.flops_per_token(cfg.seq_len)
         matrices = {n for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("embed.")}
         mesh = shardwise.build_dp_mesh(outer=cfg.outer_dp, device_type=device_type) if cfg.outer_dp else None
@@ -297,7 +304,10 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = Non
             param_dtype=torch.bfloat16 if cfg.precision == "bf16" else None)
         model = shardwise.fully_shard(
             model, mesh=mesh, strategy=cfg.strategy, outer_dp_sharding_strategy=cfg.outer_strategy or None,
-            unit_modules=list(dict.fromkeys(type(layer) for layer in model.layers)), mixed_precision=policy)
+            unit_modules=list(dict.fromkeys(type(layer) for layer in model.layers)), mixed_precision=policy,
+            init_fn=init_fn)
+        if init_fn is not None:
+            init_fn.finish()
         optimizer = torch.optim.AdamW(_param_groups(model, matrices, cfg.weight_decay),
                                       lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
         torch.manual_seed(cfg.seed + 1 + rank)  # dropout differs per rank

@@ -134,3 +134,16 @@ def test_cli_dispatch(capsys):
     assert cli.main(["nope"]) == 2 and "unknown command 'nope'" in capsys.readouterr().err
     assert cli.main(["--help"]) == 0 and "train" in capsys.readouterr().out
     assert set(cli.COMMANDS) >= {"train"}
+
+
+def test_meta_init_trains_exactly_like_a_direct_build(tmp_path):
+    losses = {}
+    for flag in ("--meta-init", "--no-meta-init"):
+        out = tmp_path / flag
+        cmd = [sys.executable, "-m", "shardwise.train", "--preset", "tiny", "--steps", "2", "--nproc", "2",
+               "--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1", "--ffn-hidden", "64",
+               "--seq-len", "32", "--micro-batch-size", "2", flag, "--out-dir", str(out)]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        losses[flag] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert losses["--meta-init"] == losses["--no-meta-init"]
