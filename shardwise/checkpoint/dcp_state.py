@@ -80,15 +80,15 @@ OPTIM_GROUPS_KEY = "optim_groups"
 # ------------------------------------------------------------------ pieces
 @dataclass(frozen=True)
 class Piece:
-    """Rows ``[first_row, first_row + len(local))`` of a tensor of global ``shape``, held here."""
+    """The block of a tensor of global ``shape`` that starts at ``offsets`` and is held here.
+
+    Data-parallel sharding moves the start along dim 0 (whole rows); tensor or
+    expert parallelism moves it along the parameter's partition dimension.
+    """
 
     local: torch.Tensor
     shape: torch.Size
-    first_row: int
-
-    @property
-    def offsets(self) -> torch.Size:
-        return torch.Size((self.first_row,) + (0,) * (len(self.shape) - 1))
+    offsets: torch.Size
 
     @property
     def chunk(self) -> ChunkStorageMetadata:
@@ -161,8 +161,8 @@ class _ParamInfo:
     fqn: str
     param: nn.Parameter  # the sharded DTensor parameter
     main: torch.Tensor  # this rank's rows of the fp32 main weights (a view)
-    first_row: int
-    shape: torch.Size
+    offsets: torch.Size  # where ``main`` starts in the global tensor
+    shape: torch.Size  # the global shape (across data and model parallelism)
 
 
 def sharded_groups(model: nn.Module) -> list[_ParamInfo]:
@@ -170,11 +170,14 @@ def sharded_groups(model: nn.Module) -> list[_ParamInfo]:
     out = []
     for group in _state(model).groups:
         start, end = group.opt_range
-        for fqn, slot, param in zip(group.fqns, group.layout.slots, group.sharded_params):
+        for i, (fqn, slot, param) in enumerate(zip(group.fqns, group.layout.slots, group.sharded_params)):
             first, last = slot.rows_in(start, end)
             begin = slot.offset + first * slot.row_numel - start
             view = group.main[begin : begin + (last - first) * slot.row_numel].view(last - first, *slot.shape[1:])
-            out.append(_ParamInfo(fqn, param, view, first, torch.Size(slot.shape)))
+            offsets = [first] + [0] * (len(slot.shape) - 1)
+            for axis_name, dim in group.refs[i].model_parallel_dims.items():
+                offsets[dim] += group.plan.model_parallel[axis_name].index * slot.shape[dim]
+            out.append(_ParamInfo(fqn, param, view, torch.Size(offsets), torch.Size(group.global_shapes[i])))
     return out
 
 
@@ -206,7 +209,7 @@ def _model_entries(model: nn.Module) -> tuple[dict[str, Piece], dict[str, torch.
         if info.shape.numel() == 0:
             plain[key] = info.main
         else:
-            pieces[key] = Piece(info.main, info.shape, info.first_row)
+            pieces[key] = Piece(info.main, info.shape, info.offsets)
     for name, buf in _persistent_buffers(model).items():
         plain[MODEL_PREFIX + name] = buf.detach()
     return pieces, plain
@@ -287,7 +290,7 @@ def _optimizer_entries(model: nn.Module, optimizer) -> tuple[dict[str, Piece], d
                             f"{tuple(info.shape)} / {tuple(info.main.shape)}"
                         )
                     if info.shape.numel():
-                        pieces[full_key] = Piece(local.detach(), info.shape, info.first_row)
+                        pieces[full_key] = Piece(local.detach(), info.shape, info.offsets)
                     else:
                         plain[full_key] = local.detach()
                 elif isinstance(value, torch.Tensor):
@@ -511,7 +514,7 @@ def _plan_optimizer_load(path, md, model, optimizer, meta, pieces, plain, strict
                         local = torch.empty(info.main.shape, dtype=entry.properties.dtype, device=info.main.device)
                         new_state[(id(p), name)] = ("sharded", p, local)
                     if info.shape.numel():
-                        pieces[key] = Piece(local, info.shape, info.first_row)
+                        pieces[key] = Piece(local, info.shape, info.offsets)
                     else:
                         plain[key] = local
                 elif kind.startswith("tensor"):

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..buffers import all_gather_chain
+from ..state_dict import full_group_weights, gather_model_parallel
 from .dcp_state import _persistent_buffers, _state, tied_aliases
 
 __all__ = ["gather_full_state_dict", "gather_full_optimizer_state"]
@@ -33,7 +34,7 @@ def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True, dtype: 
     keep = _keep(rank0_only)
     out: dict[str, torch.Tensor] = {}
     for group in _state(model).groups:
-        full = group.full_main_weights()  # a collective over the group's optimizer axes
+        full = full_group_weights(group)  # collectives over the group's data- and model-parallel axes
         if keep:
             for fqn, tensor in full.items():
                 out[fqn] = tensor.to(dtype or tensor.dtype).cpu()
@@ -67,10 +68,12 @@ def gather_full_optimizer_state(model: nn.Module, optimizer, *, rank0_only: bool
                     local[begin : begin + (last - first) * slot.row_numel] = state[key].to_local().reshape(-1)
             full = torch.empty(group.layout.total, dtype=dtype, device=local.device)
             all_gather_chain(full, local, group.plan.opt_axes)
-            if keep:
-                for fqn, state, slot in zip(group.fqns, states, group.layout.slots):
-                    if key in state:
-                        out.setdefault(fqn, {})[key] = full[slot.offset : slot.end].view(slot.shape).cpu().clone()
+            for i, (fqn, state, slot) in enumerate(zip(group.fqns, states, group.layout.slots)):
+                if key in state:  # the same on every rank of a group, so the collective below matches
+                    value = gather_model_parallel(
+                        full[slot.offset : slot.end].view(slot.shape), group.refs[i].model_parallel_dims, group.plan)
+                    if keep:
+                        out.setdefault(fqn, {})[key] = value.cpu().clone()
         if keep:
             for fqn, state in zip(group.fqns, states):
                 for key, value in state.items():
