@@ -54,7 +54,8 @@ class ShardedModule(nn.Module):
         self.sharded_state.sync_grads = requires_sync
 
     def unshard(self) -> None:
-        """Gather every unit now (e.g. before an eval loop that runs many forwards)."""
+        """Gather every unit now and point the modules at the full parameters (e.g. to inspect
+        them); ``reshard()`` undoes it, and so does each unit's next forward."""
         for unit in self.sharded_state.all_units:
             unit.unshard()
 
