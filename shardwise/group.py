@@ -29,7 +29,7 @@ from .layout import FlatLayout, Slot
 from .mesh import ShardingPlan
 from .precision import MixedPrecisionPolicy
 
-__all__ = ["ParamRef", "ParamGroup"]
+__all__ = ["ParamRef", "ParamGroup", "rows_view"]
 
 
 @dataclass
@@ -55,7 +55,7 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _rows_view(buffer: torch.Tensor, buffer_start: int, slot: Slot, rows: tuple[int, int]) -> torch.Tensor:
+def rows_view(buffer: torch.Tensor, buffer_start: int, slot: Slot, rows: tuple[int, int]) -> torch.Tensor:
     """The view of ``buffer`` (which begins at flat offset ``buffer_start``) holding ``rows`` of a slot."""
     first, last = rows
     begin = slot.offset + first * slot.row_numel - buffer_start
@@ -153,7 +153,7 @@ class ParamGroup:
         for ref, slot in zip(self.refs, self.layout.slots):
             rows = slot.rows_in(start, end)
             if rows[1] > rows[0]:
-                _rows_view(buffer, start, slot, rows).copy_(ref.param.detach()[rows[0] : rows[1]])
+                rows_view(buffer, start, slot, rows).copy_(ref.param.detach()[rows[0] : rows[1]])
 
     def _dtensor(self, i: int, local: torch.Tensor) -> DTensor:
         shape = self.global_shapes[i]
@@ -168,7 +168,7 @@ class ParamGroup:
 
     def _make_sharded_param(self, i: int) -> nn.Parameter:
         ref, slot = self.refs[i], self.layout.slots[i]
-        local = _rows_view(self.main, self.opt_range[0], slot, slot.rows_in(*self.opt_range))
+        local = rows_view(self.main, self.opt_range[0], slot, slot.rows_in(*self.opt_range))
         param = nn.Parameter(self._dtensor(i, local), requires_grad=ref.param.requires_grad)
         # Keep the model's own annotations (tensor_model_parallel, partition_dim, allreduce, ...).
         for key, value in vars(ref.param).items():
@@ -247,7 +247,7 @@ class ParamGroup:
     def _grad_views(self, main_grad: torch.Tensor) -> list[DTensor]:
         o0, o1 = self.opt_range
         return [
-            self._dtensor(i, _rows_view(main_grad, o0, slot, slot.rows_in(o0, o1)))
+            self._dtensor(i, rows_view(main_grad, o0, slot, slot.rows_in(o0, o1)))
             for i, slot in enumerate(self.layout.slots)
         ]
 
@@ -271,7 +271,7 @@ class ParamGroup:
             self.main_grad = existing
             for was_cleared, slot in zip(cleared, self.layout.slots):
                 if was_cleared:
-                    _rows_view(existing, o0, slot, slot.rows_in(o0, o1)).zero_()
+                    rows_view(existing, o0, slot, slot.rows_in(o0, o1)).zero_()
             fresh = False
         if (g0, g1) == (o0, o1):
             self.grad_acc = self.main_grad

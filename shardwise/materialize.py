@@ -100,16 +100,25 @@ def _allocate(module: nn.Module, params: list[str], buffers: list[str], device: 
     return fresh
 
 
+def _meta_and_reset(module: nn.Module):
+    """``(params, buffers, reset)`` for a module's own meta tensors; None when it has none."""
+    params, buffers = _direct_meta(module)
+    if not params and not buffers:
+        return None
+    reset = _reset_method(module)
+    if reset is None:
+        raise _missing_reset_error(module, params, buffers)
+    return params, buffers, reset
+
+
 def materialize_meta_module(
     module: nn.Module, device: Optional[torch.device] = None, *, memo: Optional[dict] = None
 ) -> None:
     """Allocate ``module``'s own (not its children's) meta tensors on ``device`` and run its reset."""
-    params, buffers = _direct_meta(module)
-    if not params and not buffers:
+    found = _meta_and_reset(module)
+    if found is None:
         return
-    reset = _reset_method(module)
-    if reset is None:
-        raise _missing_reset_error(module, params, buffers)
+    params, buffers, reset = found
     device = torch.device(device) if device is not None else default_device()
     if not _allocate(module, params, buffers, device, {} if memo is None else memo):
         return  # only re-bound parameters initialized elsewhere
@@ -153,12 +162,10 @@ class MetaInitializer:
     def plan(self) -> None:
         """Record the generator state each module's reset starts from in a direct build (see module doc)."""
         for module in self.root.modules():
-            params, buffers = _direct_meta(module)
-            if not params and not buffers:
+            found = _meta_and_reset(module)
+            if found is None:
                 continue
-            reset = _reset_method(module)
-            if reset is None:
-                raise _missing_reset_error(module, params, buffers)
+            params, buffers, reset = found
             if not self.replay_rng_order:
                 continue
             self._starts[id(module)] = torch_generator_states(self.device)

@@ -12,22 +12,17 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 import traceback
 from datetime import timedelta
 
 import torch.multiprocessing as mp
 
+from shardwise.launch import free_port
+
 TASK_TIMEOUT_S = float(os.environ.get("SHARDWISE_TEST_TIMEOUT", "240"))
 # SHARDWISE_TEST_BACKEND=nccl runs the same tests on GPUs (one process per GPU).
 BACKEND = os.environ.get("SHARDWISE_TEST_BACKEND", "gloo")
 _POOLS: dict[int, "_WorkerPool"] = {}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker_main(rank: int, world_size: int, port: int, tasks, results) -> None:
@@ -63,7 +58,7 @@ class _WorkerPool:
         self.world_size = world_size
         self.results = ctx.Queue()
         self.task_queues = [ctx.Queue() for _ in range(world_size)]
-        port = _free_port()
+        port = free_port()
         self.procs = [
             ctx.Process(
                 target=_worker_main,

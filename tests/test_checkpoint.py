@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch.multiprocessing as mp
 
 import shardwise
 from distributed import device, run_distributed
+from shardwise.launch import free_port
 from shardwise.checkpoint import (
     CheckpointManager,
     CheckpointMismatchError,
@@ -184,12 +184,6 @@ def test_reshard_matrix(tmp_path, source, targets):
 
 
 # ------------------------------------------------------------------ 3. failure injection
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dying_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
     """Save step 1, then die (rank 1, hard exit) half-way through writing step 2."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -238,7 +232,7 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_dying_worker, args=(r, 2, port, str(ckpt), str(out))) for r in range(2)]
     for p in procs:
         p.start()

@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, TensorWriteData, Writ
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
+from ..group import rows_view
 from .rng_state import capture_rng_state, restore_rng_state
 
 __all__ = [
@@ -172,8 +173,7 @@ def sharded_groups(model: nn.Module) -> list[_ParamInfo]:
         start, end = group.opt_range
         for i, (fqn, slot, param) in enumerate(zip(group.fqns, group.layout.slots, group.sharded_params)):
             first, last = slot.rows_in(start, end)
-            begin = slot.offset + first * slot.row_numel - start
-            view = group.main[begin : begin + (last - first) * slot.row_numel].view(last - first, *slot.shape[1:])
+            view = rows_view(group.main, start, slot, (first, last))
             offsets = [first] + [0] * (len(slot.shape) - 1)
             for axis_name, dim in group.refs[i].model_parallel_dims.items():
                 offsets[dim] += group.plan.model_parallel[axis_name].index * slot.shape[dim]

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..buffers import all_gather_chain
+from ..group import rows_view
 from ..state_dict import full_group_weights, gather_model_parallel
 from .dcp_state import _persistent_buffers, _state, tied_aliases
 
@@ -63,9 +64,7 @@ def gather_full_optimizer_state(model: nn.Module, optimizer, *, rank0_only: bool
             local = torch.zeros(end - start, dtype=dtype, device=group.main.device)
             for state, slot in zip(states, group.layout.slots):
                 if key in state:
-                    first, last = slot.rows_in(start, end)
-                    begin = slot.offset + first * slot.row_numel - start
-                    local[begin : begin + (last - first) * slot.row_numel] = state[key].to_local().reshape(-1)
+                    rows_view(local, start, slot, slot.rows_in(start, end)).copy_(state[key].to_local())
             full = torch.empty(group.layout.total, dtype=dtype, device=local.device)
             all_gather_chain(full, local, group.plan.opt_axes)
             for i, (fqn, state, slot) in enumerate(zip(group.fqns, states, group.layout.slots)):
