@@ -1,10 +1,13 @@
-"""Collectives over a flat buffer, one mesh axis at a time, on side streams.
+"""Collectives over a group's parameter pieces, one mesh axis at a time, on side streams.
 
-Each transition between placements is a chain of 1-D collectives: Shard->
-Replicate is an all-gather per axis (least significant axis first),
-Partial->Shard a reduce-scatter per axis (most significant first),
-Partial->Replicate an all-reduce. Averages divide by the axis size (NCCL's
-``AVG`` does that inside the collective; gloo sums, then we divide).
+Each transition between placements is a chain of 1-D steps, one per mesh
+axis: Shard->Replicate all-gathers every parameter's piece (least significant
+axis first), Partial->Shard reduce-scatters them (most significant first),
+Partial->Replicate all-reduces a flat buffer. The per-parameter collectives of
+one step run as one coalesced NCCL group, which costs no more than one flat
+collective and leaves each gathered parameter contiguous. Averages divide by
+the axis size (NCCL's ``AVG`` does that inside the collective; gloo sums, then
+we divide).
 
 On CUDA the chains run on a gather or a reduce side stream that first waits
 for the compute stream; the caller gets an event to make the compute stream
@@ -20,10 +23,11 @@ from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _coalescing_manager
 
 from .mesh import AxisGroup
 
-__all__ = ["StreamSet", "all_gather_chain", "reduce_scatter_chain", "all_reduce_chain", "InFlight"]
+__all__ = ["StreamSet", "gather_pieces", "reduce_scatter_pieces", "all_reduce_chain", "InFlight"]
 
 
 class StreamSet:
@@ -79,25 +83,14 @@ def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op, group) -> None:
     fn(out, inp, op=op, group=group)
 
 
-def _average(t: torch.Tensor, axis: AxisGroup, native: bool) -> None:
-    if not native:
-        t.div_(axis.size)
-
-
-def all_gather_chain(out: torch.Tensor, shard: torch.Tensor, axes: Sequence[AxisGroup]) -> None:
-    """Gather ``shard`` (sharded over ``axes``, first axis most significant) into ``out``."""
-    if not axes:
-        if out.data_ptr() != shard.data_ptr():
-            out.copy_(shard)
-        return
-    current = shard
-    for i, axis in enumerate(reversed(axes)):
-        last = i == len(axes) - 1
-        target = out if last else torch.empty(current.numel() * axis.size, dtype=out.dtype, device=out.device)
-        if not axis.averages_natively and _overlaps(target, current):
-            current = current.clone()  # gloo copies shards in place without aliasing checks
-        _all_gather(target, current, axis.group)
-        current = target
+@contextlib.contextmanager
+def _coalesced(axis: AxisGroup, device: torch.device) -> Iterator[None]:
+    """One NCCL group launch for the per-parameter collectives inside (gloo runs them one by one)."""
+    if axis.averages_natively:  # NCCL
+        with _coalescing_manager(group=axis.group, device=device):
+            yield
+    else:
+        yield
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -108,17 +101,31 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def reduce_scatter_chain(flat: torch.Tensor, axes: Sequence[AxisGroup]) -> torch.Tensor:
-    """Average-reduce ``flat`` and keep this rank's shard over ``axes`` (first most significant)."""
-    current = flat
-    for axis in axes:
-        native = axis.averages_natively
-        out = torch.empty(current.numel() // axis.size, dtype=current.dtype, device=current.device)
-        op = dist.ReduceOp.AVG if native else dist.ReduceOp.SUM
-        _reduce_scatter(out, current, op, axis.group)
-        _average(out, axis, native)
-        current = out
-    return current
+def gather_pieces(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], axis: AxisGroup) -> None:
+    """All-gather each ``ins[i]`` over ``axis`` into ``outs[i]`` (rank-major), as one coalesced group.
+
+    An input may sit inside its output at this rank's position (in place).
+    """
+    if not outs:
+        return
+    with _coalesced(axis, outs[0].device):
+        for out, inp in zip(outs, ins):
+            if not axis.averages_natively and _overlaps(out, inp):
+                inp = inp.clone()  # gloo copies shards in place without aliasing checks
+            _all_gather(out, inp, axis.group)
+
+
+def reduce_scatter_pieces(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], axis: AxisGroup) -> None:
+    """Average ``ins[i]`` over ``axis`` and keep this rank's piece in ``outs[i]``, as one coalesced group."""
+    if not outs:
+        return
+    native = axis.averages_natively
+    op = dist.ReduceOp.AVG if native else dist.ReduceOp.SUM
+    with _coalesced(axis, outs[0].device):
+        for out, inp in zip(outs, ins):
+            _reduce_scatter(out, inp, op, axis.group)
+    if not native:
+        torch._foreach_div_(list(outs), float(axis.size))
 
 
 def all_reduce_chain(t: torch.Tensor, axes: Sequence[AxisGroup], average: bool = True) -> None:
@@ -126,5 +133,5 @@ def all_reduce_chain(t: torch.Tensor, axes: Sequence[AxisGroup], average: bool =
     for axis in axes:
         native = axis.averages_natively and average
         dist.all_reduce(t, op=dist.ReduceOp.AVG if native else dist.ReduceOp.SUM, group=axis.group)
-        if average:
-            _average(t, axis, native)
+        if average and not native:
+            t.div_(axis.size)

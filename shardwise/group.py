@@ -1,65 +1,39 @@
-"""One parameter group: its flat buffers and their lifecycle.
+"""One parameter group: its buffers and their lifecycle.
 
 A group is the parameters of one unit that share a dtype and requires_grad.
-It owns, in its ``FlatLayout``:
+Each buffer holds one *level* of every parameter's sharding (see ``layout``),
+one slot per parameter packed into a flat tensor:
 
-- ``main``: the main weights (``main_params_dtype``) in the optimizer
-  placement; the sharded DTensor parameters the optimizer sees are views of it;
-- ``model_shard``: the compute-dtype model weights in the parameter placement
-  (a view of ``main`` where dtype and placement allow, so fp32 ZeRO-3 keeps
-  one copy);
-- ``unsharded``: the full compute-dtype buffer forward and backward read;
-  its storage is freed while the group rests when parameters are sharded;
-- ``grad_acc`` / ``main_grad``: gradients accumulated in the gradient
-  placement across micro-batches, and finalized in the optimizer placement.
+- ``main``: the main weights (``main_params_dtype``) at the optimizer level;
+  the sharded DTensor parameters the optimizer sees view their real rows.
+  Where dtypes allow it lives inside ``model_shard`` (fp32 keeps one copy);
+- ``model_shard``: the compute-dtype model weights at the parameter level;
+- ``unsharded``: the full compute-dtype parameters forward and backward read
+  (level 0); its storage is freed while the group rests when parameters are
+  sharded;
+- ``grad_acc`` / ``main_grad``: gradients accumulated at the gradient level
+  across micro-batches, and finalized at the optimizer level.
+
+Moving between levels is one coalesced group of per-parameter collectives
+per mesh axis; every parameter's gathered rows land contiguous in its slot.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .buffers import InFlight, StreamSet, all_gather_chain, all_reduce_chain, reduce_scatter_chain
-from .layout import FlatLayout, Slot
+from .buffers import InFlight, StreamSet, all_reduce_chain, gather_pieces, reduce_scatter_pieces
+from .layout import LevelLayout
 from .mesh import ShardingPlan
+from .param import ParamRef, ShardedParam
 from .precision import MixedPrecisionPolicy
 
-__all__ = ["ParamRef", "ParamGroup", "rows_view"]
-
-
-@dataclass
-class ParamRef:
-    """A parameter and every (module, attribute) that holds it (more than one when tied).
-
-    ``model_parallel_dims`` maps a model-parallel mesh axis (``tp``, ``ep``) to
-    the dimension along which the local parameter is one slice of the global
-    tensor; the DTensors then describe the global tensor.
-    """
-
-    fqn: str
-    param: nn.Parameter
-    holders: list[tuple[nn.Module, str]]
-    model_parallel_dims: dict[str, int] = field(default_factory=dict)
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
-
-
-def rows_view(buffer: torch.Tensor, buffer_start: int, slot: Slot, rows: tuple[int, int]) -> torch.Tensor:
-    """The view of ``buffer`` (which begins at flat offset ``buffer_start``) holding ``rows`` of a slot."""
-    first, last = rows
-    begin = slot.offset + first * slot.row_numel - buffer_start
-    return buffer[begin : begin + (last - first) * slot.row_numel].view(last - first, *slot.shape[1:])
+__all__ = ["ParamRef", "ParamGroup"]
 
 
 class ParamGroup:
@@ -76,6 +50,7 @@ class ParamGroup:
         self.name = name
         self.refs = list(refs)
         self.fqns = [r.fqn for r in self.refs]
+        self.params = [ShardedParam(r, plan) for r in self.refs]
         self.plan = plan
         self.streams = streams
         self.device = device
@@ -86,48 +61,49 @@ class ParamGroup:
         self.main_dtype = policy.main_params_dtype
         self.main_grad_dtype = policy.main_grads_dtype
         self.comm_dtype = policy.comm_dtype
-        self.layout = FlatLayout([r.param.shape for r in self.refs], plan.shard_count)
-        self.global_shapes = [plan.global_shape(r.param.shape, r.model_parallel_dims) for r in self.refs]
-        self.dtensor_placements = [plan.dtensor_placements(r.model_parallel_dims) for r in self.refs]
-        total = self.layout.total
-
-        # Flat ranges this rank holds in each placement.
-        self.param_range = self.layout.shard_range(plan.index(plan.param_axes), plan.count(plan.param_axes))
-        self.grad_range = self.layout.shard_range(plan.index(plan.grad_axes), plan.count(plan.grad_axes))
-        self.opt_range = self.layout.shard_range(plan.index(plan.opt_axes), plan.count(plan.opt_axes))
-
-        p0, p1 = self.param_range
-        o0, o1 = self.opt_range
+        # Levels of the buffers: parameter, gradient and optimizer placements.
+        self.param_level = len(plan.param_axes)
+        self.grad_level = len(plan.grad_axes)
+        self.opt_level = len(plan.opt_axes)
+        self.layouts = [
+            LevelLayout([p.slot_numel(level) for p in self.params]) for level in range(self.opt_level + 1)
+        ]
+        kp, m = self.param_level, self.opt_level
         self.main_aliases_model = self.compute_dtype == self.main_dtype
         # With ZeRO-3-like placements (parameters sharded exactly like the optimizer state) a
         # lower-precision model-weight shard is cast from the main weights on the gather
         # stream right before each gather instead of being kept: 2 bytes/param less at rest.
-        self.casts_on_gather = (
-            not self.main_aliases_model and plan.shards_parameters and not plan.refresh_gather_axes
-        )
+        self.casts_on_gather = not self.main_aliases_model and kp == m and kp > 0
         with torch.no_grad():
             self.model_shard: torch.Tensor | None = None
+            self._model_views: list[torch.Tensor] | None = None
             if not self.casts_on_gather:
-                self.model_shard = torch.zeros(p1 - p0, dtype=self.compute_dtype, device=device)
-                self._fill(self.model_shard, p0, p1)
-            if self.main_aliases_model:
-                self.main = self.model_shard[o0 - p0 : o1 - p0]
+                self.model_shard = torch.zeros(self.layouts[kp].total, dtype=self.compute_dtype, device=device)
+                self._model_views = self.layouts[kp].views(self.model_shard)
+                self._fill(self._model_views, kp)
+            self.main: torch.Tensor | None  # the flat main weights, when they have a buffer of their own
+            if self.main_aliases_model and m == kp:
+                self.main, self._main_views = self.model_shard, self._model_views
+            elif self.main_aliases_model and m == kp + 1:  # this rank's pieces inside the model shard
+                self.main = None
+                self._main_views = [p.own_piece(v, m) for p, v in zip(self.params, self._model_views)]
             else:
-                self.main = torch.zeros(o1 - o0, dtype=self.main_dtype, device=device)
-                self._fill(self.main, o0, o1)
-        self.sharded_params = [self._make_sharded_param(i) for i in range(len(self.refs))]
+                self.main = torch.zeros(self.layouts[m].total, dtype=self.main_dtype, device=device)
+                self._main_views = self.layouts[m].views(self.main)
+                self._fill(self._main_views, m)
+        self.sharded_params = [self._make_sharded_param(i) for i in range(len(self.params))]
 
         # The unsharded buffer and the leaf parameters forward uses.
-        self.persistent_unsharded = not plan.shards_parameters
+        self.persistent_unsharded = kp == 0
         if self.persistent_unsharded:
             self.unsharded = self.model_shard
+            self._unsharded_views = self._model_views
         else:
-            self.unsharded = torch.empty(total, dtype=self.compute_dtype, device=device)
+            self.unsharded = torch.empty(self.layouts[0].total, dtype=self.compute_dtype, device=device)
+            self._unsharded_views = self.layouts[0].views(self.unsharded)
         self.unsharded_params = [
-            nn.Parameter(
-                self.unsharded[slot.offset : slot.end].view(slot.shape), requires_grad=self.requires_grad
-            )
-            for slot in self.layout.slots
+            nn.Parameter(view[: p.shape.numel()].view(p.shape), requires_grad=self.requires_grad)
+            for p, view in zip(self.params, self._unsharded_views)
         ]
         if not self.persistent_unsharded:
             self.unsharded.untyped_storage().resize_(0)  # the views above keep their shapes
@@ -145,37 +121,64 @@ class ParamGroup:
         self._main_overwrite = False
         self._pending_install = False
         self._released: tuple = ()
-        self._gaps = self.layout.gaps()
+        self._grad_gaps = self.layouts[0].gaps([p.shape.numel() for p in self.params])
         self.weights_stale = False
 
     # ----------------------------------------------------------- construction
-    def _fill(self, buffer: torch.Tensor, start: int, end: int) -> None:
-        for ref, slot in zip(self.refs, self.layout.slots):
-            rows = slot.rows_in(start, end)
-            if rows[1] > rows[0]:
-                rows_view(buffer, start, slot, rows).copy_(ref.param.detach()[rows[0] : rows[1]])
-
-    def _dtensor(self, i: int, local: torch.Tensor) -> DTensor:
-        shape = self.global_shapes[i]
-        return DTensor.from_local(
-            local,
-            self.plan.mesh,
-            self.dtensor_placements[i],
-            run_check=False,
-            shape=shape,
-            stride=_contiguous_stride(shape),
-        )
+    def _fill(self, views: list[torch.Tensor], level: int) -> None:
+        for ref, p, view in zip(self.refs, self.params, views):
+            p.local(view, level).copy_(p.shard_of(ref.param.detach(), level))
 
     def _make_sharded_param(self, i: int) -> nn.Parameter:
-        ref, slot = self.refs[i], self.layout.slots[i]
-        local = rows_view(self.main, self.opt_range[0], slot, slot.rows_in(*self.opt_range))
-        param = nn.Parameter(self._dtensor(i, local), requires_grad=ref.param.requires_grad)
+        ref, p = self.refs[i], self.params[i]
+        local = p.local(self._main_views[i], self.opt_level)
+        param = nn.Parameter(p.dtensor(local), requires_grad=ref.param.requires_grad)
         # Keep the model's own annotations (tensor_model_parallel, partition_dim, allreduce, ...).
         for key, value in vars(ref.param).items():
             if not key.startswith("_"):
                 setattr(param, key, value)
         param._shardwise_group = self  # lets optimizer hooks and clipping find the group
         return param
+
+    # ------------------------------------------------------- level movement
+    def _gather_levels(self, views: list[torch.Tensor], top: int, bottom: int, targets: list[torch.Tensor]) -> list:
+        """All-gather every parameter's pieces from level ``top`` down to ``bottom`` into ``targets``.
+
+        Returns the temporaries the side stream still reads.
+        """
+        temps = []
+        for level in range(top, bottom, -1):
+            if level - 1 == bottom:
+                out_views = targets
+            else:
+                temp = torch.empty(self.layouts[level - 1].total, dtype=views[0].dtype, device=self.device)
+                temps.append(temp)
+                out_views = self.layouts[level - 1].views(temp)
+            outs, ins = [], []
+            for p, out, inp in zip(self.params, out_views, views):
+                if p.piece_numel(level):
+                    outs.append(out[: p.gathered_numel(level)])
+                    ins.append(inp[: p.piece_numel(level)])
+            gather_pieces(outs, ins, self.plan.opt_axes[level - 1])
+            views = out_views
+        return temps
+
+    def _reduce_levels(self, flat: torch.Tensor, bottom: int, top: int) -> torch.Tensor:
+        """Reduce-scatter a flat buffer of level ``bottom`` down to a new one of level ``top``.
+
+        Slot rows past a piece's real rows hold whatever the padding summed to;
+        nothing reads them.
+        """
+        for level in range(bottom + 1, top + 1):
+            out = torch.empty(self.layouts[level].total, dtype=flat.dtype, device=self.device)
+            outs, ins = [], []
+            for p, o, i in zip(self.params, self.layouts[level].views(out), self.layouts[level - 1].views(flat)):
+                if p.piece_numel(level):
+                    outs.append(o[: p.piece_numel(level)])
+                    ins.append(i[: p.gathered_numel(level)])
+            reduce_scatter_pieces(outs, ins, self.plan.opt_axes[level - 1])
+            flat = out
+        return flat
 
     # ------------------------------------------------------------- swapping
     def install_sharded_params(self) -> None:
@@ -217,10 +220,15 @@ class ParamGroup:
         if self._is_unsharded or self._gather is not None:
             return
         self.unsharded.untyped_storage().resize_(self.unsharded.numel() * self.unsharded.element_size())
+        level = self.param_level
         with self.streams.on(self.streams.gather), torch.autograd._unsafe_preserve_version_counter(self.unsharded):
-            source = self.model_shard if self.model_shard is not None else self.main.to(self.compute_dtype)
-            all_gather_chain(self.unsharded, source, self.plan.param_axes)
-        self._gather = InFlight(self.streams.record(self.streams.gather))
+            if self.model_shard is not None:
+                source, views = self.model_shard, self._model_views
+            else:  # ZeRO-3 mixed precision: cast the main shard right before the gather
+                source = self.main.to(self.compute_dtype)
+                views = self.layouts[level].views(source)
+            temps = self._gather_levels(views, level, 0, self._unsharded_views)
+        self._gather = InFlight(self.streams.record(self.streams.gather), keepalive=(source, *temps))
 
     def finish_unshard(self) -> None:
         if self._is_unsharded:
@@ -245,11 +253,8 @@ class ParamGroup:
 
     # --------------------------------------------------------------- grads
     def _grad_views(self, main_grad: torch.Tensor) -> list[DTensor]:
-        o0, o1 = self.opt_range
-        return [
-            self._dtensor(i, rows_view(main_grad, o0, slot, slot.rows_in(o0, o1)))
-            for i, slot in enumerate(self.layout.slots)
-        ]
+        views = self.layouts[self.opt_level].views(main_grad)
+        return [p.dtensor(p.local(v, self.opt_level)) for p, v in zip(self.params, views)]
 
     def _open_window(self) -> None:
         """Start accumulating a step's gradients.
@@ -259,43 +264,42 @@ class ParamGroup:
         next step allocates a fresh one that the first reduction overwrites
         (no zero-fill). Grads the user kept are accumulated onto.
         """
-        o0, o1 = self.opt_range
-        g0, g1 = self.grad_range
+        m = self.opt_level
         cleared = [p.grad is None for p in self.sharded_params]
         existing = self._main_grad_ref() if self._main_grad_ref is not None else None
         if all(cleared) or existing is None:
-            self.main_grad = torch.empty(o1 - o0, dtype=self.main_grad_dtype, device=self.device)
+            self.main_grad = torch.empty(self.layouts[m].total, dtype=self.main_grad_dtype, device=self.device)
             self._main_grad_ref = weakref.ref(self.main_grad)
             fresh = True
         else:
             self.main_grad = existing
-            for was_cleared, slot in zip(cleared, self.layout.slots):
+            for was_cleared, p, view in zip(cleared, self.params, self.layouts[m].views(existing)):
                 if was_cleared:
-                    rows_view(existing, o0, slot, slot.rows_in(o0, o1)).zero_()
+                    p.local(view, m).zero_()
             fresh = False
-        if (g0, g1) == (o0, o1):
+        if self.grad_level == m:
             self.grad_acc = self.main_grad
             self._acc_overwrite = fresh
             self._main_overwrite = False
         else:  # a Partial accumulation buffer of its own, restarted every window
-            self.grad_acc = torch.empty(g1 - g0, dtype=self.main_grad_dtype, device=self.device)
+            self.grad_acc = torch.empty(self.layouts[self.grad_level].total, dtype=self.main_grad_dtype, device=self.device)
             self._acc_overwrite = True
             self._main_overwrite = fresh
         self._window_open = True
 
     def _flat_grads(self) -> torch.Tensor:
         """Copy the unsharded grads (zeros where missing) into one comm-dtype buffer, one kernel."""
-        flat = torch.empty(self.layout.total, dtype=self.comm_dtype, device=self.device)
+        flat = torch.empty(self.layouts[0].total, dtype=self.comm_dtype, device=self.device)
         targets, grads = [], []
-        for param, slot in zip(self.unsharded_params, self.layout.slots):
-            view = flat[slot.offset : slot.end]
+        for param, p, view in zip(self.unsharded_params, self.params, self.layouts[0].views(flat)):
+            view = view[: p.shape.numel()]
             if param.grad is None:
                 view.zero_()
             else:
-                targets.append(view.view(slot.shape))
+                targets.append(view.view(p.shape))
                 grads.append(param.grad)
                 param.grad = None
-        for start, end in self._gaps:
+        for start, end in self._grad_gaps:
             flat[start:end].zero_()
         if grads:
             torch._foreach_copy_(targets, grads)
@@ -316,7 +320,7 @@ class ParamGroup:
         flat = self._flat_grads()
         plan = self.plan
         with self.streams.on(self.streams.reduce):
-            shard = reduce_scatter_chain(flat, plan.grad_axes)
+            shard = self._reduce_levels(flat, 0, self.grad_level)
             if plan.grad_scale != 1.0:
                 shard.mul_(plan.grad_scale)
             if self._acc_overwrite:
@@ -343,7 +347,7 @@ class ParamGroup:
         if self.grad_acc is self.main_grad:
             all_reduce_chain(self.main_grad, plan.finalize_allreduce_axes)
         else:
-            reduced = reduce_scatter_chain(self.grad_acc, plan.finalize_scatter_axes)
+            reduced = self._reduce_levels(self.grad_acc, self.grad_level, self.opt_level)
             all_reduce_chain(reduced, plan.finalize_allreduce_axes)
             if self._main_overwrite:
                 self.main_grad.copy_(reduced)
@@ -389,32 +393,34 @@ class ParamGroup:
         if not self.weights_stale:
             return
         self.weights_stale = False
-        plan = self.plan
-        if self.model_shard is None or (self.main_aliases_model and not plan.refresh_gather_axes):
+        kp, m = self.param_level, self.opt_level
+        if self.model_shard is None or (self.main_aliases_model and m == kp):
             return
-        p0 = self.param_range[0]
-        o0, o1 = self.opt_range
-        own = self.model_shard[o0 - p0 : o1 - p0]
+        if self.main is None:  # main weights are this rank's pieces of the model shard: gather in place
+            views = self._main_views
+        else:
+            views = self.layouts[m].views(self.main.to(self.compute_dtype))
         with torch.autograd._unsafe_preserve_version_counter(self.model_shard):
-            if not self.main_aliases_model:
-                own.copy_(self.main)
-            all_gather_chain(self.model_shard, own, plan.refresh_gather_axes)
+            self._gather_levels(views, m, kp, self._model_views)
 
-    # --------------------------------------------------------- full weights
     @torch.no_grad()
-    def full_main_weights(self) -> dict[str, torch.Tensor]:
-        """Every parameter of the group, unsharded, in the main dtype (a collective)."""
-        full = torch.empty(self.layout.total, dtype=self.main_dtype, device=self.device)
-        all_gather_chain(full, self.main, self.plan.opt_axes)
-        return {fqn: full[s.offset : s.end].view(s.shape).clone() for fqn, s in zip(self.fqns, self.layout.slots)}
+    def broadcast_main_weights(self, axis) -> None:
+        """Give every rank of ``axis`` (where main weights are replicated) the first rank's values."""
+        import torch.distributed as dist
+
+        buffer = self.main if self.main is not None else self.model_shard
+        if buffer.numel():
+            dist.broadcast(buffer, src=dist.get_global_rank(axis.group, 0), group=axis.group)
+        self.weights_stale = True
 
     # ------------------------------------------------------------ reporting
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of device storage this group holds right now, by buffer."""
         main_grad = self._main_grad_ref() if self._main_grad_ref is not None else None
+        own_main = self.main is not None and self.main is not self.model_shard
         return {
             "model_shard": 0 if self.model_shard is None else self.model_shard.untyped_storage().nbytes(),
-            "main": 0 if self.main_aliases_model else self.main.untyped_storage().nbytes(),
+            "main": self.main.untyped_storage().nbytes() if own_main else 0,
             "unsharded": 0 if self.persistent_unsharded else self.storage_bytes_unsharded,
             "main_grad": 0 if main_grad is None else main_grad.untyped_storage().nbytes(),
             "grad_acc": 0 if self.grad_acc is None or self.grad_acc is main_grad else self.grad_acc.untyped_storage().nbytes(),

@@ -1,96 +1,106 @@
-"""Row-aligned flat layout of one parameter group.
+"""Where a parameter's rows live on each rank: torch.chunk, level after level.
 
-A group's parameters are packed into one flat index space. Every parameter
-starts at a multiple of its row size (``numel // shape[0]``) and the shard
-size is a multiple of the least common multiple of all row sizes, so every
-shard boundary falls between two rows of every parameter: each rank's
-contiguous shard of the flat buffer holds whole rows only, which makes each
-local piece a plain ``(rows, *shape[1:])`` view and a ``Shard(0)`` DTensor.
-The tail is padded so the buffer splits into ``shard_count`` equal shards.
+A parameter is sharded along dim 0 over an ordered chain of mesh axes (the
+axes its optimizer state is sharded over). Level 0 is the whole parameter;
+level ``j`` is this rank's piece after splitting level ``j - 1`` with
+``torch.chunk`` into ``n_j`` pieces and taking the one at this rank's
+coordinate. That is exactly what ``Shard(0)`` on consecutive DTensor mesh
+dimensions means, so the pieces are honest DTensor shards.
+
+Collectives need every member of an axis group to send the same number of
+elements, so each level's piece lives in a *slot* padded to the level's chunk
+size (rows after the real ones are padding). Because ``torch.chunk`` pieces
+are full except the last non-empty one, the gathered slots of level ``j``
+hold level ``j - 1``'s rows contiguously, followed by padding: a gather lands
+each parameter in one piece with no copy-out, and a reduce-scatter reads one.
+
+A group's slots of one level are packed into one flat buffer (``LevelLayout``);
+ranks of different axis groups may pack differently sized slots, which is fine
+because every collective runs per parameter inside one axis group, whose
+members share the parent piece and so the slot sizes.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-__all__ = ["Slot", "FlatLayout"]
+__all__ = ["RowPiece", "nested_chunks", "slot_rows", "LevelLayout", "row_numel"]
+
+# Slot starts are aligned to this many elements (64 bytes in bf16, 128 in fp32).
+ALIGN = 32
 
 
 @dataclass(frozen=True)
-class Slot:
-    """Where one parameter lives in the flat buffer."""
+class RowPiece:
+    """One level of a parameter's sharding as this rank sees it."""
 
-    shape: torch.Size
-    offset: int
-    numel: int
-    row_numel: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.numel
-
-    def rows_in(self, start: int, end: int) -> tuple[int, int]:
-        """The rows [first, last) of this parameter that fall in flat range [start, end)."""
-        lo = min(max(start, self.offset), self.end)
-        hi = max(min(end, self.end), lo)
-        return (lo - self.offset) // self.row_numel, (hi - self.offset) // self.row_numel
+    count: int  # pieces at this level (the axis size)
+    index: int  # this rank's piece (its coordinate on the axis)
+    chunk: int  # rows per full piece: ceil(parent rows / count)
+    start: int  # first row of this rank's piece, in the parameter's rows
+    rows: int  # real rows in this rank's piece (0 for empty tail pieces)
 
 
-def _row_numel(shape: torch.Size) -> int:
+def nested_chunks(rows: int, axes: Sequence[tuple[int, int]]) -> list[RowPiece]:
+    """``torch.chunk`` along dim 0, once per ``(count, index)`` in ``axes`` (outermost first)."""
+    pieces, start, length = [], 0, rows
+    for count, index in axes:
+        if count < 1 or not 0 <= index < count:
+            raise ValueError(f"axis of size {count} has no coordinate {index}")
+        chunk = -(-length // count)
+        first = min(index * chunk, length)
+        length = min(chunk, length - first)
+        start += first
+        pieces.append(RowPiece(count, index, chunk, start, length))
+    return pieces
+
+
+def slot_rows(rows: int, pieces: Sequence[RowPiece], level: int) -> int:
+    """Rows of a level's slot: room for its piece (as a gather input) and for the
+    gathered pieces of the level below (as a gather output)."""
+    own = rows if level == 0 else pieces[level - 1].chunk
+    if level < len(pieces):
+        below = pieces[level]
+        own = max(own, below.count * below.chunk)
+    return own
+
+
+def row_numel(shape: torch.Size) -> int:
     if len(shape) == 0:
         raise ValueError("0-dim parameters have no rows to shard")
-    return max(1, math.prod(shape[1:]))
+    return math.prod(shape[1:])
 
 
-class FlatLayout:
-    """Offsets of a group's parameters and the size of each of ``shard_count`` shards."""
+class LevelLayout:
+    """Offsets of a group's slots of one level in one flat buffer."""
 
-    def __init__(self, shapes: Sequence[torch.Size], shard_count: int):
-        if shard_count < 1:
-            raise ValueError(f"shard_count={shard_count} must be >= 1")
-        self.shard_count = shard_count
-        slots, offset, row_lcm = [], 0, 1
-        for shape in shapes:
-            shape = torch.Size(shape)
-            row = _row_numel(shape)
-            offset = -(-offset // row) * row  # start on a row boundary of this parameter
-            slots.append(Slot(shape, offset, shape.numel(), row))
-            offset += shape.numel()
-            if shard_count > 1 and shape.numel() > 0:
-                row_lcm = math.lcm(row_lcm, row)
-        self.slots: list[Slot] = slots
-        self.used = offset
-        per_shard = -(-offset // shard_count)
-        self.shard_numel = max(row_lcm, -(-per_shard // row_lcm) * row_lcm) if offset else 0
-        self.total = self.shard_numel * shard_count
-        padding = self.total - self.used
-        if padding > 1 << 20 and padding > self.used // 4:
-            warnings.warn(
-                f"row-aligned layout pads {padding} elements onto {self.used} "
-                f"(rows of sizes {sorted({s.row_numel for s in slots})} have lcm {row_lcm}); "
-                "shapes with co-prime row sizes in one unit cost memory",
-                stacklevel=3,
-            )
+    def __init__(self, slot_numels: Sequence[int], align: int = ALIGN):
+        offsets, cursor = [], 0
+        for numel in slot_numels:
+            cursor = -(-cursor // align) * align
+            offsets.append(cursor)
+            cursor += numel
+        self.offsets: list[int] = offsets
+        self.numels: list[int] = list(slot_numels)
+        self.total = cursor
 
-    def shard_range(self, index: int, count: int) -> tuple[int, int]:
-        """Flat range of shard ``index`` when the buffer is split ``count`` ways."""
-        if count < 1 or self.shard_count % count:
-            raise ValueError(f"count={count} must divide shard_count={self.shard_count}")
-        size = self.total // count
-        return index * size, (index + 1) * size
-
-    def gaps(self) -> list[tuple[int, int]]:
-        """Flat ranges not covered by any parameter (alignment and tail padding)."""
-        out, cursor = [], 0
-        for slot in self.slots:
-            if slot.offset > cursor:
-                out.append((cursor, slot.offset))
-            cursor = max(cursor, slot.end)
-        if self.total > cursor:
-            out.append((cursor, self.total))
+    def gaps(self, used_numels: Sequence[int]) -> list[tuple[int, int]]:
+        """Flat ranges outside the first ``used_numels[i]`` elements of every slot."""
+        out, ends = [], self.offsets[1:] + [self.total]
+        cursor = 0
+        for offset, used, end in zip(self.offsets, used_numels, ends):
+            if offset > cursor:
+                out.append((cursor, offset))
+            cursor = offset + used
+            if end > cursor:
+                out.append((cursor, end))
+            cursor = end
         return out
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The slots of ``flat`` (1-D views)."""
+        return [flat[o : o + n] for o, n in zip(self.offsets, self.numels)]

@@ -175,7 +175,8 @@ class ShardingPlan:
             if isinstance(p.gradient, Partial) and isinstance(p.optimizer, Replicate)
         ]
         self.refresh_gather_axes = opt_axes[len(param_axes):]
-        self.shard_count = math.prod(a.size for a in opt_axes)
+        self.opt_axis_names = [a.name for a in opt_axes]
+        self._dt_mesh: DeviceMesh | None = None
         self.dp_size = math.prod(a.size for a in self.axes.values())
 
     def count(self, axes: Sequence[AxisGroup]) -> int:
@@ -184,17 +185,43 @@ class ShardingPlan:
     def index(self, axes: Sequence[AxisGroup]) -> int:
         return _mixed_radix(axes)
 
-    def dtensor_placements(self, model_parallel_dims: Mapping[str, int] = {}) -> tuple[Placement, ...]:
-        """Placements of a parameter's DTensor (optimizer placement on data-parallel axes)."""
+    def dtensor_spec(self, model_parallel_dims: Mapping[str, int] = {}) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        """The mesh and placements of a parameter's DTensors (its optimizer placement).
+
+        DTensor applies ``Shard`` placements left to right, each one splitting
+        what the previous left. Our pieces are model-parallel slices first, then
+        ``torch.chunk`` over the optimizer axes in their nesting order, so the
+        DTensor's mesh lists its axes in that order: model-parallel, replicated,
+        then sharded data-parallel axes. It is the given mesh when that is its
+        order already, else the same process groups in the new order.
+        """
+        mesh = self._dtensor_mesh()
         out = []
-        for name in self.mesh_axes:
-            if name in self.placements:
-                out.append(Shard(0) if isinstance(self.placements[name].optimizer, Shard) else Replicate())
-            elif name in model_parallel_dims:
+        for name in mesh.mesh_dim_names:
+            if name in model_parallel_dims:
                 out.append(Shard(model_parallel_dims[name]))
+            elif name in self.opt_axis_names:
+                out.append(Shard(0))
             else:
                 out.append(Replicate())
-        return tuple(out)
+        return mesh, tuple(out)
+
+    def _dtensor_mesh(self) -> DeviceMesh:
+        if self._dt_mesh is None:
+            names = list(self.mesh_axes)
+            sharded = set(self.opt_axis_names)
+            order = [n for n in names if n not in sharded] + self.opt_axis_names
+            if order == names:
+                self._dt_mesh = self.mesh
+            else:
+                perm = [names.index(n) for n in order]
+                self._dt_mesh = DeviceMesh.from_group(
+                    [self.mesh.get_group(n) for n in order],
+                    self.mesh.device_type,
+                    mesh=self.mesh.mesh.permute(perm).contiguous(),
+                    mesh_dim_names=tuple(order),
+                )
+        return self._dt_mesh
 
     def global_shape(self, local: torch.Size, model_parallel_dims: Mapping[str, int]) -> torch.Size:
         shape = list(local)

@@ -1,47 +1,58 @@
-"""Full (unsharded) views of a sharded model's weights, for export and tests."""
+"""Full (unsharded) values of a sharded model's state, for export and tests."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
-__all__ = ["full_state_dict", "gather_model_parallel", "full_group_weights"]
-
-
-def gather_model_parallel(tensor: torch.Tensor, dims: dict, plan) -> torch.Tensor:
-    """Concatenate the tensor- or expert-parallel slices of a parameter along their dims (a collective)."""
-    for axis_name, dim in dims.items():
-        axis = plan.model_parallel[axis_name]
-        pieces = [torch.empty_like(tensor) for _ in range(axis.size)]
-        dist.all_gather(pieces, tensor.contiguous(), group=axis.group)
-        tensor = torch.cat(pieces, dim=dim)
-    return tensor
+__all__ = ["full_state_dict", "full_tensor_dict", "gathered"]
 
 
-def full_group_weights(group) -> dict[str, torch.Tensor]:
-    """One group's parameters as global tensors: gathered over data- and model-parallel axes."""
-    return {
-        fqn: gather_model_parallel(tensor, group.refs[i].model_parallel_dims, group.plan)
-        for i, (fqn, tensor) in enumerate(group.full_main_weights().items())
-    }
+def gathered(value: DTensor, cpu: bool = True, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``value.full_tensor()`` as a tensor of its own (on one rank the full tensor is the local one)."""
+    full = value.full_tensor().detach()
+    local = value._local_tensor
+    out = full.to(dtype or full.dtype)
+    out = out.cpu() if cpu else out
+    if out.untyped_storage().data_ptr() == local.untyped_storage().data_ptr() and out.numel():
+        out = out.clone()
+    return out
+
+
+def full_tensor_dict(state: dict, cpu: bool = True, same: dict | None = None) -> dict:
+    """``state`` with every DTensor replaced by its full tensor (a collective per DTensor).
+
+    ``same`` maps keys to an identity (e.g. the parameter's id): keys with the
+    same identity (tied parameters) are gathered once.
+    """
+    out, done = {}, {}
+    for key, value in state.items():
+        if isinstance(value, DTensor):
+            ident = (same or {}).get(key, key)
+            if ident not in done:
+                done[ident] = gathered(value, cpu)
+            out[key] = done[ident]
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach().cpu() if cpu else value.detach()
+        else:
+            out[key] = value
+    return out
 
 
 def full_state_dict(model: nn.Module, rank0_only: bool = False, cpu: bool = True) -> dict[str, torch.Tensor]:
-    """Gather every parameter (main weights) and buffer into plain tensors.
+    """``model.state_dict()`` with every sharded value gathered into a plain tensor.
 
-    A collective: every rank must call it. With ``rank0_only`` the other ranks
-    get an empty dict (they still take part in the gathers).
+    Same keys as ``nn.Module.state_dict()`` (tied aliases and persistent
+    buffers included). A collective: every rank must call it. With
+    ``rank0_only`` the other ranks get an empty dict (they still take part).
     """
-    state = getattr(model, "_shardwise_state", None)
-    if state is None:
+    if getattr(model, "_shardwise_state", None) is None:
         raise ValueError(f"{type(model).__name__} is not sharded by shardwise.fully_shard")
-    out: dict[str, torch.Tensor] = {}
-    for group in state.groups:
-        for fqn, tensor in full_group_weights(group).items():
-            out[fqn] = tensor.cpu() if cpu else tensor
-    for name, buf in model.named_buffers():
-        out[name] = buf.detach().cpu() if cpu else buf.detach()
+    with torch.no_grad():
+        same = {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}
+        out = full_tensor_dict(model.state_dict(), cpu=cpu, same=same)
     if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
         return {}
     return out

@@ -33,17 +33,14 @@ def test_no_sync_over_four_micro_batches_equals_one_large_batch(world, strategy,
     run_distributed(assert_parity, world, Run(strategy=strategy, outer=outer, micro_batches=4, global_batch=16))
 
 
-_COLLECTIVES = {
-    "all_gather_single": "all_gather",
-    "all_gather_into_tensor": "all_gather",
-    "reduce_scatter_single": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "all_reduce": "all_reduce",
-}
-
-
 def _count_step_collectives(strategy, outer, micro_batches):
-    """Collectives issued by one steady-state step (refresh + micro-batches), per (kind, axis)."""
+    """Collectives issued by one steady-state step (refresh + micro-batches), per (kind, axis).
+
+    A gather or reduce-scatter of a group is one coalesced launch of per-parameter
+    collectives (one NCCL group call), counted once; all-reduces are flat.
+    """
+    import shardwise.group as group_module
+
     world, rank = dist.get_world_size(), dist.get_rank()
     dev = device()
     config = TinyConfig(reuse_last_block=False)
@@ -57,18 +54,24 @@ def _count_step_collectives(strategy, outer, micro_batches):
     counts: Counter = Counter()
     counting = [False]
     originals = {}
-    for name, kind in _COLLECTIVES.items():
-        fn = getattr(dist, name, None)
-        if fn is None:
-            continue
-        originals[name] = fn
+    for module, name, kind in (
+        (group_module, "gather_pieces", "all_gather"),
+        (group_module, "reduce_scatter_pieces", "reduce_scatter"),
+        (dist, "all_reduce", "all_reduce"),
+    ):
+        fn = getattr(module, name)
+        originals[(module, name)] = fn
 
         def wrapper(*args, _fn=fn, _kind=kind, **kwargs):
             if counting[0]:
-                counts[(_kind, axis_of.get(id(kwargs.get("group")), "other"))] += 1
+                if _kind == "all_reduce":
+                    axis = axis_of.get(id(kwargs.get("group")), "other")
+                else:
+                    axis = args[2].name
+                counts[(_kind, axis)] += 1
             return _fn(*args, **kwargs)
 
-        setattr(dist, name, wrapper)
+        setattr(module, name, wrapper)
     try:
         for step in range(2):
             tokens, targets = (t.to(dev) for t in batch(step, 4 * world, config))
@@ -84,8 +87,8 @@ def _count_step_collectives(strategy, outer, micro_batches):
             opt.step()
             opt.zero_grad()
     finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+        for (module, name), fn in originals.items():
+            setattr(module, name, fn)
     return dict(counts)
 
 
@@ -163,7 +166,8 @@ def _memory_at_rest_and_during(strategy):
         main_grad = g._main_grad_ref() if g._main_grad_ref is not None else None
         report["groups"].append(
             dict(
-                total=g.layout.total,
+                opt_total=g.layouts[-1].total,
+                full_total=g.layouts[0].total,
                 trainable=g.requires_grad,
                 unsharded=g.storage_bytes_unsharded // 4 if not g.persistent_unsharded else None,
                 model=g.model_shard.numel(),
@@ -185,15 +189,17 @@ def test_memory_at_rest_holds_only_the_placements_shards(strategy):
     sharded_params = strategy == "optim_grads_params"
     for report in reports:
         for g in report["groups"]:
-            total = g["total"]
+            total, opt_total = g["full_total"], g["opt_total"]
+            if strategy != "no_shard":  # a 1/world piece of every parameter (+ row and alignment padding)
+                assert opt_total < total // world + 32 * 8
             assert g["main_alias"]  # fp32: the main weights are the model weights, one copy
-            assert g["model"] == (total // world if sharded_params else total)
+            assert g["model"] == (opt_total if sharded_params else total)
             if sharded_params:
                 assert g["unsharded"] == 0, "unsharded storage must be freed at rest"
             # ZeRO-1's full Partial accumulation buffer lives only inside a step's backward
             assert g["grad_acc"] is None
             if g["trainable"]:
-                opt_shard = total if strategy == "no_shard" else total // world
+                opt_shard = total if strategy == "no_shard" else opt_total
                 assert g["main_grad"] == opt_shard, "gradients are held in the optimizer placement"
             else:
                 assert g["main_grad"] is None  # frozen groups never allocate gradients
@@ -380,10 +386,7 @@ def _grads_with(bucket_size, reduction, discard_first):
     for group in model.sharded_state.groups:
         for fqn, p in zip(group.fqns, group.sharded_params):
             if p.grad is not None:
-                full = torch.empty(group.layout.total, device=device())
-                dist.all_gather_into_tensor(full, group._main_grad_ref(), group=group.plan.axes["dp_shard"].group)
-                slot = group.layout.slots[group.fqns.index(fqn)]
-                grads[fqn] = full[slot.offset : slot.end].view(slot.shape).cpu()
+                grads[fqn] = p.grad.full_tensor().cpu()
     return root_groups, grads
 
 

@@ -81,7 +81,7 @@ def _tp_dp(strategy, outer):
     )
     # the DTensors describe the global tensors: TP placements on the tp axis
     weight = model.layers[0].attention.wq.weight
-    assert isinstance(weight, DTensor) and weight.placements[-1] == Shard(0)
+    assert isinstance(weight, DTensor) and weight.placements[weight.device_mesh.mesh_dim_names.index("tp")] == Shard(0)
     assert weight.shape == (config.n_heads * config.head_dim, config.dim)
     state_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if "rope" not in k}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)

@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, TensorWriteData, Writ
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
-from ..group import rows_view
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from .rng_state import capture_rng_state, restore_rng_state
 
 __all__ = [
@@ -170,14 +170,9 @@ def sharded_groups(model: nn.Module) -> list[_ParamInfo]:
     """Every sharded parameter with the rows of main weights this rank holds (views)."""
     out = []
     for group in _state(model).groups:
-        start, end = group.opt_range
-        for i, (fqn, slot, param) in enumerate(zip(group.fqns, group.layout.slots, group.sharded_params)):
-            first, last = slot.rows_in(start, end)
-            view = rows_view(group.main, start, slot, (first, last))
-            offsets = [first] + [0] * (len(slot.shape) - 1)
-            for axis_name, dim in group.refs[i].model_parallel_dims.items():
-                offsets[dim] += group.plan.model_parallel[axis_name].index * slot.shape[dim]
-            out.append(_ParamInfo(fqn, param, view, torch.Size(offsets), torch.Size(group.global_shapes[i])))
+        for fqn, param in zip(group.fqns, group.sharded_params):
+            _, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            out.append(_ParamInfo(fqn, param, param.to_local(), torch.Size(offsets), torch.Size(param.shape)))
     return out
 
 

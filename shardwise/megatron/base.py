@@ -22,7 +22,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..fully_shard import ShardedState, fully_shard
 from ..materialize import MetaInitializer, has_meta_tensors
@@ -328,31 +328,18 @@ class _ShardedDataParallel(_BaseDataParallel):
         the engine refreshes the compute weights at the next forward.
         """
         params = dict(self.module.named_parameters())
-        where = {id(p): (group, i) for group in self.sharded_state.groups for i, p in enumerate(group.sharded_params)}
         converted = {}
         for key, value in state_dict.items():
             param = params.get(key)
             if param is not None and isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                value = _shard_like(param, value, *where[id(param)])
+                value = _shard_like(param, value)
             converted[key] = value
         return self.module.load_state_dict(converted, strict=strict)
 
 
-def _shard_like(param: DTensor, full: torch.Tensor, group, index: int) -> DTensor:
-    """This rank's rows of ``full``, as a DTensor laid out like the sharded ``param``.
-
-    ``full`` is the global tensor: first this rank's tensor- / expert-parallel
-    slice is cut along each model-parallel dimension, then the data-parallel rows.
-    """
+def _shard_like(param: DTensor, full: torch.Tensor) -> DTensor:
+    """This rank's piece of the global tensor ``full``, laid out like the sharded ``param`` (no communication)."""
     if tuple(full.shape) != tuple(param.shape):
         raise ValueError(f"cannot load a tensor of shape {tuple(full.shape)} into a parameter of shape {tuple(param.shape)}")
-    value = full.detach()
-    for axis_name, dim in group.refs[index].model_parallel_dims.items():
-        axis = group.plan.model_parallel[axis_name]
-        value = value.chunk(axis.size, dim=dim)[axis.index]
-    slot = group.layout.slots[index]
-    first, last = slot.rows_in(*group.opt_range)
-    local = value[first:last].to(device=param.to_local().device, dtype=param.dtype).contiguous()
-    return DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-    )
+    value = full.detach().to(device=param.to_local().device, dtype=param.dtype)
+    return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)

@@ -306,13 +306,11 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         next forward.
         """
         for group in self.sharded_state.groups:
-            if not group.main.numel():
-                continue
             plan = group.plan
             for name, placement in plan.placements.items():
                 axis = plan.axes[name]
                 if axis.size > 1 and isinstance(placement.optimizer, Replicate):
-                    dist.broadcast(group.main, src=dist.get_global_rank(axis.group, 0), group=axis.group)
+                    group.broadcast_main_weights(axis)
         self.module.mark_weights_modified()
 
     def stop_communication(self) -> None:

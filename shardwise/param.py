@@ -1,0 +1,112 @@
+"""One sharded parameter: its rows at every level, its slots, its DTensor face.
+
+This is the one place that knows which rows of a parameter a rank holds. The
+group asks it for slot sizes (to pack its flat buffers), for the views a
+collective reads and writes, and for the DTensors it hands out; the state-dict
+and checkpoint code only ever see those DTensors, which torch's own tools
+understand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .layout import RowPiece, nested_chunks, row_numel, slot_rows
+from .mesh import ShardingPlan
+
+__all__ = ["ParamRef", "ShardedParam"]
+
+
+@dataclass
+class ParamRef:
+    """A parameter and every (module, attribute) that holds it (more than one when tied).
+
+    ``model_parallel_dims`` maps a model-parallel mesh axis (``tp``, ``ep``) to
+    the dimension along which the local parameter is one slice of the global
+    tensor; the DTensors then describe the global tensor.
+    """
+
+    fqn: str
+    param: nn.Parameter
+    holders: list[tuple[nn.Module, str]]
+    model_parallel_dims: dict[str, int] = field(default_factory=dict)
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+class ShardedParam:
+    """The rows of one (model-parallel-local) parameter this rank holds at each level.
+
+    Levels follow the plan's optimizer axes: level 0 is the whole local
+    parameter, level ``len(plan.opt_axes)`` the optimizer shard.
+    """
+
+    def __init__(self, ref: ParamRef, plan: ShardingPlan):
+        self.ref = ref
+        self.fqn = ref.fqn
+        self.shape = torch.Size(ref.param.shape)
+        self.row_numel = row_numel(self.shape)
+        self.rows = self.shape[0]
+        self.pieces: list[RowPiece] = nested_chunks(self.rows, [(a.size, a.index) for a in plan.opt_axes])
+        self.global_shape = plan.global_shape(self.shape, ref.model_parallel_dims)
+        self.mesh, self.placements = plan.dtensor_spec(ref.model_parallel_dims)
+
+    @property
+    def levels(self) -> int:
+        return len(self.pieces)
+
+    def slot_numel(self, level: int) -> int:
+        return slot_rows(self.rows, self.pieces, level) * self.row_numel
+
+    def real_rows(self, level: int) -> tuple[int, int]:
+        """(first row, row count) of this rank's piece at ``level``."""
+        if level == 0:
+            return 0, self.rows
+        piece = self.pieces[level - 1]
+        return piece.start, piece.rows
+
+    def piece_numel(self, level: int) -> int:
+        """Elements one rank sends into a gather from ``level`` (its padded piece)."""
+        return self.pieces[level - 1].chunk * self.row_numel
+
+    def gathered_numel(self, level: int) -> int:
+        """Elements a gather from ``level`` writes into the slot of ``level - 1``."""
+        piece = self.pieces[level - 1]
+        return piece.count * piece.chunk * self.row_numel
+
+    def own_piece(self, parent_slot: torch.Tensor, level: int) -> torch.Tensor:
+        """Where this rank's piece of ``level`` sits inside the gathered slot of ``level - 1``."""
+        piece = self.pieces[level - 1]
+        size = piece.chunk * self.row_numel
+        return parent_slot[piece.index * size : (piece.index + 1) * size]
+
+    def local(self, slot: torch.Tensor, level: int) -> torch.Tensor:
+        """The real rows of a slot of ``level``, shaped like the parameter."""
+        rows = self.real_rows(level)[1]
+        return slot[: rows * self.row_numel].view(rows, *self.shape[1:])
+
+    def dtensor(self, local: torch.Tensor) -> DTensor:
+        """``local`` (this rank's optimizer-level rows) as a DTensor of the global parameter."""
+        return DTensor.from_local(
+            local,
+            self.mesh,
+            self.placements,
+            run_check=False,
+            shape=self.global_shape,
+            stride=_contiguous_stride(self.global_shape),
+        )
+
+    def shard_of(self, full: torch.Tensor, level: int | None = None) -> torch.Tensor:
+        """This rank's rows of a model-parallel-local full value (no communication)."""
+        first, rows = self.real_rows(self.levels if level is None else level)
+        return full[first : first + rows]
