@@ -29,10 +29,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..consistency import raise_together
 from ..mesh import check_mesh_ranks_and_group_ranks_are_consistent as _check_ordered
 from ..placements import STRATEGY_PLACEMENTS, AxisPlacements
 from .config import SHARDING_STRATEGIES
-from .process_groups import group_ranks, group_size
+from .process_groups import check_group_layout, group_ranks, group_size
 
 __all__ = [
     "_AxisPlacements",
@@ -111,12 +112,33 @@ def _this_ranks_block(table: torch.Tensor) -> torch.Tensor:
     return blocks[0]
 
 
+def _together(build, *args):
+    """``build(*args)`` on every rank; a ``ValueError`` on any rank is raised on every rank.
+
+    The group checks below are local and may fail on some ranks only (groups
+    that differ by rank); a rank that passes would then wait forever in the
+    next collective for the ranks that stopped. One small exchange each.
+    """
+    result, error = None, None
+    try:
+        result = build(*args)
+    except ValueError as err:
+        error = str(err)
+    raise_together(error)
+    return result
+
+
 def _get_dp_tp_mesh(dp_cp_group, tp_group, ep_size: int = 1) -> torch.Tensor:
     """This rank's (data parallel, tensor parallel) rank table, checked against both groups.
 
     Ranks are laid out ``(rest, dp, ep, tp)`` slowest first; the table is the
-    ``dp x tp`` block of this rank's ``(rest, ep)``.
+    ``dp x tp`` block of this rank's ``(rest, ep)``. A collective over the
+    default group: a mismatch on any rank raises on every rank.
     """
+    return _together(_dp_tp_table, dp_cp_group, tp_group, ep_size)
+
+
+def _dp_tp_table(dp_cp_group, tp_group, ep_size: int = 1) -> torch.Tensor:
     dp, tp = group_size(dp_cp_group), group_size(tp_group)
     table = _rank_table((dp, ep_size, tp), ("dp_cp", "ep", "tp")).permute(0, 2, 1, 3)  # rest, ep, dp, tp
     _check_axis(table, 2, dp_cp_group, "data-parallel group")
@@ -128,8 +150,13 @@ def _get_hsdp_tp_mesh(outer_fsdp_dp_group, dp_cp_group, tp_group, ep_size: int =
     """This rank's (outer data parallel, inner data parallel, tensor parallel) rank table.
 
     Ranks are laid out ``(rest, outer, inner, ep, tp)`` slowest first; each of the
-    three groups is checked against its axis.
+    three groups is checked against its axis. A collective over the default
+    group: a mismatch on any rank raises on every rank.
     """
+    return _together(_hsdp_tp_table, outer_fsdp_dp_group, dp_cp_group, tp_group, ep_size)
+
+
+def _hsdp_tp_table(outer_fsdp_dp_group, dp_cp_group, tp_group, ep_size: int = 1) -> torch.Tensor:
     outer, inner, tp = group_size(outer_fsdp_dp_group), group_size(dp_cp_group), group_size(tp_group)
     sizes, names = (outer, inner, ep_size, tp), ("outer_dp", "dp_cp", "ep", "tp")
     table = _rank_table(sizes, names).permute(0, 3, 1, 2, 4)  # rest, ep, outer, inner, tp
@@ -143,8 +170,13 @@ def _get_edp_ep_mesh(expt_dp_group, ep_group, expt_tp_size: int = 1) -> torch.Te
     """This rank's (expert data parallel, expert parallel) rank table, checked against both groups.
 
     Expert ranks are laid out ``(rest, edp, ep, etp)`` slowest first; the table is
-    the ``edp x ep`` block of this rank's ``(rest, etp)``.
+    the ``edp x ep`` block of this rank's ``(rest, etp)``. A collective over the
+    default group: a mismatch on any rank raises on every rank.
     """
+    return _together(_edp_ep_table, expt_dp_group, ep_group, expt_tp_size)
+
+
+def _edp_ep_table(expt_dp_group, ep_group, expt_tp_size: int = 1) -> torch.Tensor:
     edp, ep = group_size(expt_dp_group), group_size(ep_group)
     table = _rank_table((edp, ep, expt_tp_size), ("expt_dp", "ep", "expt_tp")).permute(0, 3, 1, 2)  # rest, etp, edp, ep
     _check_axis(table, 2, expt_dp_group, "expert data-parallel group")
@@ -167,11 +199,18 @@ def _build_dense_mesh(pg_collection, hybrid: bool, device_type: str) -> DeviceMe
     :func:`_get_dp_tp_mesh` / :func:`_get_hsdp_tp_mesh` (Megatron's rank layout;
     every group is checked against its axis, ``ValueError`` naming both rank
     lists when they differ).
+
+    First, one exchange over the default group checks that the collection's
+    groups tile the world (:func:`check_group_layout`): a ``dp_cp`` that does
+    not cover ``world / (tp x pp)`` ranks, groups that differ between their
+    members, hybrid groups that do not cut ``dp_cp`` into replicas are refused
+    on every rank, naming the group.
     """
     tp_group = getattr(pg_collection, "tp", None)
     dp_group = getattr(pg_collection, "dp_cp", None)
     if dp_group is None:
         raise ValueError("pg_collection.dp_cp (the data-parallel group) is needed to build the data-parallel mesh")
+    check_group_layout(pg_collection, hybrid)
     tp = group_size(tp_group)
     if hybrid:
         outer = getattr(pg_collection, "inter_dist_opt", None)
@@ -202,6 +241,14 @@ def _build_hybrid_dp_mesh(outer_group, inner_group, device_type: str) -> DeviceM
     me = dist.get_rank()
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (me, group_ranks(inner_group), group_ranks(outer_group)))
+    table = _together(_hybrid_table, gathered, me)
+    return DeviceMesh.from_group(
+        [outer_group, inner_group], device_type, mesh=table, mesh_dim_names=(OUTER_AXIS, INNER_AXIS)
+    )
+
+
+def _hybrid_table(gathered: list, me: int) -> list[list[int]]:
+    """The (outer, inner) rank table from every rank's ``(rank, inner ranks, outer ranks)``, checked."""
     inner_of = {rank: inner for rank, inner, _ in gathered}
     outer_of = {rank: outer for rank, _, outer in gathered}
     table = [inner_of[r] for r in outer_of[me]]
@@ -229,9 +276,7 @@ def _build_hybrid_dp_mesh(outer_group, inner_group, device_type: str) -> DeviceM
                     f"hybrid mesh column {column} does not match the inter_dist_opt group "
                     f"{outer_of[rank]} of rank {rank}"
                 )
-    return DeviceMesh.from_group(
-        [outer_group, inner_group], device_type, mesh=table, mesh_dim_names=(OUTER_AXIS, INNER_AXIS)
-    )
+    return table
 
 
 def _build_expert_mesh_and_placements(config, ddp_config, pg_collection, device_type: str):
@@ -244,6 +289,16 @@ def _build_expert_mesh_and_placements(config, ddp_config, pg_collection, device_
     the model-parallel axis the engine places expert slices on. Both groups are
     checked against Megatron's expert rank layout.
     """
+    instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)
+    outer = getattr(pg_collection, "inter_dist_opt", None)
+    if isinstance(instances, int) and instances > 1 and group_size(outer) != instances:
+        # (_build_dense_mesh checked that every rank's inter_dist_opt has the same size: all ranks raise)
+        raise ValueError(
+            f"num_distributed_optimizer_instances={instances} needs pg_collection.inter_dist_opt with {instances} "
+            f"ranks (one per optimizer instance), got {group_size(outer)} {group_ranks(outer)}: the groups form "
+            f"{group_size(outer)} replicas; build them with build_process_groups(num_distributed_optimizer_instances="
+            f"{instances})"
+        )
     ep_size = max(getattr(config, "expert_model_parallel_size", 1) or 1, group_size(getattr(pg_collection, "ep", None)))
     if ep_size <= 1:
         return None, None

@@ -31,6 +31,8 @@ __all__ = [
     "group_size",
     "group_rank",
     "group_ranks",
+    "check_group_layout",
+    "group_layout_problem",
 ]
 
 ProcessGroup = dist.ProcessGroup
@@ -223,3 +225,137 @@ def build_process_groups(
             if me in ranks:
                 mine[kind] = group
     return ProcessGroupCollection(**mine)
+
+
+# ------------------------------------------------------------ layout checks
+_LAYOUT_ORDER = ("tp", "pp", "cp", "dp", "dp_cp", "intra_dp_cp", "inter_dist_opt", "ep", "expt_tp", "expt_dp",
+                 "intra_expt_dp")
+
+
+def _ranks_or_none(group) -> Optional[list[int]]:
+    if group is None:
+        return None
+    try:
+        return dist.get_process_group_ranks(group)
+    except Exception:  # noqa: BLE001 - a handle this rank is not a member of
+        return []
+
+
+def group_layout_problem(gathered: list[dict], hybrid: bool) -> Optional[str]:
+    """The first problem of the groups every rank holds (``gathered[r][name]``: rank lists or None).
+
+    Pure: every rank evaluates the same gathered list, so all find the same
+    problem. Checked, in order: each group contains its rank and every member
+    holds the same group (the groups partition the ranks); ``dp_cp`` covers
+    ``world / (tp x pp)`` ranks (``dp`` ``world / (tp x cp x pp)``) and meets
+    ``tp`` only at the rank itself; with ``hybrid`` (``num_distributed_optimizer_instances
+    > 1``) ``intra_dp_cp`` x ``inter_dist_opt`` cut ``dp_cp`` into replicas of one
+    size, with an outer group of at least 2 ranks; with expert parallelism,
+    ``expt_dp`` x ``ep`` x ``expt_tp`` x ``pp`` covers the world.
+    """
+    world = len(gathered)
+
+    def ranks(r: int, name: str) -> list[int]:
+        value = gathered[r].get(name)
+        return [r] if value is None else value
+
+    def n(r: int, name: str) -> int:
+        return len(ranks(r, name))
+
+    given = [name for name in _LAYOUT_ORDER if any(g.get(name) is not None for g in gathered)]
+    for name in given:
+        for r in range(world):
+            mine = ranks(r, name)
+            if r not in mine:
+                return f"pg_collection.{name} is {mine} on rank {r}, which does not contain rank {r}"
+            for s in mine:
+                if not 0 <= s < world:
+                    return f"pg_collection.{name} is {mine} on rank {r}: rank {s} is outside the world of {world}"
+                if ranks(s, name) != mine:
+                    return (
+                        f"pg_collection.{name} is {mine} on rank {r} but {ranks(s, name)} on rank {s}: every "
+                        "member of a group must hold the same group"
+                    )
+    for r in range(world):
+        tp, pp, cp = n(r, "tp"), n(r, "pp"), n(r, "cp")
+        need = world // (tp * pp) if world % (tp * pp) == 0 else None
+        if n(r, "dp_cp") != need:
+            return (
+                f"pg_collection.dp_cp has {n(r, 'dp_cp')} rank(s) {ranks(r, 'dp_cp')} on rank {r}, but a world of "
+                f"{world} ranks with tp={tp} x pp={pp} needs {need if need else f'world / {tp * pp}'} data-parallel "
+                "ranks per group: ranks outside it would train separate, diverging replicas"
+            )
+        if "dp" in given and n(r, "dp") * cp != need:
+            return (
+                f"pg_collection.dp has {n(r, 'dp')} rank(s) {ranks(r, 'dp')} on rank {r}, but a world of {world} "
+                f"ranks with tp={tp} x cp={cp} x pp={pp} needs {need // cp if need and need % cp == 0 else '?'}"
+            )
+        shared = sorted(set(ranks(r, "tp")) & set(ranks(r, "dp_cp")))
+        if shared != [r]:
+            return (
+                f"pg_collection.tp {ranks(r, 'tp')} and pg_collection.dp_cp {ranks(r, 'dp_cp')} share ranks "
+                f"{shared} on rank {r}: tensor-parallel peers cannot also be data-parallel peers"
+            )
+    if hybrid:
+        for name in ("intra_dp_cp", "inter_dist_opt"):
+            missing = [r for r, g in enumerate(gathered) if g.get(name) is None]
+            if missing:
+                return (
+                    f"num_distributed_optimizer_instances > 1 needs pg_collection.{name} (the "
+                    f"{'inner' if name == 'intra_dp_cp' else 'outer'} data-parallel group), missing on ranks {missing}"
+                )
+        for r in range(world):
+            dp, inner, outer = ranks(r, "dp_cp"), ranks(r, "intra_dp_cp"), ranks(r, "inter_dist_opt")
+            for name, group in (("intra_dp_cp", inner), ("inter_dist_opt", outer)):
+                if not set(group) <= set(dp):
+                    return f"pg_collection.{name} {group} on rank {r} is not inside its pg_collection.dp_cp {dp}"
+            if len(outer) < 2:
+                hint = " (are intra_dp_cp and inter_dist_opt swapped?)" if len(inner) > 1 else ""
+                return (
+                    f"pg_collection.inter_dist_opt has {len(outer)} rank {outer} on rank {r}: "
+                    "num_distributed_optimizer_instances > 1 needs an outer group with one rank per optimizer "
+                    f"instance, and pg_collection.intra_dp_cp {inner} the ranks of one instance{hint}"
+                )
+            if len(outer) * len(inner) != len(dp) or sorted(set(outer) & set(inner)) != [r]:
+                return (
+                    f"pg_collection.intra_dp_cp {inner} x pg_collection.inter_dist_opt {outer} on rank {r} do not cut "
+                    f"pg_collection.dp_cp {dp} into {len(outer)} replicas of {len(inner)} ranks: they must meet only "
+                    "at the rank itself and cover the data-parallel group together"
+                )
+            if len(outer) != n(0, "inter_dist_opt"):
+                return (
+                    f"pg_collection.inter_dist_opt has {n(0, 'inter_dist_opt')} ranks on rank 0 but {len(outer)} "
+                    f"on rank {r}: every rank needs the same number of optimizer instances"
+                )
+    if any(n(r, "ep") > 1 for r in range(world)):
+        for r in range(world):
+            ep, etp, edp, pp = n(r, "ep"), n(r, "expt_tp"), n(r, "expt_dp"), n(r, "pp")
+            if edp * ep * etp * pp != world:
+                return (
+                    f"pg_collection.expt_dp has {edp} rank(s) {ranks(r, 'expt_dp')} on rank {r}, but a world of "
+                    f"{world} ranks with ep={ep} x expt_tp={etp} x pp={pp} needs "
+                    f"{world // (ep * etp * pp) if world % (ep * etp * pp) == 0 else f'world / {ep * etp * pp}'}"
+                )
+            shared = sorted(set(ranks(r, "ep")) & set(ranks(r, "expt_dp")))
+            if shared != [r]:
+                return (
+                    f"pg_collection.ep {ranks(r, 'ep')} and pg_collection.expt_dp {ranks(r, 'expt_dp')} share ranks "
+                    f"{shared} on rank {r}: expert-parallel peers cannot also be expert data-parallel peers"
+                )
+    return None
+
+
+def check_group_layout(pg_collection, hybrid: bool = False) -> None:
+    """Check that the collection's groups tile the world as Megatron's groups do, on every rank at once.
+
+    One ``all_gather_object`` over the default group of each rank's group rank
+    lists, then :func:`group_layout_problem` on what every rank gathered:
+    ``ValueError`` naming the group and the ranks, raised by every rank alike
+    (no rank goes on into a collective the others never reach). Every rank must call it.
+    """
+    mine = {name: _ranks_or_none(getattr(pg_collection, name, None)) for name in _LAYOUT_ORDER}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    problem = group_layout_problem(gathered, hybrid)
+    if problem is not None:
+        raise ValueError(problem)

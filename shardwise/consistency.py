@@ -1,0 +1,504 @@
+"""Rank consistency at wrap time: every rank of a mesh must wrap the same thing.
+
+Sharding is a contract between ranks: each collective that follows assumes that
+every rank packed the same parameters, in the same order, with the same shapes
+and dtypes, into the same units, under the same placements and meshes. When
+one rank builds another model (an extra layer, another hidden size, the same
+numel in another shape) or passes other arguments, the collectives hang, crash
+with ``Connection reset by peer``, or silently average unrelated numbers.
+
+:func:`check_rank_consistency` runs before anything is sharded. Each rank
+builds a short, deterministic description of what must agree (the
+:func:`describe` dict), hashes it, and ranks exchange ``(digest, mesh ranks,
+local problem)`` in ONE ``all_gather_object`` over the default group. Every
+rank then reads the same gathered list, so all reach the same verdict: when
+digests differ a second exchange of the full descriptions names the first
+differing field and the ranks, and every rank raises the same ``ValueError``.
+No rank can stop before the exchange (describing never raises: a problem found
+locally travels in the exchange), so no rank is left waiting in a collective.
+
+Local problems, found without communication and raised on every rank:
+tensor-parallel slices (``tensor_model_parallel=True``) of a TP group of more
+than one rank wrapped on a mesh without the ``tp`` axis (or built with another
+TP group than the mesh's), expert-parallel models whose experts per rank do
+not match the expert mesh (or with no expert mesh), and an expert mesh that
+does not cover the same ranks as the dense mesh.
+
+:func:`raise_together` is the small building block other wrap-time checks use
+(the Megatron face's group checks): run a local check on every rank, exchange
+its outcome, raise on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .placements import describe as describe_placements
+from .placements import normalize_placements, strategy_placements
+
+__all__ = ["check_rank_consistency", "describe", "first_difference", "raise_together"]
+
+_PREFIX = "ranks disagree before sharding: "
+# Fields compared before the parameters, in this order (the first difference is reported).
+_SCALAR_FIELDS = (
+    ("mesh", "the mesh"),
+    ("expert_mesh", "the expert mesh"),
+    ("placements", "the placements (strategy)"),
+    ("expert_placements", "the expert placements"),
+    ("axes", "(tp_axis, ep_axis)"),
+    ("options", "the fully_shard options"),
+)
+
+
+# ------------------------------------------------------------------ exchange
+def _world() -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _all_gather(obj: Any, group=None) -> list:
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def raise_together(error: Optional[str], group=None) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` when some rank has an ``error``.
+
+    Every rank must call it (it is one ``all_gather_object``). A rank raises its
+    own message; the others raise the lowest failing rank's, naming that rank,
+    so no rank goes on into a collective the failing ones will never join.
+    """
+    me, world = _world()
+    if world == 1:
+        if error:
+            raise ValueError(error)
+        return
+    errors = _all_gather(error, group)
+    if error:
+        raise ValueError(error)
+    failing = [r for r, e in enumerate(errors) if e]
+    if failing:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+        first = failing[0]
+        raise ValueError(
+            f"{errors[first]} (found on rank{'s' if len(failing) > 1 else ''} "
+            f"{[ranks[r] for r in failing]}; rank {me} stops too so that no rank waits in a collective)"
+        )
+
+
+# ---------------------------------------------------------------- describing
+def _canon(value: Any) -> Any:
+    """A deterministic, rank-independent, picklable form of an argument value."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__name__,) + tuple(
+            (f.name, _canon(getattr(value, f.name))) for f in dataclasses.fields(value)
+        )
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), _canon(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_canon(v) for v in value)
+    return type(value).__qualname__  # objects: only their kind (addresses differ by rank)
+
+
+def _mesh_ranks(mesh: Optional[DeviceMesh], world: int) -> list[int]:
+    return list(range(world)) if mesh is None else mesh.mesh.flatten().tolist()
+
+
+def _describe_mesh(mesh: Optional[DeviceMesh], world: int, default: str) -> str:
+    if mesh is None:
+        return default
+    return (
+        f"{mesh.device_type} mesh {list(mesh.mesh_dim_names or ())} of shape {tuple(mesh.mesh.shape)} "
+        f"over ranks {mesh.mesh.tolist()}"
+    )
+
+
+def _effective_placements(mesh, placements, strategy, outer) -> str:
+    """The placements ``fully_shard`` will use, described (raw arguments when they are invalid)."""
+    resolved = _resolve(mesh, placements, strategy, outer)
+    if resolved is None:
+        return f"invalid: placements={placements!r} strategy={strategy!r} outer_dp_sharding_strategy={outer!r}"
+    return describe_placements(resolved)
+
+
+def _resolve(mesh, placements, strategy, outer) -> Optional[dict]:
+    """``fully_shard``'s placement resolution, without raising (``None`` for invalid arguments)."""
+    names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else None
+    try:
+        if placements is not None and (strategy is not None or outer is not None):
+            raise ValueError("both given")
+        if placements is None:
+            chosen = strategy if strategy is not None else 3
+            if outer is None and names is not None and len(names) == 1:
+                resolved = strategy_placements(chosen, inner_axis=names[0])
+            else:
+                resolved = strategy_placements(chosen, outer)
+        elif isinstance(placements, (str, int)):
+            resolved = strategy_placements(placements, inner_axis=names[-1] if names else "dp_shard")
+        elif isinstance(placements, Mapping):
+            resolved = normalize_placements(placements)
+        else:
+            raise TypeError(type(placements).__name__)
+        return resolved
+    except (ValueError, TypeError, IndexError):
+        return None
+
+
+def _unit_names(module: nn.Module, unit_modules) -> tuple[str, ...]:
+    if unit_modules is None:
+        return ()
+    specs = [unit_modules] if isinstance(unit_modules, (type, nn.Module)) else list(unit_modules)
+    classes = tuple(s for s in specs if isinstance(s, type))
+    instances = {id(s) for s in specs if isinstance(s, nn.Module)}
+    names = [
+        name
+        for name, sub in module.named_modules()
+        if sub is not module and (id(sub) in instances or (classes and isinstance(sub, classes)))
+    ]
+    found = {id(sub) for _, sub in module.named_modules()}
+    names += [f"<{type(s).__name__} instance outside the model>" for s in specs if isinstance(s, nn.Module) and id(s) not in found]
+    names += [f"<{s!r}>" for s in specs if not isinstance(s, (type, nn.Module))]
+    return tuple(names)
+
+
+def _describe_params(module: nn.Module) -> tuple:
+    first: dict[int, str] = {}
+    out = []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        tied = first.setdefault(id(p), name)
+        tp = f"dim {int(getattr(p, 'partition_dim', 0))}" if getattr(p, "tensor_model_parallel", False) else "none"
+        out.append((
+            name,
+            tuple(p.shape),
+            str(p.dtype).replace("torch.", ""),
+            bool(p.requires_grad),
+            tp,
+            bool(getattr(p, "allreduce", True)),
+            None if tied == name else tied,
+        ))
+    return tuple(out)
+
+
+def describe(
+    module: nn.Module,
+    *,
+    mesh: Optional[DeviceMesh] = None,
+    placements=None,
+    strategy=None,
+    outer_dp_sharding_strategy=None,
+    unit_modules=None,
+    expert_mesh: Optional[DeviceMesh] = None,
+    expert_placements=None,
+    tp_axis: str = "tp",
+    ep_axis: str = "ep",
+    options: Optional[Mapping[str, Any]] = None,
+) -> dict:
+    """What must agree across the ranks of a mesh, as a small picklable dict.
+
+    Parameters are described as this rank holds them (TP/EP slices have the
+    same local shape on every rank): ``(name, shape, dtype, requires_grad,
+    tensor-parallel partition dim, allreduce mark, tied-to name)``, in
+    ``named_parameters`` order with shared parameters listed under every name.
+    """
+    _, world = _world()
+    return {
+        "mesh": _describe_mesh(mesh, world, f"the default 1-D dp_shard mesh over {world} ranks"),
+        "expert_mesh": _describe_mesh(expert_mesh, world, "none"),
+        "placements": _effective_placements(mesh, placements, strategy, outer_dp_sharding_strategy),
+        "expert_placements": "taken from the placements" if expert_placements is None
+        else _effective_placements(None, expert_placements, None, None),
+        "axes": (tp_axis, ep_axis),
+        "options": _canon(dict(options or {})),
+        "params": _describe_params(module),
+        "units": _unit_names(module, unit_modules),
+    }
+
+
+def _digest(description: dict) -> str:
+    return hashlib.blake2b(repr(description).encode(), digest_size=16).hexdigest()
+
+
+# ------------------------------------------------------- naming a difference
+_PARAM_FIELDS = ("shape", "dtype", "requires_grad", "tensor-parallel split", "allreduce mark", "tied to")
+
+
+def _show(value: Any) -> str:
+    return repr(value) if not isinstance(value, str) else value
+
+
+def first_difference(a: dict, b: dict, ra: int, rb: int) -> Optional[str]:
+    """The first field where descriptions ``a`` (rank ``ra``) and ``b`` (rank ``rb``) differ, in words."""
+    for key, label in _SCALAR_FIELDS:
+        if a[key] != b[key]:
+            return f"{label}: {_show(a[key])} on rank {ra} but {_show(b[key])} on rank {rb}"
+    pa, pb = a["params"], b["params"]
+    if pa != pb:
+        na, nb = [p[0] for p in pa], [p[0] for p in pb]
+        counts = f" ({len(na)} parameters on rank {ra}, {len(nb)} on rank {rb})"
+        if na != nb:
+            sa, sb = set(na), set(nb)
+            for name in na:
+                if name not in sb:
+                    return f"parameter {name!r} exists on rank {ra} but not on rank {rb}{counts}"
+            for name in nb:
+                if name not in sa:
+                    return f"parameter {name!r} exists on rank {rb} but not on rank {ra}{counts}"
+            k = next(i for i, (x, y) in enumerate(zip(na, nb)) if x != y)
+            return f"parameters come in another order: #{k} is {na[k]!r} on rank {ra} but {nb[k]!r} on rank {rb}"
+        for x, y in zip(pa, pb):
+            for field, u, v in zip(_PARAM_FIELDS, x[1:], y[1:]):
+                if u != v and field == "tied to":
+                    def tie(t):
+                        return f"the same tensor as {t!r}" if t else "a tensor of its own"
+                    return f"parameter {x[0]!r} is {tie(u)} on rank {ra} but {tie(v)} on rank {rb}"
+                if u != v:
+                    return f"parameter {x[0]!r} has {field} {_show(u)} on rank {ra} but {_show(v)} on rank {rb}"
+    ua, ub = a["units"], b["units"]
+    if ua != ub:
+        for name in ua:
+            if name not in ub:
+                return f"module {name!r} is a unit (unit_modules) on rank {ra} but not on rank {rb}"
+        for name in ub:
+            if name not in ua:
+                return f"module {name!r} is a unit (unit_modules) on rank {rb} but not on rank {ra}"
+        return f"the units are {list(ua)} on rank {ra} but {list(ub)} on rank {rb}"
+    return None
+
+
+# -------------------------------------------------------------- local checks
+def _group_of(module: nn.Module, names: Iterable[str]):
+    """``(attr, ranks or None)`` of the first attribute in ``names`` holding a process group or None."""
+    own = vars(module)  # instance attributes only: nn.Module.__getattr__ misses are slow
+    for name in names:
+        if name in own:
+            value = own[name]
+            if value is None:
+                return name, None
+            if isinstance(value, dist.ProcessGroup):
+                return name, dist.get_process_group_ranks(value)
+    return None
+
+
+def _int_attr(obj: Any, names: Iterable[str]) -> Optional[int]:
+    own = vars(obj) if hasattr(obj, "__dict__") else {}
+    for name in names:
+        value = own.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _axis_row(mesh: DeviceMesh, axis: str, me: int) -> Optional[list[int]]:
+    """The ranks along ``axis`` of ``mesh`` that share this rank's other coordinates."""
+    dim = list(mesh.mesh_dim_names).index(axis)
+    rows = mesh.mesh.movedim(dim, -1).reshape(-1, mesh.mesh.shape[dim])
+    for row in rows.tolist():
+        if me in row:
+            return row
+    return None
+
+
+def _tp_problem(module: nn.Module, mesh: Optional[DeviceMesh], expert_mesh, tp_axis: str, me: int, world: int,
+                data_axes: Optional[Iterable[str]]) -> Optional[str]:
+    names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ("dp_shard",)
+    if data_axes is None or any(n not in data_axes and n != tp_axis for n in names):
+        return None  # invalid placements or an axis neither data- nor model-parallel: fully_shard names it
+    mesh_row = _axis_row(mesh, tp_axis, me) if mesh is not None and tp_axis in names else None
+    for prefix, sub in module.named_modules():
+        params = [(n, p) for n, p in sub._parameters.items() if p is not None and getattr(p, "tensor_model_parallel", False)]
+        if expert_mesh is not None:
+            params = [(n, p) for n, p in params if ".experts." not in f".{prefix}.{n}"]
+        if not params:
+            continue
+        pname = f"{prefix}.{params[0][0]}" if prefix else params[0][0]
+        found = _group_of(sub, ("tp_group", "group", "tensor_model_parallel_group"))
+        size = len(found[1]) if found is not None and found[1] is not None else 1 if found is not None else None
+        if size is None:
+            size = _int_attr(sub, ("tp_size", "tensor_model_parallel_size", "tp"))
+            config = getattr(sub, "config", None)
+            if size is None and config is not None:
+                size = _int_attr(config, ("tensor_model_parallel_size",))
+        if mesh_row is None:
+            if size is not None and size > 1:
+                return (
+                    f"parameter {pname!r} is a tensor-parallel slice (tensor_model_parallel=True, partition_dim="
+                    f"{int(getattr(params[0][1], 'partition_dim', 0))}) of a TP group of {size} ranks, but the mesh "
+                    f"axes {list(names)} have no tensor-parallel axis tp_axis={tp_axis!r}: its slices would be "
+                    f"averaged as if they were replicas; wrap on a mesh with a {tp_axis!r} axis of {size} ranks "
+                    f"(e.g. shardwise.build_dp_mesh(tp={size}))"
+                )
+            continue
+        if found is not None:
+            ranks = found[1] if found[1] is not None else [me]
+            if ranks != mesh_row:
+                return (
+                    f"module {prefix or '<root>'!r} was built with tensor-parallel ranks {ranks} (its "
+                    f"{found[0]!r}), but the mesh axis {tp_axis!r} has ranks {mesh_row} on rank {me}"
+                )
+        elif size is not None and size != len(mesh_row):
+            return (
+                f"module {prefix or '<root>'!r} holds tensor-parallel slices for {size} ranks, but the mesh "
+                f"axis {tp_axis!r} has {len(mesh_row)} ranks"
+            )
+    return None
+
+
+def _ep_problem(module: nn.Module, mesh, expert_mesh, tp_axis: str, ep_axis: str, me: int, world: int) -> Optional[str]:
+    enames = tuple(expert_mesh.mesh_dim_names or ()) if expert_mesh is not None else ()
+    ep_row = _axis_row(expert_mesh, ep_axis, me) if ep_axis in enames else None
+    if expert_mesh is not None:
+        dense = set(_mesh_ranks(mesh, world))
+        expert = _mesh_ranks(expert_mesh, world)
+        if sorted(expert) != sorted(dense):
+            return (
+                f"the expert mesh covers ranks {sorted(expert)}, but the mesh covers {sorted(dense)}: "
+                "experts must be sharded over the same ranks as the dense parameters"
+            )
+        if ep_row is not None:
+            dense_dp = len(dense)
+            if mesh is not None and tp_axis in (mesh.mesh_dim_names or ()):
+                dense_dp //= mesh.size(list(mesh.mesh_dim_names).index(tp_axis))
+            expert_dp = len(expert) // len(ep_row)
+            if dense_dp % expert_dp:
+                return (
+                    f"the expert mesh's data-parallel size {expert_dp} does not divide the dense data-parallel "
+                    f"size {dense_dp}"
+                )
+    for prefix, sub in module.named_modules():
+        where = f"module {prefix or '<root>'!r}"
+        total = _int_attr(sub, ("num_experts", "num_moe_experts"))
+        local = _int_attr(sub, ("num_local_experts",)) or (_int_attr(sub, ("local",)) if total else None)
+        group = _group_of(sub, ("ep_group", "expert_parallel_group"))
+        ep = None
+        if total and local and total % local == 0:
+            ep, what = total // local, f"holds {local} of {total} experts per rank"
+        elif group is not None and group[1] is not None and len(group[1]) > 1:
+            ep, what = len(group[1]), f"was built with expert-parallel ranks {group[1]} (its {group[0]!r})"
+        if ep is None:
+            continue
+        if expert_mesh is None:
+            if ep > 1:
+                return (
+                    f"{where} {what} (expert parallelism over {ep} ranks), but no expert_mesh was given: "
+                    f"the experts of different ranks would be averaged as if they were replicas; pass "
+                    f"expert_mesh=shardwise.build_expert_mesh({ep})"
+                )
+            continue
+        if ep_row is None:
+            continue  # fully_shard names the missing ep axis itself
+        if ep != len(ep_row):
+            return (
+                f"{where} {what} (expert parallelism over {ep} ranks), but the expert mesh axis {ep_axis!r} has "
+                f"{len(ep_row)} rank{'s' if len(ep_row) > 1 else ''}"
+            )
+        if group is not None and group[1] is not None and group[1] != ep_row:
+            return (
+                f"{where} was built with expert-parallel ranks {group[1]} (its {group[0]!r}), but the expert "
+                f"mesh axis {ep_axis!r} has ranks {ep_row} on rank {me}"
+            )
+    return None
+
+
+def _local_problem(module, mesh, expert_mesh, tp_axis, ep_axis, me, world, data_axes) -> Optional[str]:
+    for m, what in ((mesh, "mesh"), (expert_mesh, "expert mesh")):
+        if m is not None and me not in _mesh_ranks(m, world):
+            return f"rank {me} is not in the {what} {m.mesh.tolist()}"
+    return _tp_problem(module, mesh, expert_mesh, tp_axis, me, world, data_axes) or _ep_problem(
+        module, mesh, expert_mesh, tp_axis, ep_axis, me, world
+    )
+
+
+# ---------------------------------------------------------------- the check
+def check_rank_consistency(
+    module: nn.Module,
+    *,
+    mesh: Optional[DeviceMesh] = None,
+    placements=None,
+    strategy=None,
+    outer_dp_sharding_strategy=None,
+    unit_modules=None,
+    expert_mesh: Optional[DeviceMesh] = None,
+    expert_placements=None,
+    tp_axis: str = "tp",
+    ep_axis: str = "ep",
+    options: Optional[Mapping[str, Any]] = None,
+) -> None:
+    """Raise ``ValueError`` on every rank unless all ranks of each mesh wrap the same thing.
+
+    Takes ``fully_shard``'s own arguments, unresolved (``mesh=None`` is the
+    default data-parallel mesh over all ranks; ``placements`` or
+    ``strategy``/``outer_dp_sharding_strategy``; unit classes or instances);
+    ``options`` holds the other arguments that must agree (mixed precision,
+    ``reshard_after_forward``, ``prefetch``, ``gradient_reduction``,
+    ``bucket_size``). A collective over the default group: every rank must call
+    it, before any parameter is sharded. Ranks are compared with the ranks of
+    their own mesh (pipeline stages may wrap different models).
+    """
+    me, world = _world()
+    description, problem = None, None
+    try:  # never raise before the exchange: a rank that stops here would strand the others
+        description = describe(
+            module, mesh=mesh, placements=placements, strategy=strategy,
+            outer_dp_sharding_strategy=outer_dp_sharding_strategy, unit_modules=unit_modules,
+            expert_mesh=expert_mesh, expert_placements=expert_placements, tp_axis=tp_axis,
+            ep_axis=ep_axis, options=options,
+        )
+        resolved = _resolve(mesh, placements, strategy, outer_dp_sharding_strategy)
+        data_axes = None if resolved is None else list(resolved)
+        problem = _local_problem(module, mesh, expert_mesh, tp_axis, ep_axis, me, world, data_axes)
+        peers = tuple(sorted(_mesh_ranks(mesh, world)))
+    except Exception as err:  # noqa: BLE001 - reported on every rank below
+        problem = f"rank {me} could not describe its model and arguments: {type(err).__name__}: {err}"
+        peers = tuple(range(world))
+    digest = _digest(description) if description is not None else "none"
+    if world == 1:
+        if problem:
+            raise ValueError(problem)
+        return
+    gathered = _all_gather((digest, peers, problem))
+    # Every rank reads the same list: the same verdict, the same (second) exchange, the same message.
+    for r, (_, ranks, _) in enumerate(gathered):
+        for s in ranks:
+            if 0 <= s < world and gathered[s][1] != ranks:
+                raise ValueError(
+                    f"{_PREFIX}the mesh covers ranks {list(ranks)} on rank {r} but {list(gathered[s][1])} on rank {s}"
+                )
+    failing = [r for r, g in enumerate(gathered) if g[2]]
+    where = f"ranks {failing}" if len(failing) > 1 else f"rank {failing[0]}" if failing else ""
+    local = f"{gathered[failing[0]][2]} (on {where})" if failing else None
+    pairs = []  # (reference rank, differing ranks) for every mesh whose digests disagree
+    for ranks in sorted({g[1] for g in gathered}):
+        ref = ranks[0]
+        differ = [s for s in ranks if gathered[s][0] != gathered[ref][0]]
+        if differ:
+            pairs.append((ref, differ))
+    if pairs:
+        descriptions = _all_gather(description)
+        ref, differ = pairs[0]
+        detail = None
+        if descriptions[ref] is not None and descriptions[differ[0]] is not None:
+            detail = first_difference(descriptions[ref], descriptions[differ[0]], ref, differ[0])
+        if detail is None:
+            detail = local or f"rank {differ[0]} differs from rank {ref}"
+        elif local:
+            detail = f"{detail}; and {local}"
+        who = f"ranks {differ} differ" if len(differ) > 1 else f"rank {differ[0]} differs"
+        raise ValueError(
+            f"{_PREFIX}{detail} ({who} from rank {ref}; every rank of a mesh must build the same model and pass "
+            "fully_shard the same arguments)"
+        )
+    if local:
+        raise ValueError(local)
