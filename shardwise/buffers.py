@@ -27,16 +27,52 @@ from torch.distributed.distributed_c10d import _coalescing_manager
 
 from .mesh import AxisGroup
 
-__all__ = ["StreamSet", "gather_pieces", "reduce_scatter_pieces", "all_reduce_chain", "InFlight"]
+__all__ = ["StagingPool", "StreamSet", "gather_pieces", "reduce_scatter_pieces", "all_reduce_chain", "InFlight"]
+
+
+class StagingPool:
+    """Flat temporaries the collectives read, reused instead of allocated per collective.
+
+    NCCL keeps a reference to every tensor of a coalesced collective until its
+    watchdog reaps the finished work, so a fresh buffer per collective stays
+    allocated well after we drop it (measured at 0.89B on 2 x H200: +1.4 GiB
+    peak). A buffer comes back here once the compute stream has waited for the
+    collective that read it (``InFlight.wait``), so reusing it is ordered
+    after that collective on every stream.
+    """
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D buffer of at least ``numel`` elements (uninitialized); use its first ``numel``."""
+        fits = [t for t in self._free if t.dtype == dtype and t.device == device and t.numel() >= numel]
+        if fits:
+            best = min(fits, key=lambda t: t.numel())
+            self._free = [t for t in self._free if t is not best]
+            return best
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self._free.append(buffer)
+        if len(self._free) > self.keep:  # drop the smallest: the largest units set the need
+            smallest = min(self._free, key=lambda t: t.numel())
+            self._free = [t for t in self._free if t is not smallest]
+
+    def clear(self) -> None:
+        """Let the buffers go (at the end of a backward: nothing is in flight then)."""
+        self._free = []
 
 
 class StreamSet:
-    """The side streams of one sharded model (none on CPU)."""
+    """The side streams of one sharded model (none on CPU) and its staging buffers."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.gather = torch.cuda.Stream(device=device) if self.cuda else None
         self.reduce = torch.cuda.Stream(device=device) if self.cuda else None
+        self.pool = StagingPool()
 
     @contextlib.contextmanager
     def on(self, stream: "torch.cuda.Stream | None") -> Iterator[None]:
@@ -57,19 +93,33 @@ class StreamSet:
 
 
 class InFlight:
-    """A finished-on-the-host, maybe-running-on-the-device operation and what it reads."""
+    """A finished-on-the-host, maybe-running-on-the-device operation and what it reads.
 
-    __slots__ = ("event", "keepalive")
+    ``staged`` buffers go back to ``pool`` once the compute stream has waited for it.
+    """
 
-    def __init__(self, event: "torch.cuda.Event | None", keepalive: tuple = ()):
+    __slots__ = ("event", "keepalive", "staged", "pool")
+
+    def __init__(
+        self,
+        event: "torch.cuda.Event | None",
+        keepalive: tuple = (),
+        staged: tuple = (),
+        pool: StagingPool | None = None,
+    ):
         self.event = event
         self.keepalive = keepalive
+        self.staged = staged
+        self.pool = pool
 
     def wait(self) -> None:
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
         self.event = None
         self.keepalive = ()
+        for buffer in self.staged:
+            self.pool.give(buffer)
+        self.staged = ()
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .buffers import StreamSet
+from .consistency import check_rank_consistency
 from .group import ParamGroup, ParamRef
 from .hooks import ShardedState
 from .mesh import ShardingPlan, build_dp_mesh
@@ -284,6 +285,13 @@ def fully_shard(
     policy = mixed_precision or MixedPrecisionPolicy()
     if not isinstance(policy, MixedPrecisionPolicy):
         raise TypeError(f"mixed_precision must be a MixedPrecisionPolicy, got {type(policy).__name__}")
+    check_rank_consistency(  # one small collective; ranks that disagree fail here, never hang later
+        module, mesh=mesh, placements=placements, strategy=strategy,
+        outer_dp_sharding_strategy=outer_dp_sharding_strategy, unit_modules=unit_modules,
+        expert_mesh=expert_mesh, expert_placements=expert_placements, tp_axis=tp_axis, ep_axis=ep_axis,
+        options=dict(mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
+                     prefetch=prefetch, gradient_reduction=gradient_reduction, bucket_size=bucket_size),
+    )
     mesh, placements = _resolve_placements(mesh, placements, strategy, outer_dp_sharding_strategy)
     names = mesh.mesh_dim_names or ()
     plan = ShardingPlan(mesh, placements, model_parallel_axes=[tp_axis] if tp_axis in names else [])

@@ -163,14 +163,17 @@ class ParamGroup:
             views = out_views
         return temps
 
-    def _reduce_levels(self, flat: torch.Tensor, bottom: int, top: int) -> torch.Tensor:
-        """Reduce-scatter a flat buffer of level ``bottom`` down to a new one of level ``top``.
+    def _reduce_levels(self, flat: torch.Tensor, bottom: int, top: int, staged: list) -> torch.Tensor:
+        """Reduce-scatter a flat buffer of level ``bottom`` down to a staged one of level ``top``.
 
         Slot rows past a piece's real rows hold whatever the padding summed to;
         nothing reads them.
         """
         for level in range(bottom + 1, top + 1):
-            out = torch.empty(self.layouts[level].total, dtype=flat.dtype, device=self.device)
+            total = self.layouts[level].total
+            buffer = self.streams.pool.take(total, flat.dtype, self.device)
+            staged.append(buffer)
+            out = buffer[:total]
             outs, ins = [], []
             for p, o, i in zip(self.params, self.layouts[level].views(out), self.layouts[level - 1].views(flat)):
                 if p.piece_numel(level):
@@ -222,13 +225,19 @@ class ParamGroup:
         self.unsharded.untyped_storage().resize_(self.unsharded.numel() * self.unsharded.element_size())
         level = self.param_level
         with self.streams.on(self.streams.gather), torch.autograd._unsafe_preserve_version_counter(self.unsharded):
+            staged = ()
             if self.model_shard is not None:
-                source, views = self.model_shard, self._model_views
+                views = self._model_views
             else:  # ZeRO-3 mixed precision: cast the main shard right before the gather
-                source = self.main.to(self.compute_dtype)
+                buffer = self.streams.pool.take(self.main.numel(), self.compute_dtype, self.device)
+                source = buffer[: self.main.numel()]
+                source.copy_(self.main)
                 views = self.layouts[level].views(source)
+                staged = (buffer,)
             temps = self._gather_levels(views, level, 0, self._unsharded_views)
-        self._gather = InFlight(self.streams.record(self.streams.gather), keepalive=(source, *temps))
+        self._gather = InFlight(
+            self.streams.record(self.streams.gather), keepalive=tuple(temps), staged=staged, pool=self.streams.pool
+        )
 
     def finish_unshard(self) -> None:
         if self._is_unsharded:
@@ -287,9 +296,12 @@ class ParamGroup:
             self._main_overwrite = fresh
         self._window_open = True
 
-    def _flat_grads(self) -> torch.Tensor:
+    def _flat_grads(self, staged: list) -> torch.Tensor:
         """Copy the unsharded grads (zeros where missing) into one comm-dtype buffer, one kernel."""
-        flat = torch.empty(self.layouts[0].total, dtype=self.comm_dtype, device=self.device)
+        total = self.layouts[0].total
+        buffer = self.streams.pool.take(total, self.comm_dtype, self.device)
+        staged.append(buffer)
+        flat = buffer[:total]
         targets, grads = [], []
         for param, p, view in zip(self.unsharded_params, self.params, self.layouts[0].views(flat)):
             view = view[: p.shape.numel()]
@@ -317,10 +329,11 @@ class ParamGroup:
         if not self._window_open:
             self._open_window()
         self._released = ()
-        flat = self._flat_grads()
+        staged: list = []
+        flat = self._flat_grads(staged)
         plan = self.plan
         with self.streams.on(self.streams.reduce):
-            shard = self._reduce_levels(flat, 0, self.grad_level)
+            shard = self._reduce_levels(flat, 0, self.grad_level, staged)
             if plan.grad_scale != 1.0:
                 shard.mul_(plan.grad_scale)
             if self._acc_overwrite:
@@ -329,25 +342,31 @@ class ParamGroup:
             else:
                 self.grad_acc.add_(shard)
             if finalize:
-                self._finalize()
-        return InFlight(self.streams.record(self.streams.reduce), keepalive=(flat, *self._released))
+                self._finalize(staged)
+        return self._in_flight(staged)
+
+    def _in_flight(self, staged: list) -> InFlight:
+        return InFlight(
+            self.streams.record(self.streams.reduce), keepalive=self._released, staged=tuple(staged), pool=self.streams.pool
+        )
 
     def finalize_without_new_grads(self) -> InFlight | None:
         """End an accumulation window whose last micro-batch brought no grads to this group."""
         if not self._window_open:
             return None
+        staged: list = []
         with self.streams.on(self.streams.reduce):
-            self._finalize()
-        return InFlight(self.streams.record(self.streams.reduce), keepalive=self._released)
+            self._finalize(staged)
+        return self._in_flight(staged)
 
-    def _finalize(self) -> None:
+    def _finalize(self, staged: list) -> None:
         plan = self.plan
         if self.sum_over_axes:  # partial sums across model-parallel ranks (sequence parallel)
             all_reduce_chain(self.grad_acc, self.sum_over_axes, average=False)
         if self.grad_acc is self.main_grad:
             all_reduce_chain(self.main_grad, plan.finalize_allreduce_axes)
         else:
-            reduced = self._reduce_levels(self.grad_acc, self.grad_level, self.opt_level)
+            reduced = self._reduce_levels(self.grad_acc, self.grad_level, self.opt_level, staged)
             all_reduce_chain(reduced, plan.finalize_allreduce_axes)
             if self._main_overwrite:
                 self.main_grad.copy_(reduced)

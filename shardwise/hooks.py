@@ -216,6 +216,7 @@ class ShardedState:
         for unit in self.all_units:
             unit.reshard()
             unit.reset_iteration()
+        self.streams.pool.clear()
         self.callback_queued = False
 
     # ------------------------------------------------------------- helpers
