@@ -1,13 +1,48 @@
-"""Start one worker process per rank on this machine (what ``torchrun`` would do)."""
+"""Start one worker process per rank on this machine (what ``torchrun`` would do) and watch them.
+
+``launch_local`` spawns the workers with the environment torchrun sets and
+watches them the way torchrun's agent does: as soon as one exits with an error,
+the others get a short grace period to stop by themselves (a rank that lost its
+peer fails its collective within the process-group timeout) and are then
+stopped -- SIGTERM, SIGCONT for a stopped process, SIGKILL -- with one line
+naming every rank that was still running. Ctrl-C (SIGINT) and SIGTERM stop all
+workers and return 130 / 143.
+
+``run_guarded`` is the body of every worker (here or under torchrun): errors that
+carry ``one_line = True`` (bad settings, collective timeouts, lost peers) print
+as one line; anything else prints its traceback and then one line; Ctrl-C exits
+quietly with 130; warnings print as one line each.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
 import os
+import signal
 import socket
 import sys
+import time
+import traceback
+import warnings
 from typing import Callable
 
-__all__ = ["free_port", "launch_local", "under_launcher"]
+__all__ = ["free_port", "launch_local", "under_launcher", "run_guarded", "WorkerError", "shutdown_process_groups",
+           "one_line_warnings", "describe_collective_error", "EXIT_INTERRUPTED"]
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+GRACE_S = 3.0  # after one rank failed: how long the others may take to stop by themselves
+INTERRUPT_GRACE_S = 10.0  # after Ctrl-C: how long the workers may take to stop by themselves
+
+
+class WorkerError(RuntimeError):
+    """An error reported as one line without a traceback (``exit_code`` is the worker's exit status)."""
+
+    one_line = True
+    exit_code = 1
 
 
 def free_port() -> int:
@@ -21,22 +56,268 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _worker(local_rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
-                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    fn(*args)
+# ------------------------------------------------------------------ one-line output
+def _one_line(text) -> str:
+    return " ".join(str(text).split())
+
+
+class _Dedup(logging.Filter):
+    """Remembers what was logged so a warning carrying the same text is not printed twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.seen.add(_one_line(record.getMessage()))
+        return True
+
+
+class _OneLineFormatter(logging.Formatter):
+    def __init__(self, prog: str):
+        super().__init__()
+        self.prog = prog
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = f"{self.prog}: {record.levelname.lower()}: {_one_line(record.getMessage())}"
+        if record.exc_info:  # an error logged with its traceback keeps it
+            text += "\n" + self.formatException(record.exc_info)
+        return text
+
+
+def one_line_warnings(prog: str) -> None:
+    """Print warnings (and WARNING log records) as ``prog: warning: message (Category)``, one line each."""
+    dedup = _Dedup()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = _one_line(message)
+        if text in dedup.seen:  # already printed by the logging call next to it
+            return
+        try:
+            print(f"{prog}: warning: {text} ({category.__name__})", file=file or sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+
+    warnings.showwarning = show
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_OneLineFormatter(prog))
+    handler.addFilter(dedup)
+    handler.setLevel(logging.WARNING)
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, "_shardwise", False)]:
+        root.removeHandler(old)
+    handler._shardwise = True
+    root.addHandler(handler)
+
+
+# ------------------------------------------------------------------ errors
+_TIMEOUT_MARKS = ("timed out", "watchdog caught collective")  # gloo, the store, NCCL's watchdog
+_PEER_MARKS = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
+               "remote worker crashing")
+
+
+def describe_collective_error(error: BaseException, timeout_s: float | None = None,
+                              peers: str = "another rank") -> str | None:
+    """One line for an error of a collective (a timeout or a lost peer); ``None`` for any other error.
+
+    ``peers`` names who the collective waited for ("rank 1" in a world of two).
+    """
+    if not isinstance(error, RuntimeError):  # DistBackendError, DistNetworkError and gloo's errors are
+        return None
+    text = str(error).lower()
+    if any(mark in text for mark in _TIMEOUT_MARKS):
+        after = f" after {timeout_s:g} s" if timeout_s else ""
+        return (f"a collective timed out{after}: {peers} stalled (stopped, hung or far slower); "
+                f"raise --timeout if it is only slow")
+    if any(mark in text for mark in _PEER_MARKS):
+        return f"lost the connection to {peers}: it died or was killed"
+    return None
+
+
+def run_guarded(fn: Callable, args: tuple, prog: str) -> int:
+    """Run ``fn(*args)``; an exit status, with every failure reported (one line when it can be).
+
+    After Ctrl-C (SIGINT) the exit is quiet with status 130, also when what fails first is a
+    collective whose peer was interrupted too.
+    """
+    one_line_warnings(prog)
+    interrupted = []
+
+    def on_sigint(signum, frame):
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.SIG_IGN:  # a worker started with SIGINT ignored keeps ignoring it
+        previous = None
+    else:
+        try:
+            signal.signal(signal.SIGINT, on_sigint)
+        except ValueError:  # not the main thread: Python's own handler stays
+            previous = None
+    try:
+        fn(*args)
+        return 0
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED  # the launcher (or the shell) says it once
+    except Exception as e:  # noqa: BLE001 -- every failure becomes an exit status and a message
+        if interrupted:
+            return EXIT_INTERRUPTED
+        if getattr(e, "one_line", False):
+            print(f"{prog}: error: {_one_line(e)}", file=sys.stderr, flush=True)
+            return int(getattr(e, "exit_code", 1))
+        traceback.print_exc()
+        print(f"{prog}: error: {type(e).__name__}: {_one_line(e)[:500]}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+# ------------------------------------------------------------------ process groups at exit
+def shutdown_process_groups() -> None:
+    """Destroy the process groups so that their threads end before the interpreter does.
+
+    ``destroy_process_group`` alone frees nothing here: DTensor's sharding-propagation caches keep
+    the DeviceMeshes of every parameter, each mesh keeps its ProcessGroups (``_pg_registry``), and
+    the groups keep their threads (gloo's transport loop and workers, the TCPStore server, NCCL's
+    watchdog) running into interpreter shutdown, where they race with the process's own teardown
+    (the occasional ``terminate called without an active exception`` / SIGABRT after a finished
+    run). Dropping those references lets every group's destructor join its threads now. Call it
+    instead of ``dist.destroy_process_group()`` at the end of a training script, after the
+    model and optimizer are gone (out of scope or ``del``-ed).
+    """
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
+    gc.collect()
+    for obj in gc.get_objects():
+        if issubclass(type(obj), DeviceMesh) and isinstance(getattr(obj, "_pg_registry", None), dict):
+            obj._pg_registry.clear()
+    gc.collect()
+
+
+# ------------------------------------------------------------------ local launcher
+def _set_parent_death_signal() -> None:
+    """Linux: this worker gets SIGTERM when the launcher dies (no orphaned ranks)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 -- not Linux: nothing to do
+        pass
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, prog: str) -> None:
+    _set_parent_death_signal()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    sys.exit(run_guarded(fn, args, f"{prog}: rank {rank}" if world > 1 else prog))
+
+
+def _state(pid: int) -> str:
+    """', stopped' for a stopped process (SIGSTOP, Ctrl-Z), '' otherwise."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+    return ", stopped" if state in ("T", "t") else ""
+
+
+def _how(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit status {exitcode}"
+
+
+def _stop(processes: list, prog: str, reason: str) -> None:
+    """Stop every process still alive: SIGTERM (+ SIGCONT so a stopped one gets it), then SIGKILL."""
+    alive = [(rank, p) for rank, p in enumerate(processes) if p.is_alive()]
+    for rank, p in alive:
+        print(f"{prog}: rank {rank} (pid {p.pid}{_state(p.pid)}) was still running {reason}; stopping it",
+              file=sys.stderr, flush=True)
+        try:
+            p.terminate()
+            os.kill(p.pid, signal.SIGCONT)
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 2.0
+    for _, p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for _, p in alive:
+        if p.is_alive():
+            p.kill()
+        p.join()
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(signum)
 
 
 def launch_local(fn: Callable, world: int, args: tuple, prog: str) -> int:
-    """Run ``fn(*args)`` in ``world`` spawned processes with the env torchrun sets; an exit code."""
-    import torch.multiprocessing as mp
+    """Run ``fn(*args)`` in ``world`` spawned processes with the env torchrun sets; an exit status.
 
+    0 when every rank finished; otherwise the first failing rank's status (1 when it was
+    killed by a signal), 130 on Ctrl-C, 143 on SIGTERM.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    processes = [ctx.Process(target=_worker, args=(rank, world, port, fn, args, prog), name=f"rank{rank}")
+                 for rank in range(world)]
+    previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        mp.start_processes(_worker, args=(world, free_port(), fn, args), nprocs=world, start_method="spawn")
-    except mp.ProcessRaisedException as e:
-        print(f"{prog}: a worker failed:\n{e}", file=sys.stderr)
-        return 1
-    except mp.ProcessExitedException as e:
-        print(f"{prog}: a worker exited: {e}", file=sys.stderr)
-        return 1
-    return 0
+        for p in processes:
+            p.start()
+        pending = {p.sentinel: rank for rank, p in enumerate(processes)}
+        while pending:
+            for sentinel in multiprocessing.connection.wait(list(pending)):
+                rank = pending.pop(sentinel)
+                p = processes[rank]
+                p.join()
+                if p.exitcode == 0:
+                    continue
+                deadline = time.monotonic() + GRACE_S  # peers of a failed rank fail their collective
+                for other in processes:
+                    other.join(max(0.0, deadline - time.monotonic()))
+                for other_rank, other in enumerate(processes):  # those that could not say why themselves
+                    if other.exitcode == EXIT_INTERRUPTED:
+                        print(f"{prog}: rank {other_rank} was interrupted", file=sys.stderr, flush=True)
+                    elif other.exitcode is not None and other.exitcode < 0:
+                        print(f"{prog}: rank {other_rank} (pid {other.pid}) was {_how(other.exitcode)}",
+                              file=sys.stderr, flush=True)
+                _stop(processes, prog, f"{GRACE_S:g} s after rank {rank} failed ({_how(p.exitcode)})")
+                return p.exitcode if p.exitcode > 0 else 1
+        return 0
+    except KeyboardInterrupt as e:
+        term = bool(e.args) and e.args[0] == signal.SIGTERM
+        started = [p for p in processes if p.pid is not None]
+        if term:  # only this process got it: pass it on
+            for p in started:
+                with contextlib.suppress(OSError):
+                    p.terminate()
+        deadline = time.monotonic() + INTERRUPT_GRACE_S  # a Ctrl-C in a terminal reached the workers too
+        for p in started:
+            with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C: stop waiting
+                p.join(max(0.0, deadline - time.monotonic()))
+        print(f"{prog}: {'terminated (SIGTERM)' if term else 'interrupted (Ctrl-C)'}; stopping {world} worker(s)",
+              file=sys.stderr, flush=True)
+        _stop(started, prog, "after the interrupt")
+        return EXIT_TERMINATED if term else EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)

@@ -50,12 +50,42 @@ def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> tor
     return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
 
 
+_STEPPED_IN_BACKWARD = "_shardwise_backward_optimizer"  # set on parameters a BackwardOptimizer steps
+
+
+def _number(name: str, value, positive: bool) -> float:
+    """``value`` as a float, or ``ValueError`` naming the argument (bools, NaN and negatives refused)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, str) and value.lower() in ("inf", "infinity"):
+        value = math.inf
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    if not ok or value < 0 or (positive and value == 0):
+        need = "a positive number (inf for the max norm)" if positive else "a non-negative number (inf: no limit)"
+        raise ValueError(f"clip_grad_norm_: {name}={value!r} must be {need}")
+    return float(value)
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
 ) -> torch.Tensor:
-    """Scale sharded gradients in place so their global norm is at most ``max_norm``; return the norm."""
+    """Scale sharded gradients in place so their global norm is at most ``max_norm``; return the norm.
+
+    ``max_norm`` must be a non-negative number (``inf``: measure only) and ``norm_type`` a
+    positive one; parameters stepped by a :class:`BackwardOptimizer` are refused, since their
+    gradients were applied and freed during backward and nothing would be clipped.
+    """
+    max_norm = _number("max_norm", max_norm, positive=False)
+    norm_type = _number("norm_type", norm_type, positive=True)
     parameters = [p for p in parameters]
+    stepped = sum(1 for p in parameters if getattr(p, _STEPPED_IN_BACKWARD, False))
+    if stepped:
+        raise ValueError(
+            f"clip_grad_norm_: {stepped} of the {len(parameters)} parameters are stepped by a BackwardOptimizer, "
+            f"which applies and frees each gradient during backward: there is nothing left to clip (and the "
+            f"global norm cannot be known before the steps); use a usual optimizer with clip_grad_norm_, or no "
+            f"clipping")
     total = grad_norm(parameters, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of gradients is {total.item()}, which is not finite")
@@ -93,6 +123,8 @@ class BackwardOptimizer:
                 optimizer = optimizer_class(group.sharded_params, **kwargs)
                 state.backward_optimizers[id(group)] = optimizer
                 self.optimizers[group.name] = optimizer
+                for param in group.sharded_params:  # clip_grad_norm_ refuses them (nothing to clip)
+                    setattr(param, _STEPPED_IN_BACKWARD, True)
 
     @property
     def param_groups(self) -> list[dict]:

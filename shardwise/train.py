@@ -13,23 +13,35 @@ field of :class:`TrainConfig` and :class:`shardwise.models.GPTConfig` is a flag
 starts; a bad value is reported as ``--flag value: reason``.
 
 Started directly, the command spawns ``--nproc`` local workers (default: one per
-GPU, or 2 on CPU); under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) it is the
-worker. Rank 0 shows a progress bar and writes to ``--out-dir`` (default
-``runs/<name>``): ``config.json``, ``metrics.jsonl`` (one JSON object per step:
-step, loss, lr, grad_norm, tokens, step_time_s, tokens_per_s, mfu, mem_gib,
-elapsed_s), ``summary.json`` and ``loss.png``.
+GPU, or 2 on CPU) and watches them like torchrun: when one fails, the others are
+stopped; under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) it is the worker. Rank 0
+shows a progress bar and writes to ``--out-dir`` (default ``runs/<name>``):
+``config.json``, ``metrics.jsonl`` (one JSON object per step: step, loss, lr,
+grad_norm, tokens (cumulative over the whole run), step_time_s, tokens_per_s,
+mfu, mem_gib, elapsed_s, launch), ``summary.json`` and ``loss.png`` (both
+computed from the whole ``metrics.jsonl``, resumed parts included).
+
+A run folder holds one run: starting again in a folder that has metrics or
+checkpoints needs ``--resume`` (continue from the latest checkpoint) or
+``--overwrite`` (delete the earlier run first). Every collective waits at most
+``--timeout`` seconds for the other ranks; a stalled rank makes the others fail
+with one line naming the step and collective, and the launcher stops the rest.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import math
 import os
+import shutil
 import sys
+import threading
 import time
-from dataclasses import dataclass, field, fields, replace
+import traceback
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -38,10 +50,16 @@ import torch.distributed as dist
 from .checkpoint import CheckpointManager
 from .data import DATA_DTYPES, TokenLoader, check_data_path, load_tokens
 from .models import GPT, GPTConfig
-from .launch import launch_local, under_launcher
+from .launch import (EXIT_INTERRUPTED, WorkerError, describe_collective_error, launch_local, one_line_warnings,
+                     run_guarded, shutdown_process_groups, under_launcher)
 from .presets import PRESETS
 
-__all__ = ["TrainConfig", "ConfigError", "resolve_config", "train", "main"]
+__all__ = ["TrainConfig", "ConfigError", "LRSchedule", "resolve_config", "train", "main", "summarize"]
+
+PROG = "shardwise train"
+RENDEZVOUS_S = 600.0  # how long ranks may take to meet at start (imports, data), whatever --timeout is
+RESUME_MODES = {"": "never", "auto": "if there is a checkpoint", "required": "fail without a checkpoint"}
+RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", "config.json")  # what --overwrite deletes
 
 PEAK_FLOPS_PER_GPU = 989e12  # H100/H200 dense bf16
 OUTER_STRATEGIES = ("no_shard", "optim")
@@ -80,8 +98,15 @@ class TrainConfig:
     save_every: int = field(default=0, metadata=_help(
         "save a checkpoint every N steps (and at the last) into <out-dir>/checkpoints (0 = never)"))
     keep_checkpoints: int = field(default=3, metadata=_help("complete checkpoints to keep"))
-    resume: bool = field(default=False, metadata=_help(
-        "resume from the latest complete checkpoint in <out-dir>/checkpoints (needs --out-dir or --name)"))
+    resume: str = field(default="", metadata=_help(
+        "continue the run in --out-dir/--name from the latest complete checkpoint in <out-dir>/checkpoints: "
+        "--resume starts at step 1 (and says so) when there is none, --resume=required fails then"))
+    overwrite: bool = field(default=False, metadata=_help(
+        "replace an earlier run in the same folder: its metrics, summary, plot and checkpoints are deleted first"))
+    keep_global_batch: bool = field(default=False, metadata=_help(
+        "when resuming on another number of ranks, keep the checkpoint's global batch by changing --grad-accum"))
+    timeout: float = field(default=300.0, metadata=_help(
+        "seconds a collective waits for the other ranks before the run fails (the process-group timeout)"))
     nproc: int = field(default=0, metadata=_help("local worker processes (0 = one per GPU, or 2 on CPU)"))
     meta_init: bool = field(default=True, metadata=_help(
         "build the model on the meta device and initialize it one layer at a time while sharding "
@@ -97,11 +122,18 @@ _CASTS = {"int": int, "float": float, "str": str, "bool": bool}
 
 
 class ConfigError(ValueError):
-    """A bad setting, reported as ``--flag value: reason``."""
+    """A bad setting, reported as ``--flag value: reason`` (one line; exit status 2)."""
+
+    one_line = True
+    exit_code = 2
 
     def __init__(self, name: str, value, why: str):
         flag = name if name.startswith("-") else "--" + name.replace("_", "-")
-        super().__init__(f"{flag} {value}: {why}")
+        super().__init__(f"{flag} {value}: {why}" if value != "" else f"{flag}: {why}")
+
+
+def _say(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------ configuration
@@ -118,7 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
             flag = "--" + name.replace("_", "-")
             kind = _CASTS[str(f.type)]
             text = f"{f.metadata.get('help')} (default: {f.default!r})"
-            if kind is bool:
+            if name == "resume":
+                group.add_argument(flag, dest=name, nargs="?", const="auto", metavar="auto|required",
+                                   help=text.replace("(default: '')", "(default: no)"))
+                group.add_argument("--no-resume", dest=name, action="store_const", const="",
+                                   help="start a new run (the default)")
+            elif kind is bool:
                 group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=text)
             else:
                 group.add_argument(flag, dest=name, type=kind, metavar=kind.__name__.upper(), help=text)
@@ -126,13 +163,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _coerce(name: str, value, source: str):
+    """A JSON value for field ``name``, of exactly the field's type (no ``true`` for a number)."""
     kind = _CASTS[str(_ALL_FIELDS[name].type)]
-    if kind is bool and not isinstance(value, bool):
-        raise ConfigError(source, value, f"field {name!r} needs true or false")
-    try:
-        return kind(value)
-    except (TypeError, ValueError):
-        raise ConfigError(source, value, f"field {name!r} needs a {kind.__name__}") from None
+    shown = f"{name}={json.dumps(value)}"
+    if name == "resume" and isinstance(value, bool):
+        return "auto" if value else ""
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(source, shown, "needs true or false")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+            raise ConfigError(source, shown, "needs a whole number")
+        return int(value)
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(source, shown, "needs a number")
+        return float(value)
+    if not isinstance(value, str):
+        raise ConfigError(source, shown, "needs a string")
+    return value
 
 
 def _read_json(path: str) -> dict:
@@ -178,13 +228,32 @@ def resolve_config(argv=None) -> tuple[TrainConfig, GPTConfig]:
 def _validate(cfg: TrainConfig, model: GPTConfig) -> None:
     import shardwise
 
+    for obj, names in ((cfg, _TRAIN_FIELDS), (model, _MODEL_FIELDS)):
+        for name, f in names.items():
+            if str(f.type) == "float" and not math.isfinite(getattr(obj, name)):
+                raise ConfigError(name, getattr(obj, name), "must be a finite number")
     for name in ("steps", "micro_batch_size", "grad_accum", "seq_len"):
         if getattr(cfg, name) < 1:
             raise ConfigError(name, getattr(cfg, name), "must be at least 1")
     if not cfg.lr > 0:
         raise ConfigError("lr", cfg.lr, "must be positive")
+    if cfg.min_lr_ratio > 1:
+        raise ConfigError("min_lr_ratio", cfg.min_lr_ratio, "must be at most 1 (a fraction of --lr)")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(cfg, name) < 1:
+            raise ConfigError(name, getattr(cfg, name), "must be in [0, 1)")
+    if not cfg.timeout > 0:
+        raise ConfigError("timeout", cfg.timeout, "must be a positive number of seconds")
+    if cfg.resume == "never":
+        cfg.resume = ""
+    if cfg.resume not in RESUME_MODES:
+        raise ConfigError(f"--resume={cfg.resume}", "", "use --resume (continue if there is a checkpoint) or "
+                          "--resume=required (fail if there is none)")
     if cfg.resume and not (cfg.out_dir or cfg.name):
-        raise ConfigError("resume", True, "needs --out-dir (or --name): the run folder whose checkpoints to resume")
+        raise ConfigError(f"--resume={cfg.resume}", "", "needs --out-dir (or --name): the run folder whose "
+                          "checkpoints to resume")
+    if cfg.resume and cfg.overwrite:
+        raise ConfigError("overwrite", "", "cannot be combined with --resume: continue the run or replace it")
     if cfg.keep_checkpoints < 1:
         raise ConfigError("keep_checkpoints", cfg.keep_checkpoints, "must be at least 1")
     for name in ("warmup_steps", "max_grad_norm", "weight_decay", "min_lr_ratio", "nproc", "outer_dp", "save_every"):
@@ -245,20 +314,197 @@ def _default_out_dir(cfg: TrainConfig) -> str:
     return cfg.out_dir or str(Path("runs") / name)
 
 
-# ------------------------------------------------------------------ training
+# ------------------------------------------------------------------ the run folder
+def _folder_flag(cfg: TrainConfig) -> tuple[str, str, str]:
+    """The flag that named the run folder, its value, and how a message names the folder."""
+    if cfg.name and cfg.out_dir == str(Path("runs") / cfg.name):
+        return "name", cfg.name, f"{cfg.out_dir} "
+    return "out_dir", cfg.out_dir, ""
+
+
+def _earlier_run(out_dir: Path) -> list[str]:
+    """What an earlier run left in ``out_dir`` that a new run would mix with (empty: nothing)."""
+    found = []
+    metrics = out_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        found.append(f"metrics.jsonl with {len(metrics.read_text().splitlines())} steps")
+    if (out_dir / "summary.json").is_file():
+        found.append("summary.json")
+    ckpt = out_dir / "checkpoints"
+    if ckpt.is_dir():
+        entries = [p.name for p in ckpt.iterdir() if p.name.startswith("step_")]
+        if entries:
+            found.append(f"{len(entries)} checkpoint folder(s) in checkpoints/")
+    return found
+
+
+def _check_writable(folder: Path) -> str | None:
+    """Why files cannot be written into ``folder`` (created if missing), or ``None``."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".shardwise-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except FileExistsError:
+        return "a file is in the way (not a folder)"
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and Path(e.filename) != folder else ""
+        return f"cannot write there: {e.strerror or e}{where}"
+    return None
+
+
+def prepare_run_folder(cfg: TrainConfig, rank0: bool = True, announce: bool = True) -> None:
+    """Check (and with --overwrite, clear) the run folder before any worker starts; ``ConfigError`` if unusable.
+
+    One run per folder: a folder holding an earlier run's metrics or checkpoints is refused
+    unless ``--resume`` continues it or ``--overwrite`` replaces it. The checkpoint folder is
+    created and written to now, so a file in the way or a read-only disk is found before
+    training, not at the first save. With ``--resume`` and no checkpoint, one line says the run
+    starts at step 1 (``--resume=required`` fails instead).
+    """
+    out_dir = Path(cfg.out_dir)
+    flag, value, folder = _folder_flag(cfg)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(flag, value, f"{out_dir} is a file, not a folder")
+    earlier = _earlier_run(out_dir) if out_dir.is_dir() else []
+    if earlier and not cfg.resume and not cfg.overwrite:
+        raise ConfigError(flag, value, f"{folder}already holds a run ({', '.join(earlier)}); add --resume to "
+                          f"continue it or --overwrite to replace it")
+    if earlier and cfg.overwrite and rank0:
+        for name in RUN_FILES:
+            with contextlib.suppress(FileNotFoundError):
+                (out_dir / name).unlink()
+        shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
+        if announce:
+            _say(f"--overwrite: deleted the earlier run in {out_dir} ({', '.join(earlier)})")
+    why = _check_writable(out_dir)
+    if why:
+        raise ConfigError(flag, value, f"{folder}{why}")
+    ckpt_dir = out_dir / "checkpoints"
+    if cfg.save_every or cfg.resume:
+        why = _check_writable(ckpt_dir)
+        if why:
+            raise ConfigError(flag, value, f"checkpoint folder {ckpt_dir}: {why}")
+    if cfg.resume:
+        manager = CheckpointManager(ckpt_dir, keep_last=cfg.keep_checkpoints)
+        try:
+            latest = manager.latest(report=False)  # incomplete folders are reported when the workers load
+        except TypeError:
+            latest = manager.latest()
+        if latest is None and cfg.resume == "required":
+            raise ConfigError("--resume=required", "", f"no complete checkpoint in {ckpt_dir}")
+        if latest is None and announce:
+            metrics = [item for item in earlier if item.startswith("metrics.jsonl")]
+            replacing = f" (its {metrics[0]} is replaced)" if metrics else ""
+            _say(f"--resume: no complete checkpoint in {ckpt_dir}; starting at step 1{replacing}")
+
+
+# ------------------------------------------------------------------ learning rate
+@dataclass(frozen=True)
+class LRSchedule:
+    """Linear warm-up then cosine decay, possibly continuing from ``(start, start_lr)`` of a resumed run.
+
+    For ``start < step <= warmup_end`` the rate rises linearly from ``start_lr`` to ``peak``;
+    after ``warmup_end`` it follows a cosine from ``top`` down to ``floor`` at step ``end``.
+    ``settings`` are the flags it was made from (steps, lr, min_lr_ratio, warmup_steps): a resumed
+    run with the same flags keeps the checkpoint's schedule exactly.
+    """
+
+    peak: float
+    floor: float
+    end: int
+    warmup_end: int
+    top: float
+    start: int = 0
+    start_lr: float = 0.0
+    settings: tuple = ()
+    note: str = ""
+
+    def __call__(self, step: int) -> float:
+        if step <= self.warmup_end:
+            return self.start_lr + (self.peak - self.start_lr) * (step - self.start) / (self.warmup_end - self.start)
+        begin = max(self.warmup_end, self.start)
+        progress = min(1.0, (step - begin) / max(1, self.end - begin))
+        return self.floor + (self.top - self.floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def describe(self) -> str:
+        parts = []
+        if self.start:
+            parts.append(f"continues from {self.start_lr:.3g} at step {self.start}")
+        if self.warmup_end > self.start:
+            parts.append(f"linear warm-up to {self.peak:.3g} over steps {self.start + 1}-{self.warmup_end}")
+        begin = max(self.warmup_end, self.start)
+        parts.append(f"cosine decay from {self.top:.3g} to {self.floor:.3g} over steps {begin + 1}-{self.end}")
+        return "lr: " + ", then ".join(parts) + (f" ({self.note})" if self.note else "")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "settings": list(self.settings)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LRSchedule":
+        return cls(**{**d, "settings": tuple(d.get("settings", ()))})
+
+
+def _settings(cfg: TrainConfig) -> tuple:
+    return (cfg.steps, cfg.lr, cfg.min_lr_ratio, cfg.warmup_steps)
+
+
+def lr_schedule(cfg: TrainConfig) -> LRSchedule:
+    """The schedule of a new run: warm-up (at most half of --steps), then cosine decay to the floor."""
+    warmup = min(cfg.warmup_steps, cfg.steps // 2)
+    note = (f"warm-up capped at half of --steps {cfg.steps}; --warmup-steps is {cfg.warmup_steps}"
+            if warmup < cfg.warmup_steps else "")
+    return LRSchedule(peak=cfg.lr, floor=cfg.lr * cfg.min_lr_ratio, end=cfg.steps, warmup_end=warmup,
+                      top=cfg.lr, settings=_settings(cfg), note=note)
+
+
+def resumed_schedule(saved: LRSchedule | None, cfg: TrainConfig, step: int) -> LRSchedule:
+    """The schedule after resuming at checkpoint ``step``: the saved one, or one that continues it.
+
+    When --steps, --lr, --min-lr-ratio or --warmup-steps differ from the checkpoint's run, the
+    rate continues from where it was (no jump): a warm-up still under way goes on to --lr at the
+    new warm-up end; otherwise the cosine decays from the current rate to the floor at --steps.
+    """
+    fresh = lr_schedule(cfg)
+    if saved is None or saved.settings == fresh.settings:
+        return saved or fresh
+    lr_now = saved(step)
+    old = dict(zip(("steps", "lr", "min_lr_ratio", "warmup_steps"), saved.settings))
+    changed = ", ".join(f"--{k.replace('_', '-')} {old[k]:g} -> {getattr(cfg, k):g}" for k in old
+                        if old[k] != getattr(cfg, k))
+    note = f"changed since the checkpoint: {changed}" if changed else ""
+    if step < saved.warmup_end and step < fresh.warmup_end:  # still warming up: go on to the peak
+        return replace(fresh, start=step, start_lr=lr_now, note=note)
+    return replace(fresh, start=step, start_lr=lr_now, warmup_end=step, top=lr_now, note=note)
+
+
 def _lr_at(cfg: TrainConfig, step: int) -> float:
-    if step <= cfg.warmup_steps:
-        return cfg.lr * step / max(1, cfg.warmup_steps)
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    """The learning rate of a new run at ``step`` (1-based)."""
+    return lr_schedule(cfg)(step)
 
 
+# ------------------------------------------------------------------ training
 def _param_groups(model: torch.nn.Module, matrix_names: set[str], weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (decay if name in matrix_names else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def check_optimizer_params(model: torch.nn.Module, optimizer) -> None:
+    """Refuse an optimizer that holds tensors which are not ``model``'s parameters.
+
+    ``fully_shard`` replaces every parameter by a sharded one; an optimizer built before it
+    keeps (and would step) the discarded originals while the model never changes.
+    """
+    current = {id(p) for p in model.parameters()}
+    stale = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in current]
+    if stale:
+        total = sum(len(g["params"]) for g in optimizer.param_groups)
+        raise ValueError(
+            f"optimizer={type(optimizer).__name__}: {len(stale)} of its {total} parameters are not parameters of "
+            f"the model (was it built before fully_shard, which replaces every parameter?); build the optimizer "
+            f"from model.parameters() after fully_shard")
 
 
 def _memory_gib(device: torch.device) -> float:
@@ -269,11 +515,39 @@ def _memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = None) -> dict | None:
-    """The worker: runs in every rank of an initialized (or to-be-initialized) process group."""
-    import shardwise
-    from tqdm import tqdm
+def _limit_collective_waits(model: torch.nn.Module | None, timeout_s: float) -> None:
+    """Make every collective of the world group (and of ``model``'s device meshes) wait at most ``timeout_s``.
 
+    ``init_process_group(timeout=)`` covers the default group only; groups that DeviceMeshes
+    create later get torch's default (30 min on gloo, 10 min on NCCL), so they are set here
+    once the model's meshes exist.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    groups = [dist.group.WORLD]
+    if model is not None:
+        meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")}
+        for mesh in meshes.values():
+            groups += [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    for group in {id(g): g for g in groups if g is not None}.values():
+        group.set_timeout(timeout)
+
+
+class _Phase:
+    """Where this rank is (step and collective), for the one line a stalled peer causes."""
+
+    def __init__(self):
+        self.now = "process-group setup"
+
+    def __call__(self, text: str) -> None:
+        self.now = text
+
+
+def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = None) -> dict | None:
+    """The worker: runs in every rank of an initialized (or to-be-initialized) process group.
+
+    A collective that times out (a stalled rank) or loses its peer (a dead rank) raises
+    :class:`WorkerError` with one line naming the step and collective.
+    """
     started_at = started_at or time.time()
     device_type = _device_type(cfg)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -286,93 +560,198 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = Non
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        if device_type == "cuda":
+            # NCCL: the watchdog aborts a collective that outlives the timeout and takes the process
+            # down (it cannot be interrupted from Python); its monitor catches a stuck watchdog.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+            os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "1")
+        # Ranks may start seconds apart (imports on a busy machine): the rendezvous gets at least
+        # RENDEZVOUS_S; the collectives get --timeout (set on the groups below).
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=max(cfg.timeout, RENDEZVOUS_S)))
+    _limit_collective_waits(None, cfg.timeout)
+    phase = _Phase()
     try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        out_dir = Path(cfg.out_dir)
-        torch.manual_seed(cfg.seed)
-        init_fn = None
-        with torch.device("meta" if cfg.meta_init else device):
-            model = GPT(model_cfg)
-        if cfg.meta_init:
-            init_fn = shardwise.MetaInitializer(model, device)
-            init_fn.plan()  # records the RNG state each layer's init starts from in a direct build
-        n_params, flops_per_token = model.num_params(), model.flops_per_token(cfg.seq_len)
-        matrices = {n for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("embed.")}
-        mesh = shardwise.build_dp_mesh(outer=cfg.outer_dp, device_type=device_type) if cfg.outer_dp else None
-        policy = shardwise.MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16 if cfg.precision == "bf16" else None)
-        model = shardwise.fully_shard(
-            model, mesh=mesh, strategy=cfg.strategy, outer_dp_sharding_strategy=cfg.outer_strategy or None,
-            unit_modules=list(dict.fromkeys(type(layer) for layer in model.layers)), mixed_precision=policy,
-            init_fn=init_fn)
-        if init_fn is not None:
-            init_fn.finish()
-        optimizer = torch.optim.AdamW(_param_groups(model, matrices, cfg.weight_decay),
-                                      lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
-        torch.manual_seed(cfg.seed + 1 + rank)  # dropout differs per rank
-        loader = TokenLoader(load_tokens(cfg.data or None, cfg.data_dtype), cfg.seq_len,
-                             cfg.micro_batch_size, rank, world, cfg.seed, device)
-        tokens_per_step = cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum * world
-        checkpoints = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.keep_checkpoints)
-        start = 1
-        if cfg.resume:
-            restored = checkpoints.load_latest(model, optimizer)  # also restores every rank's RNG
-            if restored is not None:
-                loader.load_state_dict(restored.extra["data"])
-                start = restored.step + 1
-                if rank == 0:
-                    print(f"resumed from {restored.path} (step {restored.step})", file=sys.stderr)
+        return _train(cfg, model_cfg, started_at, device, phase)
+    except BaseException as e:
+        traceback.clear_frames(e.__traceback__)  # let the model and its process groups go
+        why = None
+        if isinstance(e, Exception) and dist.is_initialized():
+            world, rank = dist.get_world_size(), dist.get_rank()
+            peers = f"rank {1 - rank}" if world == 2 else "another rank (the launcher names those still running)"
+            why = describe_collective_error(e, cfg.timeout, peers)
+        if why:
+            raise WorkerError(f"{phase.now}: {why}") from None
+        raise
+    finally:
+        if owns_group:
+            shutdown_process_groups()
 
-        if rank == 0:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "config.json").write_text(json.dumps(
-                {"train": vars(cfg), "model": model_cfg.to_dict(), "world_size": world,
-                 "device": device_type, "params": n_params}, indent=2) + "\n")
-            metrics = out_dir / "metrics.jsonl"
-            kept = metrics.read_text().splitlines() if start > 1 and metrics.exists() else []
-            kept = [line for line in kept if json.loads(line)["step"] < start]  # drop steps being redone
-            metrics_file = open(metrics, "w", buffering=1)
-            metrics_file.writelines(line + "\n" for line in kept)
-        bar = tqdm(total=cfg.steps, initial=start - 1, desc=f"{cfg.preset} x{world}", disable=rank != 0,
-                   dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
-        history, loop_start = [], time.perf_counter()
-        model.train()
-        for step in range(start, cfg.steps + 1):
-            t0 = time.perf_counter()
-            lr = _lr_at(cfg, step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(cfg.grad_accum):
-                inputs, targets = next(loader)
-                last = micro == cfg.grad_accum - 1
-                with contextlib.nullcontext() if last else model.no_sync():
-                    loss = model(inputs, targets)
-                    (loss / cfg.grad_accum).backward()
-                loss_sum += loss.detach().float()
-            if cfg.max_grad_norm > 0:
-                grad_norm = shardwise.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            else:
-                grad_norm = shardwise.grad_norm(model.parameters())
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            dist.all_reduce(loss_sum)
-            loss_value = loss_sum.item() / (cfg.grad_accum * world)  # .item() syncs the device
-            step_time = time.perf_counter() - t0
-            if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
-                checkpoints.save(step, model, optimizer, extra={"data": loader.state_dict()})
-            if rank != 0:
-                continue
+
+def global_batch_plan(run: dict, cfg: TrainConfig, world: int) -> tuple[int, str]:
+    """(grad_accum, one line or "") for resuming checkpoint ``run`` facts on ``world`` ranks.
+
+    The same micro-batch on another number of ranks changes the global batch: said on one
+    line, or, with --keep-global-batch, avoided by scaling --grad-accum (refused when the
+    checkpoint's global batch is not a multiple of micro-batch x ranks).
+    """
+    grad_accum = cfg.grad_accum
+    old_global = run.get("global_batch")
+    new_global = cfg.micro_batch_size * grad_accum * world
+    if not old_global or old_global == new_global:
+        return grad_accum, ""
+    was = f"{run['world_size']} ranks x micro-batch {run['micro_batch_size']} x grad-accum {run['grad_accum']}"
+    if not cfg.keep_global_batch:
+        return grad_accum, (f"global batch changes from {old_global} to {new_global} sequences per step ({was} -> "
+                            f"{world} ranks x micro-batch {cfg.micro_batch_size} x grad-accum {grad_accum}); "
+                            f"--keep-global-batch keeps it")
+    per_micro = cfg.micro_batch_size * world
+    if old_global % per_micro:
+        raise ConfigError("keep_global_batch", "", f"the checkpoint's global batch of {old_global} sequences "
+                          f"({was}) is not a multiple of --micro-batch-size {cfg.micro_batch_size} x {world} ranks")
+    grad_accum = old_global // per_micro
+    return grad_accum, (f"global batch kept at {old_global} sequences per step: --grad-accum {cfg.grad_accum} -> "
+                        f"{grad_accum} on {world} ranks (checkpoint: {was})")
+
+
+def _restore(cfg: TrainConfig, checkpoints: CheckpointManager, model, optimizer, loader: TokenLoader,
+             world: int, rank: int) -> tuple[int, int, int, LRSchedule]:
+    """Load the latest checkpoint (with --resume); (first step, grad_accum, tokens so far, lr schedule)."""
+    grad_accum, schedule = cfg.grad_accum, lr_schedule(cfg)
+    restored = checkpoints.load_latest(model, optimizer) if cfg.resume else None  # also restores the RNG
+    if restored is None:
+        if cfg.resume == "required":
+            raise ConfigError("--resume=required", "", f"no complete checkpoint in {checkpoints.directory}")
+        return 1, grad_accum, 0, schedule
+    extra = restored.extra or {}
+    loader.load_state_dict(extra["data"])
+    run = extra.get("run") or {}
+    say = _say if rank == 0 else (lambda message: None)
+    say(f"resumed from {restored.path} (step {restored.step})")
+    grad_accum, message = global_batch_plan(run, cfg, world)
+    if message:
+        say(message)
+    tokens = int(run["tokens"]) if "tokens" in run else loader.position * cfg.seq_len
+    saved = LRSchedule.from_dict(run["schedule"]) if "schedule" in run else None
+    return restored.step + 1, grad_accum, tokens, resumed_schedule(saved, cfg, restored.step)
+
+
+def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: torch.device,
+           phase: _Phase) -> dict | None:
+    import shardwise
+    from tqdm import tqdm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out_dir = Path(cfg.out_dir)
+    phase("model setup (fully_shard)")
+    torch.manual_seed(cfg.seed)
+    init_fn = None
+    with torch.device("meta" if cfg.meta_init else device):
+        model = GPT(model_cfg)
+    if cfg.meta_init:
+        init_fn = shardwise.MetaInitializer(model, device)
+        init_fn.plan()  # records the RNG state each layer's init starts from in a direct build
+    n_params, flops_per_token = model.num_params(), model.flops_per_token(cfg.seq_len)
+    matrices = {n for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("embed.")}
+    mesh = shardwise.build_dp_mesh(outer=cfg.outer_dp, device_type=device.type) if cfg.outer_dp else None
+    policy = shardwise.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if cfg.precision == "bf16" else None)
+    model = shardwise.fully_shard(
+        model, mesh=mesh, strategy=cfg.strategy, outer_dp_sharding_strategy=cfg.outer_strategy or None,
+        unit_modules=list(dict.fromkeys(type(layer) for layer in model.layers)), mixed_precision=policy,
+        init_fn=init_fn)
+    if init_fn is not None:
+        init_fn.finish()
+    _limit_collective_waits(model, cfg.timeout)
+    optimizer = torch.optim.AdamW(_param_groups(model, matrices, cfg.weight_decay),
+                                  lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    check_optimizer_params(model, optimizer)
+    torch.manual_seed(cfg.seed + 1 + rank)  # dropout differs per rank
+    loader = TokenLoader(load_tokens(cfg.data or None, cfg.data_dtype), cfg.seq_len,
+                         cfg.micro_batch_size, rank, world, cfg.seed, device)
+    checkpoints = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.keep_checkpoints)
+    phase("checkpoint load")
+    start, grad_accum, tokens, schedule = _restore(cfg, checkpoints, model, optimizer, loader, world, rank)
+
+    metrics_file, launch = None, 0  # rank 0 writes the metrics
+    if rank == 0:
+        _say(schedule.describe())
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(json.dumps(
+            {"train": {**vars(cfg), "grad_accum": grad_accum}, "model": model_cfg.to_dict(), "world_size": world,
+             "device": device.type, "params": n_params}, indent=2) + "\n")
+        metrics = out_dir / "metrics.jsonl"
+        kept = metrics.read_text().splitlines() if start > 1 and metrics.exists() else []
+        kept = [line for line in kept if json.loads(line)["step"] < start]  # drop steps being redone
+        launch = 1 + max((json.loads(line).get("launch", 1) for line in kept), default=0)
+        metrics_file = open(metrics, "w", buffering=1)
+        metrics_file.writelines(line + "\n" for line in kept)
+        if start > cfg.steps:
+            _say(f"nothing to train: the checkpoint is at step {start - 1} and --steps is {cfg.steps}")
+    # One bar per process: a thread lock will do. tqdm's default multiprocessing lock is a named
+    # semaphore, which a killed rank leaks (and the resource tracker warns about at exit).
+    tqdm.set_lock(threading.RLock())
+    bar = tqdm(total=cfg.steps, initial=min(start - 1, cfg.steps), desc=f"{cfg.preset} x{world}",
+               disable=rank != 0, dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+    try:
+        trained = _loop(cfg, model, optimizer, loader, checkpoints, schedule, start, grad_accum, tokens, device,
+                        phase, bar, metrics_file, launch, flops_per_token)
+    finally:
+        bar.close()  # ends the progress line before anything else is printed
+    phase("shutdown")
+    if rank != 0:
+        return None
+    metrics_file.close()
+    if not trained:
+        return None
+    return _finish(out_dir, cfg, n_params, world, time.time() - started_at)
+
+
+def _loop(cfg, model, optimizer, loader, checkpoints, schedule, start, grad_accum, tokens, device, phase, bar,
+          metrics_file, launch, flops_per_token) -> int:
+    """Steps ``start..cfg.steps``; rank 0 writes a metrics line per step. Returns the steps trained."""
+    import shardwise
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens_per_step = cfg.micro_batch_size * cfg.seq_len * grad_accum * world
+    trained, loop_start = 0, time.perf_counter()
+    model.train()
+    for step in range(start, cfg.steps + 1):
+        t0 = time.perf_counter()
+        lr = schedule(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=device)
+        phase(f"step {step}, forward/backward (parameter all-gathers, gradient reduce-scatters)")
+        for micro in range(grad_accum):
+            inputs, targets = next(loader)
+            last = micro == grad_accum - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                loss = model(inputs, targets)
+                (loss / grad_accum).backward()
+            loss_sum += loss.detach().float()
+        phase(f"step {step}, gradient norm (all-reduce)")
+        if cfg.max_grad_norm > 0:
+            grad_norm = shardwise.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        else:
+            grad_norm = shardwise.grad_norm(model.parameters())
+        phase(f"step {step}, optimizer step")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        phase(f"step {step}, loss all-reduce")
+        dist.all_reduce(loss_sum)
+        loss_value = loss_sum.item() / (grad_accum * world)  # .item() syncs the device
+        step_time = time.perf_counter() - t0
+        tokens += tokens_per_step
+        trained += 1
+        if rank == 0:  # the metrics line goes out before the checkpoint that covers it
             record = {
                 "step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
-                "tokens": step * tokens_per_step, "step_time_s": step_time,
-                "tokens_per_s": tokens_per_step / step_time,
+                "tokens": tokens, "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
                 "mfu": (tokens_per_step / step_time * flops_per_token / (PEAK_FLOPS_PER_GPU * world)
-                        if device_type == "cuda" else None),
-                "mem_gib": _memory_gib(device), "elapsed_s": time.perf_counter() - loop_start,
+                        if device.type == "cuda" else None),
+                "mem_gib": _memory_gib(device), "elapsed_s": time.perf_counter() - loop_start, "launch": launch,
             }
-            history.append(record)
             metrics_file.write(json.dumps(record) + "\n")
             postfix = {"loss": f"{loss_value:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}",
                        "mem": f"{record['mem_gib']:.2f}G"}
@@ -380,69 +759,100 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = Non
                 postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
             bar.set_postfix(postfix, refresh=False)
             bar.update()
-        bar.close()
-        if rank != 0:
-            return None
-        metrics_file.close()
-        if not history:  # resumed at or past --steps: nothing left to train
-            return None
-        return _finish(out_dir, history, cfg, n_params, world, time.time() - started_at)
-    finally:
-        if owns_group:
-            dist.destroy_process_group()
+        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
+            phase(f"step {step}, checkpoint save")
+            run = {"world_size": world, "micro_batch_size": cfg.micro_batch_size, "grad_accum": grad_accum,
+                   "global_batch": cfg.micro_batch_size * grad_accum * world, "seq_len": cfg.seq_len,
+                   "tokens": tokens, "schedule": schedule.to_dict()}
+            checkpoints.save(step, model, optimizer, extra={"data": loader.state_dict(), "run": run})
+    return trained
 
 
-def _finish(out_dir: Path, history: list[dict], cfg: TrainConfig, n_params: int, world: int,
-            wall_time: float) -> dict:
-    steady = history[1:] or history  # the first step pays for allocation and warm-up
+# ------------------------------------------------------------------ summary
+def summarize(records: list[dict]) -> dict:
+    """Numbers for the whole run from its ``metrics.jsonl`` records (every launch of a resumed run).
+
+    Throughput is tokens over time of the steady steps: each launch's first step (allocation,
+    warm-up) is left out unless nothing else is there. Tokens per step are differences of the
+    cumulative ``tokens``, so launches on different numbers of ranks count right.
+    """
+    launches: dict[int, list[dict]] = {}
+    for r in records:
+        launches.setdefault(r.get("launch", 1), []).append(r)
+    step_tokens, previous = [], 0
+    for r in records:
+        step_tokens.append(r["tokens"] - previous)
+        previous = r["tokens"]
+    by_step = dict(zip((r["step"] for r in records), step_tokens))
+    steady = [r for part in launches.values() for r in part[1:]] or records
     steady_time = sum(r["step_time_s"] for r in steady)
-    tail = [r["loss"] for r in history[-10:]]
-    summary = {
-        "preset": cfg.preset, "params": n_params, "world_size": world, "steps": len(history),
-        "first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
-        "last10_mean_loss": sum(tail) / len(tail), "tokens": history[-1]["tokens"],
-        "tokens_per_s": len(steady) * history[0]["tokens"] / steady_time,
-        "mfu": (sum(r["mfu"] for r in steady) / len(steady)) if steady[0]["mfu"] is not None else None,
-        "peak_mem_gib": max(r["mem_gib"] for r in history),
-        "train_time_s": history[-1]["elapsed_s"], "wall_time_s": wall_time, "out_dir": str(out_dir),
+    tail = [r["loss"] for r in records[-10:]]
+    mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
+    return {
+        "steps": records[-1]["step"], "launches": len(launches),
+        "resumed_at": [part[0]["step"] for part in list(launches.values())[1:]],
+        "first_loss": records[0]["loss"], "last_loss": records[-1]["loss"],
+        "last10_mean_loss": sum(tail) / len(tail), "tokens": records[-1]["tokens"],
+        "tokens_per_s": sum(by_step[r["step"]] for r in steady) / steady_time if steady_time > 0 else None,
+        "mfu": sum(mfus) / len(mfus) if mfus else None,
+        "peak_mem_gib": max(r["mem_gib"] for r in records),
+        "train_time_s": sum(part[-1]["elapsed_s"] for part in launches.values()),
     }
+
+
+def _finish(out_dir: Path, cfg: TrainConfig, n_params: int, world: int, wall_time: float) -> dict:
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    summary = {"preset": cfg.preset, "params": n_params, "world_size": world, **summarize(records),
+               "wall_time_s": wall_time, "out_dir": str(out_dir)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _plot(out_dir / "loss.png", history, cfg)
+    _plot(out_dir / "loss.png", records, summary["resumed_at"], cfg)
     mfu = f", MFU {100 * summary['mfu']:.1f}%" if summary["mfu"] is not None else ""
-    print(f"\n{cfg.preset}: {n_params / 1e6:.2f}M params, {world} ranks, {len(history)} steps\n"
+    resumed = f" (resumed at step {', '.join(map(str, summary['resumed_at']))})" if summary["resumed_at"] else ""
+    speed = f"{summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else "tokens/s n/a"
+    print(f"\n{cfg.preset}: {n_params / 1e6:.2f}M params, {world} ranks, {summary['steps']} steps{resumed}\n"
           f"  loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} "
           f"(last-10 mean {summary['last10_mean_loss']:.3f})\n"
-          f"  {summary['tokens_per_s']:,.0f} tokens/s{mfu}, peak mem {summary['peak_mem_gib']:.2f} GiB\n"
+          f"  {speed}{mfu}, peak mem {summary['peak_mem_gib']:.2f} GiB\n"
           f"  train {summary['train_time_s']:.1f}s, wall {wall_time:.1f}s\n"
           f"  outputs: {out_dir}/ (metrics.jsonl, loss.png, summary.json, config.json)", flush=True)
     return summary
 
 
-def _plot(path: Path, history: list[dict], cfg: TrainConfig) -> None:
+def _plot(path: Path, records: list[dict], resumed_at: list[int], cfg: TrainConfig) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_speed) = plt.subplots(1, 2, figsize=(10, 4))
-    steps = [r["step"] for r in history]
-    ax_loss.plot(steps, [r["loss"] for r in history])
+    steps = [r["step"] for r in records]
+    ax_loss.plot(steps, [r["loss"] for r in records])
     ax_loss.set(xlabel="step", ylabel="loss (nats/token)", title=f"{cfg.preset}: training loss")
-    ax_loss.grid(alpha=0.3)
-    ax_speed.plot(steps, [r["tokens_per_s"] for r in history])
+    ax_speed.plot(steps, [r["tokens_per_s"] for r in records])
     ax_speed.set(xlabel="step", ylabel="tokens/s (all ranks)", title="throughput")
-    ax_speed.grid(alpha=0.3)
+    for ax in (ax_loss, ax_speed):
+        ax.grid(alpha=0.3)
+        for step in resumed_at:
+            ax.axvline(step - 0.5, color="gray", linestyle="--", linewidth=0.8)
+    if resumed_at:
+        ax_loss.text(0.99, 0.98, "dashed: resumed", transform=ax_loss.transAxes, ha="right", va="top", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 # ------------------------------------------------------------------ launching
+def _worker_prog() -> str:
+    rank, world = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1"))
+    return f"{PROG}: rank {rank}" if world > 1 else PROG
+
+
 def main(argv=None) -> int:
     started_at = time.time()
+    launched = under_launcher()
+    one_line_warnings(_worker_prog() if launched else PROG)
     try:
         cfg, model_cfg = resolve_config(argv)
-        launched = under_launcher()
         if launched:
             world = int(os.environ["WORLD_SIZE"])
         elif cfg.nproc:
@@ -453,18 +863,20 @@ def main(argv=None) -> int:
             raise ConfigError("nproc", world, f"more processes than GPUs ({torch.cuda.device_count()})")
         _check_world(cfg, model_cfg, world)
         cfg = replace(cfg, out_dir=_default_out_dir(cfg))
-        if not launched:
-            try:
-                Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ConfigError("out_dir", cfg.out_dir, e.strerror or str(e)) from None
+        rank0 = not launched or os.environ.get("RANK") == "0"
+        prepare_run_folder(cfg, rank0=rank0, announce=rank0)
     except ConfigError as e:
-        print(f"shardwise train: error: {e}", file=sys.stderr)
+        _say(f"error: {e}")
         return 2
-    if launched:
-        train(cfg, model_cfg, started_at)
-        return 0
-    return launch_local(train, world, (cfg, model_cfg, started_at), "shardwise train")
+    except KeyboardInterrupt:
+        _say("interrupted (Ctrl-C)")
+        return EXIT_INTERRUPTED
+    if launched:  # torchrun started this process: it is the worker; torchrun watches the others
+        code = run_guarded(train, (cfg, model_cfg, started_at), _worker_prog())
+        if code == EXIT_INTERRUPTED:
+            _say("interrupted (Ctrl-C)")
+        return code
+    return launch_local(train, world, (cfg, model_cfg, started_at), PROG)
 
 
 if __name__ == "__main__":
