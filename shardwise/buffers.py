@@ -46,7 +46,7 @@ class StagingPool:
     every stream.
     """
 
-    def __init__(self, recent: int = 8) -> None:
+    def __init__(self, recent: int = 3) -> None:
         self._free: dict[tuple, list[torch.Tensor]] = {}
         self._recent: collections.deque = collections.deque(maxlen=recent)
 
@@ -138,8 +138,8 @@ def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op, group) -> None:
 @contextlib.contextmanager
 def _coalesced(axis: AxisGroup, device: torch.device) -> Iterator[None]:
     """One NCCL group launch for the per-parameter collectives inside (gloo runs them one by one)."""
-    if axis.averages_natively:  # NCCL
-        with _coalescing_manager(group=axis.group, device=device):
+    if axis.averages_natively:  # NCCL: one allgather/reduce_scatter_tensor_coalesced call
+        with _coalescing_manager(group=axis.group, async_ops=False):
             yield
     else:
         yield
