@@ -33,8 +33,12 @@ def main(argv=None) -> int:
     if command not in COMMANDS:
         print(f"shardwise: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[command][0])
-    return module.main(rest) or 0
+    try:
+        module = importlib.import_module(COMMANDS[command][0])
+        return module.main(rest) or 0
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT
+        print(f"shardwise {command}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

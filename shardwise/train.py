@@ -565,6 +565,8 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = Non
             # down (it cannot be interrupted from Python); its monitor catches a stuck watchdog.
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
             os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "1")
+            # On a timeout the watchdog first waits for the flight-recorder dump (a minute by default).
+            os.environ.setdefault("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "5000")
         # Ranks may start seconds apart (imports on a busy machine): the rendezvous gets at least
         # RENDEZVOUS_S; the collectives get --timeout (set on the groups below).
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo",

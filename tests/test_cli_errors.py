@@ -4,6 +4,7 @@ refused with one line naming the argument and its value; the learning-rate sched
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,18 @@ def test_clip_grad_norm_refuses_bad_arguments_and_a_backward_optimizer():
     assert "optimizer=AdamW: 2 of its 2 parameters are not parameters of the model" in messages[6]
     assert "before fully_shard" in messages[6]
     assert all("\n" not in m for m in messages)
+
+
+# ------------------------------------------------------------------ Ctrl-C in any command
+def test_ctrl_c_in_a_command_is_one_line_and_130(monkeypatch, capsys):
+    import types
+
+    from shardwise import cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "fake_command", types.SimpleNamespace(main=interrupted))
+    monkeypatch.setitem(cli.COMMANDS, "fake", ("fake_command", "raises KeyboardInterrupt"))
+    assert cli.main(["fake"]) == 130
+    assert _one_error_line(capsys) == "shardwise fake: interrupted (Ctrl-C)"
