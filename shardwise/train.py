@@ -254,6 +254,17 @@ def _validate(cfg: TrainConfig, model: GPTConfig) -> None:
                           "checkpoints to resume")
     if cfg.resume and cfg.overwrite:
         raise ConfigError("overwrite", "", "cannot be combined with --resume: continue the run or replace it")
+    if cfg.name and (Path(cfg.name).name != cfg.name or cfg.name in (".", "..") or "/" in cfg.name):
+        raise ConfigError("name", cfg.name, "must be a plain folder name under runs/ (no / or ..); use --out-dir "
+                          "for a path")
+    for name, f in _MODEL_FIELDS.items():  # after GPTConfig filled in its 0 = automatic defaults
+        if str(f.type) == "int" and getattr(model, name) < 1:
+            raise ConfigError(name, getattr(model, name), "must be at least 1")
+    for name in ("norm_eps", "init_std", "rope_theta"):
+        if not getattr(model, name) > 0:
+            raise ConfigError(name, getattr(model, name), "must be positive")
+    if model.moe_aux_loss_coef < 0:
+        raise ConfigError("moe_aux_loss_coef", model.moe_aux_loss_coef, "must not be negative")
     if cfg.keep_checkpoints < 1:
         raise ConfigError("keep_checkpoints", cfg.keep_checkpoints, "must be at least 1")
     for name in ("warmup_steps", "max_grad_norm", "weight_decay", "min_lr_ratio", "nproc", "outer_dp", "save_every"):

@@ -4,6 +4,7 @@ refused with one line naming the argument and its value; the learning-rate sched
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -46,13 +47,20 @@ OUT = "<out>"
     (["--resume=maybe", "--out-dir", OUT], "--resume=maybe: use --resume"),
     (["--resume"], "--resume=auto: needs --out-dir (or --name)"),
     (["--resume", "--overwrite", "--out-dir", OUT], "--overwrite: cannot be combined with --resume"),
+    (["--name", "a/../../.."], "--name a/../../..: must be a plain folder name under runs/"),
+    (["--name", ".."], "--name ..: must be a plain folder name"),
+    (["--ffn-hidden", "-5", "--out-dir", OUT], "--ffn-hidden -5: must be at least 1"),
+    (["--mamba-head-dim", "0", "--layer-pattern", "M", "--out-dir", OUT], "--mamba-head-dim 0: must be at least 1"),
+    (["--norm-eps", "-1", "--out-dir", OUT], "--norm-eps -1.0: must be positive"),
+    (["--init-std", "0", "--out-dir", OUT], "--init-std 0.0: must be positive"),
 ])
-def test_bad_flags_are_one_line_naming_flag_and_value(argv, message, capsys, tmp_path, data):
+def test_bad_flags_are_one_line_naming_flag_and_value(argv, message, capsys, tmp_path, data, monkeypatch):
     argv = [str(tmp_path / "run") if a == OUT else a for a in argv]
+    monkeypatch.chdir(tmp_path)  # --name writes under ./runs
     assert main(argv + ["--data", data]) == 2
     line = _one_error_line(capsys)
     assert line.startswith("shardwise train: error: ") and message in line, line
-    assert not (tmp_path / "run").exists()
+    assert sorted(os.listdir(tmp_path)) == []  # nothing written anywhere
 
 
 @pytest.mark.parametrize("field,value,message", [
