@@ -87,7 +87,7 @@ def _stderr_lines(err: str) -> list[str]:
 
 
 def test_a_stopped_rank_ends_the_run_within_its_timeout(tmp_path, data):
-    timeout_s, margin_s = 3, 20
+    timeout_s, margin_s = 5, 20
     out = tmp_path / "run"
     proc = _start(out, data, "--timeout", str(timeout_s))
     try:
