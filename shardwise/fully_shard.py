@@ -234,6 +234,13 @@ def _sync_from_first_rank(param: torch.Tensor, group, device: torch.device) -> N
         param.copy_(value.to(param.device))
 
 
+def _check_argument_types(**arguments) -> None:
+    """Refuse values of the wrong type (``reshard_after_forward="no"`` is truthy)."""
+    for name, (value, kind) in arguments.items():
+        if not isinstance(value, kind):
+            raise TypeError(f"{name}={value!r} must be a {kind.__name__}")
+
+
 def _check_parameters(root: nn.Module) -> None:
     for name, p in root.named_parameters():
         if p.dtype not in _FLOATING:
@@ -292,6 +299,15 @@ def fully_shard(
         options=dict(mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
                      prefetch=prefetch, gradient_reduction=gradient_reduction, bucket_size=bucket_size),
     )
+    _check_argument_types(
+        reshard_after_forward=(reshard_after_forward, bool),
+        prefetch=(prefetch, bool),
+        gradient_reduction=(gradient_reduction, str),
+        tp_axis=(tp_axis, str),
+        ep_axis=(ep_axis, str),
+    )
+    if init_fn is not None and not callable(init_fn):
+        raise TypeError(f"init_fn={init_fn!r} must be a callable (module, device) or None")
     mesh, placements = _resolve_placements(mesh, placements, strategy, outer_dp_sharding_strategy)
     names = mesh.mesh_dim_names or ()
     plan = ShardingPlan(mesh, placements, model_parallel_axes=[tp_axis] if tp_axis in names else [])
@@ -302,7 +318,7 @@ def fully_shard(
         for p in (plan, expert_plan):
             if p is not None:
                 p.grad_scale *= plan.dp_size
-    if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
+    if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1):
         raise ValueError(f"bucket_size={bucket_size!r} must be a positive number of elements")
     unit_list = _resolve_units(module, unit_modules)
     _check_parameters(module)

@@ -72,6 +72,10 @@ StrategyLike = Union[str, int]
 
 def resolve_strategy(strategy: StrategyLike, argument: str = "strategy") -> str:
     """Map a strategy name, alias or ZeRO stage number to its canonical name."""
+    if isinstance(strategy, bool) or not isinstance(strategy, (str, int)):
+        raise TypeError(
+            f"{argument}={strategy!r} must be a strategy name ({sorted(STRATEGY_PLACEMENTS)}) or a ZeRO stage 0-3"
+        )
     key = strategy.lower() if isinstance(strategy, str) else strategy
     if isinstance(key, str) and key in STRATEGY_PLACEMENTS:
         return key

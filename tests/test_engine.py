@@ -336,6 +336,18 @@ def _bad_inputs():
     with meta:
         on_meta = model()
     capture("meta", lambda: shardwise.fully_shard(on_meta))
+    # values of the wrong type that used to be accepted with a surprising meaning
+    capture("strategy_bool", lambda: shardwise.fully_shard(model(), strategy=True))
+    capture("placements_bool", lambda: shardwise.fully_shard(model(), placements=True))
+    capture("bucket_bool", lambda: shardwise.fully_shard(model(), bucket_size=True))
+    capture("reshard_str", lambda: shardwise.fully_shard(model(), reshard_after_forward="no"))
+    capture("prefetch_int", lambda: shardwise.fully_shard(model(), prefetch=1))
+    capture("reduction", lambda: shardwise.fully_shard(model(), gradient_reduction="avg"))
+    capture("init_fn", lambda: shardwise.fully_shard(model(), init_fn=5))
+    from shardwise.megatron import DistributedDataParallelConfig, TransformerConfig
+
+    capture("megatron_bool", lambda: TransformerConfig(bf16="false"))
+    capture("megatron_int", lambda: DistributedDataParallelConfig(bucket_size=True))
     return errors
 
 
@@ -353,6 +365,15 @@ EXPECTED_ERRORS = {
     "twice": "already sharded",
     "twice_inner": "submodule 'blocks.0'",
     "meta": "meta device",
+    "strategy_bool": "strategy=True",
+    "placements_bool": "strategy=True",
+    "bucket_bool": "bucket_size=True",
+    "reshard_str": "reshard_after_forward='no' must be a bool",
+    "prefetch_int": "prefetch=1 must be a bool",
+    "reduction": "gradient_reduction='avg'",
+    "init_fn": "init_fn=5",
+    "megatron_bool": "TransformerConfig.bf16='false' must be bool",
+    "megatron_int": "DistributedDataParallelConfig.bucket_size=True must be None or int",
 }
 
 

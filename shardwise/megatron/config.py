@@ -28,6 +28,31 @@ __all__ = [
 ]
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+# The type each annotation admits (bool is not an int here: ``bucket_size=True`` is a mistake).
+_ADMITS = {
+    "bool": (bool,),
+    "int": (int,),
+    "str": (str,),
+    "torch.dtype": (torch.dtype,),
+}
+
+
+def _check_field_types(config) -> None:
+    """Refuse a field whose value is not of its declared type (``bf16="false"`` is truthy)."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        declared = str(f.type)
+        optional = declared.startswith("Optional[")
+        kind = declared[len("Optional[") : -1] if optional else declared
+        admits = _ADMITS.get(kind)
+        if admits is None or (optional and value is None):
+            continue
+        wrong_bool = isinstance(value, bool) and bool not in admits
+        if wrong_bool or not isinstance(value, admits):
+            raise TypeError(
+                f"{type(config).__name__}.{f.name}={value!r} must be {'None or ' if optional else ''}{kind}"
+            )
 OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
 
 
@@ -72,6 +97,9 @@ class TransformerConfig:
     # CUDA graphs: "none", "local", "transformer_engine" or "full_iteration"
     cuda_graph_impl: str = "none"
     enable_cuda_graph: bool = False
+
+    def __post_init__(self) -> None:
+        _check_field_types(self)
 
 
 @dataclass
@@ -130,6 +158,9 @@ class DistributedDataParallelConfig:
     fsdp_double_buffer: bool = False
     fsdp_db_use_persist_buf_on_alloc_fail: bool = False
     fsdp_trace_pool: bool = False
+
+    def __post_init__(self) -> None:
+        _check_field_types(self)
 
 
 def _copy_fields(cls, obj: Any):
