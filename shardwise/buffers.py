@@ -136,7 +136,7 @@ def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op, group) -> None:
 
 
 @contextlib.contextmanager
-def _coalesced(axis: AxisGroup, device: torch.device) -> Iterator[None]:
+def _coalesced(axis: AxisGroup) -> Iterator[None]:
     """One NCCL group launch for the per-parameter collectives inside (gloo runs them one by one)."""
     if axis.averages_natively:  # NCCL: one allgather/reduce_scatter_tensor_coalesced call
         with _coalescing_manager(group=axis.group, async_ops=False):
@@ -160,7 +160,7 @@ def gather_pieces(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], axi
     """
     if not outs:
         return
-    with _coalesced(axis, outs[0].device):
+    with _coalesced(axis):
         for out, inp in zip(outs, ins):
             if not axis.averages_natively and _overlaps(out, inp):
                 inp = inp.clone()  # gloo copies shards in place without aliasing checks
@@ -173,7 +173,7 @@ def reduce_scatter_pieces(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tens
         return
     native = axis.averages_natively
     op = dist.ReduceOp.AVG if native else dist.ReduceOp.SUM
-    with _coalesced(axis, outs[0].device):
+    with _coalesced(axis):
         for out, inp in zip(outs, ins):
             _reduce_scatter(out, inp, op, axis.group)
     if not native:

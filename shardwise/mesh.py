@@ -106,13 +106,6 @@ class AxisGroup:
     averages_natively: bool  # NCCL has ReduceOp.AVG; gloo sums and we divide
 
 
-def _mixed_radix(axes: Sequence[AxisGroup]) -> int:
-    index = 0
-    for axis in axes:
-        index = index * axis.size + axis.index
-    return index
-
-
 class ShardingPlan:
     """Which axes shard which buffer, for one mesh and one set of placements."""
 
@@ -168,22 +161,14 @@ class ShardingPlan:
         self.param_axes: list[AxisGroup] = param_axes
         self.grad_axes: list[AxisGroup] = grad_axes
         self.opt_axes: list[AxisGroup] = opt_axes
-        # Axes reduced only when a step's gradients are finalized.
-        self.finalize_scatter_axes = opt_axes[len(grad_axes):]
+        # Axes all-reduced when a step's gradients are finalized (Partial gradients, Replicate optimizer).
         self.finalize_allreduce_axes = [
             self.axes[n] for n, p in self.placements.items()
             if isinstance(p.gradient, Partial) and isinstance(p.optimizer, Replicate)
         ]
-        self.refresh_gather_axes = opt_axes[len(param_axes):]
         self.opt_axis_names = [a.name for a in opt_axes]
         self._dt_mesh: DeviceMesh | None = None
         self.dp_size = math.prod(a.size for a in self.axes.values())
-
-    def count(self, axes: Sequence[AxisGroup]) -> int:
-        return math.prod(a.size for a in axes)
-
-    def index(self, axes: Sequence[AxisGroup]) -> int:
-        return _mixed_radix(axes)
 
     def dtensor_spec(self, model_parallel_dims: Mapping[str, int] = {}) -> tuple[DeviceMesh, tuple[Placement, ...]]:
         """The mesh and placements of a parameter's DTensors (its optimizer placement).
@@ -228,7 +213,3 @@ class ShardingPlan:
         for name, dim in model_parallel_dims.items():
             shape[dim] *= self.model_parallel[name].size
         return torch.Size(shape)
-
-    @property
-    def shards_parameters(self) -> bool:
-        return bool(self.param_axes)
