@@ -30,7 +30,7 @@ def _export_source(path: str):
     CheckpointManager(path).save(2, model, opt, extra={"data": {"position": 16}})
     with torch.no_grad():
         losses = [model(*(t.to(device()) for t in batch(step, 8, TinyConfig()))).item() for step in (10, 11)]
-    return losses, gather_full_state_dict(model, include_tied=False)
+    return losses, gather_full_state_dict(model), model.state_dict().keys() - set()
 
 
 def _plain_losses(model: nn.Module) -> list[float]:
@@ -40,25 +40,31 @@ def _plain_losses(model: nn.Module) -> list[float]:
 
 def test_export_loads_into_the_unwrapped_model_with_the_same_outputs(tmp_path, capsys):
     root = tmp_path / "ckpt"
-    losses, full = run_distributed(_export_source, 2, str(root))[0]
+    losses, full, keys = run_distributed(_export_source, 2, str(root))[0]
+    assert set(full) == set(keys) == set(TinyLM(TinyConfig()).state_dict())  # tied head.weight included
 
-    # fp32, one file; the folder of checkpoints means its latest one.
+    # fp32, one file, every state_dict key; the folder of checkpoints means its latest one.
     assert ckpt_main(["export", str(root), str(tmp_path / "fp32")]) == 0
     exported = load_file(tmp_path / "fp32" / "model.safetensors")
     assert set(exported) == set(full) and all(torch.equal(exported[k], full[k]) for k in full)
     plain = TinyLM(TinyConfig())
-    missing, unexpected = plain.load_state_dict(exported, strict=False)
-    assert missing == ["head.weight"] and unexpected == []  # the tied alias, written once like HF
+    plain.load_state_dict(exported)  # strict: head.weight is there
     assert plain.head.weight is plain.embed.weight
     torch.testing.assert_close(torch.tensor(_plain_losses(plain)), torch.tensor(losses), rtol=1e-6, atol=0)
-    other = TinyLM(TinyConfig())
-    load_model(other, tmp_path / "fp32" / "model.safetensors")  # strict, understands tied weights
-    assert torch.equal(other.blocks[1].odd.weight, full["blocks.1.odd.weight"])
 
-    # --include-tied loads strictly with plain load_state_dict.
-    assert ckpt_main(["export", str(root / "step_00000002"), str(tmp_path / "tied.safetensors"),
-                      "--include-tied"]) == 0
-    TinyLM(TinyConfig()).load_state_dict(load_file(tmp_path / "tied.safetensors"))
+    # --tied-once: Hugging Face's form, the alias once under its first name (named in the metadata).
+    assert ckpt_main(["export", str(root / "step_00000002"), str(tmp_path / "once.safetensors"),
+                      "--tied-once"]) == 0
+    once = load_file(tmp_path / "once.safetensors")
+    assert set(once) == set(full) - {"head.weight"}
+    missing, unexpected = TinyLM(TinyConfig()).load_state_dict(once, strict=False)
+    assert missing == ["head.weight"] and unexpected == []
+    other = TinyLM(TinyConfig())
+    load_model(other, tmp_path / "once.safetensors")  # strict, understands tied weights
+    assert torch.equal(other.blocks[1].odd.weight, full["blocks.1.odd.weight"])
+    with open(tmp_path / "once.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert json.loads(header["__metadata__"]["shardwise_tied"]) == {"head.weight": "embed.weight"}
 
     # bf16, split into shards with an index.
     assert ckpt_main(["export", str(root), str(tmp_path / "bf16" / "m.safetensors"), "--dtype", "bf16",
@@ -78,11 +84,14 @@ def test_export_loads_into_the_unwrapped_model_with_the_same_outputs(tmp_path, c
     assert ckpt_main(["info", str(root)]) == 0
     text = capsys.readouterr().out
     for expected in ("step: 2", "world size: 2", "dp_shard=optim_grads_params (size 2)", "AdamW",
-                     "tied: head.weight -> embed.weight", "blocks.2.odd.weight", "7x15"):
+                     "tied: head.weight -> embed.weight", "blocks.2.odd.weight", "7x15", "checksums: sha256 of",
+                     "1 more state_dict key(s) tied"):
         assert expected in text, (expected, text)
     assert ckpt_main(["info", str(root), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["meta"]["world_size"] == 2 and info["model"]["embed.weight"]["shape"] == [61, 32]
+    assert info["tied"] == {"head.weight": "embed.weight"}
+    assert "head.weight  " in text and "tied to embed.weight" in text
     assert ckpt_main(["info", str(tmp_path / "nothing")]) == 2
 
 

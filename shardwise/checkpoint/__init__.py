@@ -5,17 +5,23 @@
     restored = manager.load_latest(model, optimizer)          # None on a fresh start
     manager.save(step, model, optimizer, extra={"data": loader.state_dict()})
 
-Offline: ``shardwise ckpt info CKPT_DIR`` and ``shardwise ckpt export CKPT_DIR OUT``.
+Offline: ``shardwise ckpt info CKPT_DIR``, ``shardwise ckpt verify CKPT_DIR`` and
+``shardwise ckpt export CKPT_DIR OUT``.
 """
 
 from .dcp_state import CheckpointMismatchError, LoadedState, load_state, save_state
 from .full import gather_full_optimizer_state, gather_full_state_dict
+from .integrity import CheckpointCorruptError, CheckpointError, CheckpointSaveError, verify_checkpoint
 from .manager import CheckpointManager, Restored
 
 __all__ = [
     "CheckpointManager",
     "Restored",
     "CheckpointMismatchError",
+    "CheckpointError",
+    "CheckpointCorruptError",
+    "CheckpointSaveError",
+    "verify_checkpoint",
     "LoadedState",
     "save_state",
     "load_state",

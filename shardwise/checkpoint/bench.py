@@ -62,12 +62,11 @@ def _build(args, strategy: str, device: torch.device):
 
 def _checksum(model, optimizer) -> torch.Tensor:
     """Sums over every main weight and optimizer value (identical whatever the sharding)."""
-    from shardwise.checkpoint.dcp_state import sharded_groups
-
-    total = torch.zeros(3, dtype=torch.float64, device=next(iter(sharded_groups(model))).main.device)
-    for info in sharded_groups(model):
-        state = optimizer.state.get(info.param, {})
-        total[0] += info.main.double().square().sum()
+    params = [p for group in model.sharded_state.groups for p in group.sharded_params]
+    total = torch.zeros(3, dtype=torch.float64, device=params[0].to_local().device)
+    for param in params:
+        state = optimizer.state.get(param, {})
+        total[0] += param.to_local().double().square().sum()
         for i, key in enumerate(("exp_avg", "exp_avg_sq"), start=1):
             if key in state:
                 total[i] += state[key].to_local().double().abs().sum()

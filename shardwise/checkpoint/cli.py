@@ -1,13 +1,16 @@
-"""``shardwise ckpt``: inspect a checkpoint or export it as safetensors (no GPU, no process group).
+"""``shardwise ckpt``: inspect, verify or export a checkpoint as safetensors (no GPU, no process group).
 
     shardwise ckpt info CKPT_DIR [--json]
-    shardwise ckpt export CKPT_DIR OUT [--dtype bf16] [--max-shard-size 2GB] [--include-tied]
+    shardwise ckpt verify CKPT_DIR
+    shardwise ckpt export CKPT_DIR OUT [--dtype bf16] [--max-shard-size 2GB] [--tied-once] [--no-verify]
 
 CKPT_DIR is one checkpoint (``.../step_00000100``) or a folder of them, which
-means its latest complete checkpoint. OUT is a ``.safetensors`` file or a
-folder (which gets ``model.safetensors``); with ``--max-shard-size`` the model
-is split into ``model-0000i-of-0000N.safetensors`` plus
-``model.safetensors.index.json``.
+means its latest complete checkpoint (``verify``: every complete one). OUT is
+a ``.safetensors`` file or a folder (which gets ``model.safetensors``); with
+``--max-shard-size`` the model is split into
+``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``.
+``verify`` exits 0 when every file matches the sha256 recorded at save, 1
+when one does not (each problem named), 2 when there is nothing to verify.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ __all__ = ["main"]
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardwise ckpt", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="action", required=True, metavar="{info,export}")
+    sub = parser.add_subparsers(dest="action", required=True, metavar="{info,verify,export}")
     info = sub.add_parser("info", help="print what a checkpoint holds (world size, strategy, step, tensors, sizes)")
     info.add_argument("ckpt", metavar="CKPT_DIR")
     info.add_argument("--json", action="store_true", help="print the full description as JSON")
+    verify = sub.add_parser("verify", help="check every file of a checkpoint (or of each in a folder) against "
+                                           "the sizes and sha256 recorded at save")
+    verify.add_argument("ckpt", metavar="CKPT_DIR")
     export = sub.add_parser("export", help="write the model as safetensors, streaming one tensor at a time")
     export.add_argument("ckpt", metavar="CKPT_DIR")
     export.add_argument("out", metavar="OUT", help="a .safetensors file, or a folder (gets model.safetensors)")
@@ -34,27 +40,66 @@ def _parser() -> argparse.ArgumentParser:
                         help="cast floating tensors (default: as saved, fp32)")
     export.add_argument("--max-shard-size", default=None, metavar="SIZE",
                         help="split into files of at most SIZE (e.g. 2GB, 500MB, 1GiB) with an index json")
-    export.add_argument("--include-tied", action="store_true",
-                        help="also write tied weights under their other names (default: once, like Hugging Face)")
+    export.add_argument("--format", choices=["safetensors", "hf"], default="safetensors",
+                        help="hf: a Hugging Face folder (config.json, HF key names; the GPT model as "
+                             "LlamaForCausalLM/MixtralForCausalLM) that transformers' from_pretrained loads")
+    export.add_argument("--config", default=None, metavar="FILE",
+                        help="with --format hf: the run's config.json or a transformers config.json "
+                             "(default: the config.json of the run the checkpoint belongs to)")
+    export.add_argument("--tied-once", action="store_true",
+                        help="write tied weights once, under their first name, as Hugging Face does (default: "
+                             "under every name, like nn.Module.state_dict())")
+    export.add_argument("--include-tied", action="store_true", help=argparse.SUPPRESS)  # the default now
+    export.add_argument("--no-verify", action="store_true", help="skip checking the files' sha256 first")
     return parser
+
+
+def _verify(target: str) -> int:
+    from .export import resolve_checkpoints
+    from .integrity import verify_checkpoint
+
+    bad = 0
+    for path in resolve_checkpoints(target):
+        started = time.perf_counter()
+        report = verify_checkpoint(path)
+        took = time.perf_counter() - started
+        if report["ok"]:
+            size = f", {report['bytes'] / 1e6:.1f} MB" if report["files"] else ""
+            print(f"ok       {path}  ({report['checked']}: {report['files']} files{size}, {took:.2f}s)")
+        else:
+            bad += 1
+            print(f"DAMAGED  {path}")
+            for problem in report["problems"]:
+                print(f"           {problem}")
+    return 1 if bad else 0
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     from .export import checkpoint_info, export_safetensors, format_info, parse_size
+    from .integrity import CheckpointError
 
     try:
         if args.action == "info":
             info = checkpoint_info(args.ckpt)
             print(json.dumps(info, indent=1) if args.json else format_info(info))
             return 0
+        if args.action == "verify":
+            return _verify(args.ckpt)
         if args.max_shard_size is not None:
             parse_size(args.max_shard_size)
         started = time.perf_counter()
-        files = export_safetensors(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                                   include_tied=args.include_tied)
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        print(f"shardwise ckpt {args.action}: error: {e}", file=sys.stderr)
+        if args.format == "hf":
+            from ..hf.export import export_hf
+
+            files = export_hf(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                              config=args.config)
+        else:
+            files = export_safetensors(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                                       include_tied=not args.tied_once, verify=not args.no_verify)
+    except (FileNotFoundError, ValueError, KeyError, CheckpointError) as e:
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"shardwise ckpt {args.action}: error: {message}", file=sys.stderr)
         return 2
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
     total = sum(f.stat().st_size for f in files)

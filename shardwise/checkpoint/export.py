@@ -24,10 +24,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .dcp_state import MODEL_PREFIX, OPTIM_PREFIX
+from .integrity import COMPLETE_MARKER, META_FILE, CheckpointCorruptError, read_dcp_metadata, verify_checkpoint
 from .manager import CheckpointManager, is_complete, read_meta
 
 __all__ = [
     "resolve_checkpoint",
+    "resolve_checkpoints",
     "read_tensors",
     "export_safetensors",
     "checkpoint_info",
@@ -50,20 +52,32 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A checkpoint folder; a manager folder (``step_*`` inside) resolves to its latest complete one."""
+    return resolve_checkpoints(path, latest_only=True)[0]
+
+
+def _is_checkpoint_folder(path: Path) -> bool:
+    return any((path / name).exists() for name in (".metadata", META_FILE, COMPLETE_MARKER))
+
+
+def resolve_checkpoints(path: str | os.PathLike, latest_only: bool = False) -> list[Path]:
+    """One checkpoint folder as ``[path]``; a manager folder as its complete checkpoints, oldest first."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such checkpoint folder")
-    if (path / ".metadata").is_file():
+    if _is_checkpoint_folder(path):
+        if (path / ".metadata").is_file() and not (path / META_FILE).exists() and not (path / COMPLETE_MARKER).exists():
+            read_meta(path)  # raises: a DCP checkpoint not written by shardwise, and how to load it
         if not is_complete(path):
             raise ValueError(f"{path} is an incomplete checkpoint (a save that did not finish): no COMPLETE marker")
-        return path
+        return [path]
     complete, incomplete = CheckpointManager(path).scan()
-    if incomplete:
-        warnings.warn(f"ignoring incomplete checkpoint folder(s): {', '.join(str(p) for p in incomplete)}",
-                      stacklevel=2)
+    unfinished = [p for p in incomplete if p.suffix in ("", ".tmp")]
+    if unfinished:
+        warnings.warn(f"ignoring incomplete checkpoint folder(s): {', '.join(str(p) for p in unfinished)}",
+                      stacklevel=3)
     if not complete:
         raise FileNotFoundError(f"{path} holds no complete checkpoint")
-    return complete[-1][1]
+    return [complete[-1][1]] if latest_only else [p for _, p in complete]
 
 
 class _Reader(dcp.FileSystemReader):
@@ -92,7 +106,7 @@ def read_tensors(ckpt: str | os.PathLike, names: list[str] | None = None,
     """Yield ``(name, full tensor)`` one at a time (model tensors by default), in ``names`` order."""
     ckpt = Path(ckpt)
     reader = _Reader(str(ckpt))
-    md = reader.read_metadata()
+    md = read_dcp_metadata(ckpt, reader)
     entries = {k[len(prefix):]: e for k, e in md.state_dict_metadata.items()
                if k.startswith(prefix) and isinstance(e, TensorStorageMetadata)}
     for name in names if names is not None else sorted(entries):
@@ -154,17 +168,28 @@ def _write_file(path: Path, entries, tensors: Iterator[tuple[str, torch.Tensor]]
 
 
 def export_safetensors(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
-                       max_shard_size: int | str | None = None, include_tied: bool = False) -> list[Path]:
+                       max_shard_size: int | str | None = None, include_tied: bool = True,
+                       verify: bool = True) -> list[Path]:
     """Write the checkpoint's model as safetensors; return the files written (index json last).
 
     ``out`` ending in ``.safetensors`` names the file; otherwise it is a folder
     that gets ``model.safetensors``. When ``max_shard_size`` splits the model,
     the shards are ``<stem>-00001-of-0000N.safetensors`` next to it plus
     ``<name>.index.json`` (Hugging Face's layout). ``dtype`` casts floating
-    tensors. Tied weights are written once, under their first name (their
-    other names are in the file's metadata), unless ``include_tied``.
+    tensors. Every key of the model's ``state_dict()`` is written, tied
+    weights under each of their names; with ``include_tied=False`` a tied
+    weight is written once, under its first name, as Hugging Face does (its
+    other names are in the metadata, ``shardwise_tied``). ``verify`` checks
+    every file's sha256 first (one more read of the checkpoint).
     """
     ckpt = resolve_checkpoint(ckpt)
+    meta = read_meta(ckpt)
+    if verify:
+        report = verify_checkpoint(ckpt)
+        if not report["ok"]:
+            problems = report["problems"]
+            raise CheckpointCorruptError(problems[0] if len(problems) == 1 and problems[0].startswith("checkpoint")
+                                         else f"checkpoint {ckpt} is damaged: {'; '.join(problems)}", ckpt)
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
@@ -174,8 +199,7 @@ def export_safetensors(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype
     target = out if out.suffix == ".safetensors" else out / "model.safetensors"
     target.parent.mkdir(parents=True, exist_ok=True)
 
-    meta = read_meta(ckpt)
-    md = _Reader(str(ckpt)).read_metadata()
+    md = read_dcp_metadata(ckpt, _Reader(str(ckpt)))
     saved = _model_entries(md)
     tied = {a: c for a, c in (meta.get("tied") or {}).items() if c in saved}
     names = sorted(saved)
@@ -196,8 +220,7 @@ def export_safetensors(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype
             size = 0
         shards[-1].append(i)
         size += nbytes
-    metadata = {"format": "pt", "shardwise_step": str(meta.get("step")),
-                "shardwise_tied": json.dumps(tied if not include_tied else {})}
+    metadata = {"format": "pt", "shardwise_step": str(meta.get("step")), "shardwise_tied": json.dumps(tied)}
     if len(shards) == 1:
         files = [target]
     else:
@@ -217,7 +240,7 @@ def export_safetensors(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(math.prod(s) * d.itemsize for _, s, d in entries),
-                         "shardwise_step": meta.get("step"), "shardwise_tied": tied if not include_tied else {}},
+                         "shardwise_step": meta.get("step"), "shardwise_tied": tied},
             "weight_map": {entries[i][0]: files[k].name for k, indices in enumerate(shards) for i in indices},
         }
         index_path = target.with_name(target.name + ".index.json")
@@ -231,7 +254,7 @@ def checkpoint_info(ckpt: str | os.PathLike) -> dict:
     """What a checkpoint holds: its ``shardwise.json`` plus sizes from the DCP metadata."""
     ckpt = resolve_checkpoint(ckpt)
     meta = read_meta(ckpt)
-    md = _Reader(str(ckpt)).read_metadata()
+    md = read_dcp_metadata(ckpt, _Reader(str(ckpt)))
     model, optim = {}, {}
     for key, entry in md.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
@@ -243,7 +266,8 @@ def checkpoint_info(ckpt: str | os.PathLike) -> dict:
             model[key[len(MODEL_PREFIX):]] = row
         elif key.startswith(OPTIM_PREFIX):
             optim[key[len(OPTIM_PREFIX):]] = row
-    return {"path": str(ckpt), "meta": meta, "model": model, "optimizer": optim,
+    tied = {a: c for a, c in (meta.get("tied") or {}).items() if c in model}
+    return {"path": str(ckpt), "meta": meta, "model": model, "tied": tied, "optimizer": optim,
             "extra": sorted(k for k in md.state_dict_metadata if k.startswith("extra/")),
             "rng": sorted(k for k in md.state_dict_metadata if k.startswith("rng/"))}
 
@@ -272,7 +296,9 @@ def format_info(info: dict) -> str:
         f"world size: {meta.get('world_size')}    mesh: {meta.get('mesh', {}).get('dim_names')} "
         f"{meta.get('mesh', {}).get('shape')}",
         f"strategy: {strategy}    placements: {meta.get('placements')}",
-        f"model: {len(info['model'])} tensors, {n_params:,} parameters, {_bytes(model_bytes)}",
+        f"model: {len(info['model'])} tensors, {n_params:,} parameters, {_bytes(model_bytes)}"
+        + (f"; {len(info['tied'])} more state_dict key(s) tied to them (exported under every name)"
+           if info["tied"] else ""),
     ]
     if opt:
         keys = sorted({k for state in opt.get("state", {}).values() for k in state})
@@ -280,15 +306,22 @@ def format_info(info: dict) -> str:
                      f"{_bytes(optim_bytes)}")
     else:
         lines.append("optimizer: none")
+    files = meta.get("files") or {}
+    checksums = (f"sha256 of {len(files)} files" if files
+                 else "none (written before shardwise-dcp/2: files' presence and sizes are checked)")
     lines.append(f"extra: {len(info['extra'])} rank(s)    rng: {len(info['rng'])} rank(s)    "
                  f"files: {_bytes(meta.get('files_bytes', 0))}    save time: {meta.get('save_seconds')}s")
-    tied = meta.get("tied") or {}
+    lines.append(f"checksums: {checksums}")
+    tied = info["tied"]
     if tied:
         lines.append("tied: " + ", ".join(f"{a} -> {c}" for a, c in sorted(tied.items())))
-    width = max((len(n) for n in info["model"]), default=4)
+    rows = [(name, row, None) for name, row in info["model"].items()]
+    rows += [(alias, info["model"][canonical], canonical) for alias, canonical in tied.items()]
+    width = max((len(n) for n, _, _ in rows), default=4)
     lines.append("")
     lines.append(f"  {'tensor':{width}s}  {'shape':>18s}  {'dtype':8s}  {'size':>10s}  saved chunks")
-    for name, row in sorted(info["model"].items()):
+    for name, row, canonical in sorted(rows, key=lambda r: r[0]):
         shape = "x".join(str(s) for s in row["shape"]) or "()"
-        lines.append(f"  {name:{width}s}  {shape:>18s}  {row['dtype']:8s}  {_bytes(row['bytes']):>10s}  {row['chunks']}")
+        where = f"tied to {canonical}" if canonical else str(row["chunks"])
+        lines.append(f"  {name:{width}s}  {shape:>18s}  {row['dtype']:8s}  {_bytes(row['bytes']):>10s}  {where}")
     return "\n".join(lines)

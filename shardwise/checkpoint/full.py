@@ -1,9 +1,10 @@
 """In-job full (unsharded) state dicts of a sharded model and its optimizer.
 
-Both functions are collectives built on the DTensors' own ``full_tensor()``:
-one parameter is gathered at a time, so a rank holds at most one full
-parameter beyond what it returns; with ``rank0_only`` the other ranks return
-an empty dict.
+Both are collectives on torch's own tools: the values of
+``get_model_state_dict`` and of the optimizer's state are gathered with each
+DTensor's ``full_tensor()``, one tensor at a time, so a rank holds at most one
+full tensor beyond what it returns. With ``rank0_only`` the other ranks
+return an empty dict.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..state_dict import gathered
-from .dcp_state import _persistent_buffers, _state, sharded_groups, tied_aliases
+from .dcp_state import _optimizer_params, _state, model_tensors
 
 __all__ = ["gather_full_state_dict", "gather_full_optimizer_state"]
 
@@ -28,24 +29,26 @@ def _keep(rank0_only: bool) -> bool:
 @torch.no_grad()
 def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True, dtype: torch.dtype | None = None,
                            include_tied: bool = True) -> dict[str, torch.Tensor]:
-    """Every parameter (fp32 main weights, or ``dtype``) and persistent buffer as plain CPU tensors.
+    """Every key of ``model.state_dict()`` as a plain CPU tensor (parameters as fp32 main weights, or ``dtype``).
 
-    Tied parameters appear under every name, as in ``nn.Module.state_dict()``
-    (once, under their first name, with ``include_tied=False``).
+    Tied parameters appear under every name, as in ``nn.Module.state_dict()``;
+    with ``include_tied=False`` once, under their first name (Hugging Face's form).
     """
     keep = _keep(rank0_only)
+    tensors, aliases = model_tensors(model)  # torch's get_model_state_dict, each tensor once
     out: dict[str, torch.Tensor] = {}
-    for info in sharded_groups(model):
-        full = gathered(info.param, cpu=True, dtype=dtype)
+    for key, value in tensors.items():
+        if isinstance(value, DTensor):
+            full = gathered(value, cpu=True, dtype=dtype)
+        else:
+            full = value.detach().cpu().clone() if keep else None
         if keep:
-            out[info.fqn] = full
+            out[key] = full
         del full
     if not keep:
         return {}
-    for name, buf in _persistent_buffers(model).items():
-        out[name] = buf.detach().cpu().clone()
     if include_tied:
-        for alias, canonical in tied_aliases(model).items():
+        for alias, canonical in aliases.items():
             out[alias] = out[canonical]
     return out
 
@@ -56,13 +59,12 @@ def gather_full_optimizer_state(model: nn.Module, optimizer, *, rank0_only: bool
     keep = _keep(rank0_only)
     _state(model)
     out: dict[str, dict[str, Any]] = {}
-    for info in sharded_groups(model):
-        state = optimizer.state.get(info.param, {})
-        for key, value in state.items():  # every rank of the parameter's mesh has the same keys
-            if isinstance(value, DTensor):
-                value = gathered(value)
-            if keep:
-                out.setdefault(info.fqn, {})[key] = (
-                    value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
-                )
+    for _, pairs in _optimizer_params(model, optimizer):
+        for fqn, param in pairs:
+            for key, value in optimizer.state.get(param, {}).items():  # the same keys on every rank of the mesh
+                if isinstance(value, DTensor):
+                    value = gathered(value)
+                if keep:
+                    out.setdefault(fqn, {})[key] = (
+                        value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value)
     return out if keep else {}
