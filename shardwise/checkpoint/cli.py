@@ -20,6 +20,7 @@ import json
 import resource
 import sys
 import time
+import warnings
 
 __all__ = ["main"]
 
@@ -76,6 +77,13 @@ def _verify(target: str) -> int:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    with warnings.catch_warnings():
+        warnings.showwarning = lambda message, *_, **__: print(
+            f"shardwise ckpt {args.action}: warning: {message}", file=sys.stderr)
+        return _run(args)
+
+
+def _run(args) -> int:
     from .export import checkpoint_info, export_safetensors, format_info, parse_size
     from .integrity import CheckpointError
 

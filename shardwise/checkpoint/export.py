@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .dcp_state import MODEL_PREFIX, OPTIM_PREFIX
 from .integrity import COMPLETE_MARKER, META_FILE, CheckpointCorruptError, read_dcp_metadata, verify_checkpoint
-from .manager import CheckpointManager, is_complete, read_meta
+from .manager import _NAME, CheckpointManager, is_complete, read_meta
 
 __all__ = [
     "resolve_checkpoint",
@@ -65,7 +65,7 @@ def resolve_checkpoints(path: str | os.PathLike, latest_only: bool = False) -> l
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such checkpoint folder")
     if _is_checkpoint_folder(path):
-        if (path / ".metadata").is_file() and not (path / META_FILE).exists() and not (path / COMPLETE_MARKER).exists():
+        if not _NAME.match(path.name) and not (path / META_FILE).exists():
             read_meta(path)  # raises: a DCP checkpoint not written by shardwise, and how to load it
         if not is_complete(path):
             raise ValueError(f"{path} is an incomplete checkpoint (a save that did not finish): no COMPLETE marker")
