@@ -13,7 +13,7 @@ __all__ = ["COMMANDS", "main"]
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("shardwise.train", "train a reference model with fully_shard"),
-    "ckpt": ("shardwise.checkpoint.cli", "inspect a checkpoint or export it as safetensors (info, export)"),
+    "ckpt": ("shardwise.checkpoint.cli", "inspect, verify or export a checkpoint (info, verify, export)"),
     "bench": ("shardwise.bench.cli", "compare shardwise with FSDP2, DDP and megatron-fsdp (speed, memory, exposed comm)"),
 }
 
