@@ -112,6 +112,12 @@ class TrainConfig:
         "build the model on the meta device and initialize it one layer at a time while sharding "
         "(the same weights as a direct build, without ever holding the whole model)"))
     device: str = field(default="auto", metadata=_help("auto, cpu or cuda"))
+    hf_config: str = field(default="", metadata=_help(
+        "train the transformers causal LM this config.json (or folder) describes instead of the GPT model "
+        "(needs the hf extra: pip install 'shardwise[hf]')"))
+    init_from: str = field(default="", metadata=_help(
+        "start from a Hugging Face save_pretrained folder, each rank reading only its own rows; a "
+        "Llama/Mistral/Mixtral folder trains as the GPT model of its shape, others as with --hf-config"))
 
 
 _TRAIN_FIELDS = {f.name: f for f in fields(TrainConfig)}
@@ -222,6 +228,10 @@ def resolve_config(argv=None) -> tuple[TrainConfig, GPTConfig]:
     cfg = TrainConfig(**{k: v for k, v in values.items() if k in _TRAIN_FIELDS})
     model = GPTConfig(**{k: v for k, v in values.items() if k in _MODEL_FIELDS})
     _validate(cfg, model)
+    if cfg.hf_config or cfg.init_from:
+        from .hf.train import resolve  # checks transformers (says how to install it) and the config/folder
+
+        model = resolve(cfg, model)
     return cfg, model
 
 
@@ -658,12 +668,18 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     out_dir = Path(cfg.out_dir)
     phase("model setup (fully_shard)")
     torch.manual_seed(cfg.seed)
-    init_fn = None
-    with torch.device("meta" if cfg.meta_init else device):
-        model = GPT(model_cfg)
-    if cfg.meta_init:
-        init_fn = shardwise.MetaInitializer(model, device)
-        init_fn.plan()  # records the RNG state each layer's init starts from in a direct build
+    if cfg.hf_config or cfg.init_from:  # init_fn.finish() reads the --init-from rows
+        from .hf.train import build_model
+
+        model, init_fn, unit_modules = build_model(cfg, model_cfg, device)
+    else:
+        init_fn = None
+        with torch.device("meta" if cfg.meta_init else device):
+            model = GPT(model_cfg)
+        if cfg.meta_init:
+            init_fn = shardwise.MetaInitializer(model, device)
+            init_fn.plan()  # records the RNG state each layer's init starts from in a direct build
+        unit_modules = list(dict.fromkeys(type(layer) for layer in model.layers))
     n_params, flops_per_token = model.num_params(), model.flops_per_token(cfg.seq_len)
     matrices = {n for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("embed.")}
     mesh = shardwise.build_dp_mesh(outer=cfg.outer_dp, device_type=device.type) if cfg.outer_dp else None
@@ -671,7 +687,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
         param_dtype=torch.bfloat16 if cfg.precision == "bf16" else None)
     model = shardwise.fully_shard(
         model, mesh=mesh, strategy=cfg.strategy, outer_dp_sharding_strategy=cfg.outer_strategy or None,
-        unit_modules=list(dict.fromkeys(type(layer) for layer in model.layers)), mixed_precision=policy,
+        unit_modules=unit_modules, mixed_precision=policy,
         init_fn=init_fn)
     if init_fn is not None:
         init_fn.finish()
