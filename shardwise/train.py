@@ -681,7 +681,14 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
             init_fn.plan()  # records the RNG state each layer's init starts from in a direct build
         unit_modules = list(dict.fromkeys(type(layer) for layer in model.layers))
     n_params, flops_per_token = model.num_params(), model.flops_per_token(cfg.seq_len)
-    matrices = {n for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("embed.")}
+    embeddings = {  # no weight decay on embeddings (GPT's ``embed.``, HF's ``embed_tokens``...)
+        f"{module_name}.{name}" if module_name else name
+        for module_name, module in model.named_modules() if isinstance(module, torch.nn.Embedding)
+        for name, _ in module.named_parameters(recurse=False)
+    }
+    matrices = {
+        n for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("embed.") and n not in embeddings
+    }
     mesh = shardwise.build_dp_mesh(outer=cfg.outer_dp, device_type=device.type) if cfg.outer_dp else None
     policy = shardwise.MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if cfg.precision == "bf16" else None)
