@@ -122,7 +122,8 @@ class ParamGroup:
         self._pending_install = False
         self._released: tuple = ()
         self._grad_gaps = self.layouts[0].gaps([p.shape.numel() for p in self.params])
-        self.weights_stale = False
+        self.weights_stale = False  # set when the main weights changed in a way their version does not show
+        self._refreshed_version = self._main_version()
 
     # ----------------------------------------------------------- construction
     def _fill(self, views: list[torch.Tensor], level: int) -> None:
@@ -137,7 +138,6 @@ class ParamGroup:
         for key, value in vars(ref.param).items():
             if not key.startswith("_"):
                 setattr(param, key, value)
-        param._shardwise_group = self  # lets optimizer hooks and clipping find the group
         return param
 
     # ------------------------------------------------------- level movement
@@ -406,12 +406,24 @@ class ParamGroup:
         self._pending_install = False
 
     # -------------------------------------------------------- weight refresh
+    def _main_version(self) -> tuple[int, int]:
+        """Version counters that any in-place update of the main weights moves, and our refresh does not.
+
+        An optimizer step or ``load_state_dict`` updates the DTensor parameters
+        (their own counters); a write into ``to_local()`` (DCP's load) moves the
+        counter the local views share with their flat buffer.
+        """
+        base = self.main if self.main is not None else self.model_shard
+        return sum(p._version for p in self.sharded_params), base._version
+
     @torch.no_grad()
     def refresh_model_weights(self) -> None:
         """Rebuild the compute-dtype model weights from the main weights after an update."""
-        if not self.weights_stale:
+        version = self._main_version()
+        if not self.weights_stale and version == self._refreshed_version:
             return
         self.weights_stale = False
+        self._refreshed_version = version
         kp, m = self.param_level, self.opt_level
         if self.model_shard is None or (self.main_aliases_model and m == kp):
             return

@@ -14,7 +14,6 @@ from typing import Callable
 
 import torch
 import torch.utils._pytree as pytree
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .buffers import InFlight, StreamSet
 from .group import ParamGroup
@@ -233,13 +232,3 @@ class ShardedState:
         for g in self.groups:
             g.weights_stale = True
 
-
-def _mark_stale_after_step(optimizer, args, kwargs) -> None:
-    for param_group in optimizer.param_groups:
-        for p in param_group["params"]:
-            group = getattr(p, "_shardwise_group", None)
-            if group is not None and p.grad is not None:  # torch.optim skips grad-less params
-                group.weights_stale = True
-
-
-register_optimizer_step_post_hook(_mark_stale_after_step)

@@ -443,3 +443,29 @@ def test_backward_optimizer_steps_during_backward_and_frees_gradients():
     for resident, moved, no_grads in run_distributed(_backward_optimizer_frees_grads, 2):
         assert resident == 0 and no_grads
         assert moved > 0
+
+
+def _freed_when_dropped():
+    import gc
+    import weakref
+
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    config = TinyConfig()
+    model = shardwise.fully_shard(TinyLM(config), unit_modules=[Block])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens, targets = (t.to(device()) for t in batch(0, world, config))
+    model(tokens[rank : rank + 1], targets[rank : rank + 1]).backward()
+    opt.step()
+    state = weakref.ref(model.sharded_state)
+    group = weakref.ref(model.sharded_state.groups[0])
+    del model, opt
+    gc.collect()
+    return state() is None and group() is None, len(_global_optimizer_post_hooks)
+
+
+def test_a_dropped_model_is_freed_and_no_global_hooks_are_installed():
+    for freed, global_hooks in run_distributed(_freed_when_dropped, 2):
+        assert freed, "the sharded state outlived its model"
+        assert global_hooks == 0, "importing shardwise must not hook every optimizer in the process"
