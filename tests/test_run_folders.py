@@ -173,3 +173,36 @@ def test_resume_on_one_rank_continues_the_whole_run(tmp_path, data):
     assert summary["tokens_per_s"] == pytest.approx(expected, rel=1e-6)
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert "4 steps (resumed at step 3)" in proc.stdout
+
+
+_KILLED_AFTER_SAVE = """
+import os, sys
+from shardwise.checkpoint.manager import CheckpointManager
+from shardwise.train import main
+
+real_save = CheckpointManager.save
+
+def save_then_die(self, step, *args, **kwargs):
+    path = real_save(self, step, *args, **kwargs)
+    if step == 2:
+        os._exit(9)  # killed right after the checkpoint became visible
+    return path
+
+CheckpointManager.save = save_then_die
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_kill_right_after_a_save_keeps_that_steps_metrics(tmp_path, data):
+    from shardwise.launch import free_port
+
+    out = tmp_path / "run"
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_AFTER_SAVE, *TINY, "--data", data, "--steps", "4",
+                           "--save-every", "2", "--out-dir", str(out), "--device", "cpu"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    assert (out / "checkpoints" / "step_00000002" / "COMPLETE").exists()
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2], steps  # the step the checkpoint covers is in the metrics
