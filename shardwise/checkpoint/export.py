@@ -35,6 +35,8 @@ __all__ = [
     "checkpoint_info",
     "format_info",
     "parse_size",
+    "split_by_size",
+    "write_safetensors",
 ]
 
 _ST_DTYPES = {
@@ -148,7 +150,22 @@ def _header(entries: list[tuple[str, torch.Size, torch.dtype]], metadata: dict[s
     return raw + b" " * (-len(raw) % 8)
 
 
-def _write_file(path: Path, entries, tensors: Iterator[tuple[str, torch.Tensor]], metadata: dict) -> None:
+def split_by_size(entries: list[tuple[str, tuple, torch.dtype]], limit: int | None) -> list[list[int]]:
+    """Indices of ``entries`` per file, in order, each file at most ``limit`` bytes (a bigger tensor alone)."""
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, (_, shape, dt) in enumerate(entries):
+        nbytes = math.prod(shape) * dt.itemsize
+        if limit is not None and shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += nbytes
+    return shards
+
+
+def write_safetensors(path: Path, entries, tensors: Iterator[tuple[str, torch.Tensor]], metadata: dict) -> None:
+    """Write one safetensors file: the header from ``entries``, then each ``(name, tensor)`` as it arrives."""
     header = _header(entries, metadata)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -158,7 +175,7 @@ def _write_file(path: Path, entries, tensors: Iterator[tuple[str, torch.Tensor]]
         # No zip/enumerate over tensors: they keep the previous item alive during the next read.
         for got, tensor in tensors:
             name, shape, dtype = next(expected)
-            if got != name or tensor.shape != shape:
+            if got != name or tuple(tensor.shape) != tuple(shape):
                 raise AssertionError(f"streamed {got} {tuple(tensor.shape)}, header says {name} {tuple(shape)}")
             tensor = tensor.to(dtype).contiguous()
             if tensor.numel():
@@ -211,15 +228,7 @@ def export_safetensors(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype
         return dtype if dtype is not None and src.is_floating_point else src
 
     entries = [(name, saved[src].size, out_dtype(src)) for name, src in plan]
-    shards: list[list[int]] = [[]]
-    size = 0
-    for i, (_, shape, dt) in enumerate(entries):
-        nbytes = math.prod(shape) * dt.itemsize
-        if limit is not None and shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(i)
-        size += nbytes
+    shards = split_by_size(entries, limit)
     metadata = {"format": "pt", "shardwise_step": str(meta.get("step")), "shardwise_tied": json.dumps(tied)}
     if len(shards) == 1:
         files = [target]
@@ -235,7 +244,7 @@ def export_safetensors(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype
 
     written = []
     for path, indices in zip(files, shards):
-        _write_file(path, [entries[i] for i in indices], stream(indices), metadata)
+        write_safetensors(path, [entries[i] for i in indices], stream(indices), metadata)
         written.append(path)
     if len(shards) > 1:
         index = {

@@ -44,7 +44,7 @@ def write_random_folder(model_cfg, folder: Path, dtype: torch.dtype = torch.floa
                         max_shard_size: int | None = None, seed: int = 0) -> int:
     """A ``save_pretrained``-style folder of GPT config ``model_cfg`` as Llama/Mixtral, random normal weights
     (norms 1); one tensor in memory at a time. Returns the bytes of tensors written."""
-    from .export import write_safetensors
+    from ..checkpoint.export import split_by_size, write_safetensors
     from .mapping import gpt_hf_keys, gpt_to_hf_config
     from ..models import GPT
 
@@ -54,28 +54,21 @@ def write_random_folder(model_cfg, folder: Path, dtype: torch.dtype = torch.floa
     for gpt_name, hf_name, expert in gpt_hf_keys(model_cfg):
         shape = shapes[gpt_name] if expert is None else shapes[gpt_name][1:]
         entries.append((hf_name, shape, dtype))
-    shards, size = [[]], 0
-    for entry in entries:
-        nbytes = math.prod(entry[1]) * dtype.itemsize
-        if max_shard_size and shards[-1] and size + nbytes > max_shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(entry)
-        size += nbytes
+    shards = [[entries[i] for i in indices] for indices in split_by_size(entries, max_shard_size or None)]
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
 
     def tensors(part):
         for name, shape, _ in part:
             if name.endswith("norm.weight"):
-                yield torch.ones(shape)
+                yield name, torch.ones(shape)
             else:
-                yield torch.empty(shape).normal_(0.0, model_cfg.init_std, generator=gen)
+                yield name, torch.empty(shape).normal_(0.0, model_cfg.init_std, generator=gen)
 
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     for name, part in zip(names, shards):
-        write_safetensors(folder / name, part, tensors(part))
+        write_safetensors(folder / name, part, tensors(part), {"format": "pt"})
     total = sum(math.prod(s) * dtype.itemsize for _, s, _ in entries)
     if len(shards) > 1:
         weight_map = {e[0]: names[i] for i, part in enumerate(shards) for e in part}

@@ -27,51 +27,26 @@ import json
 import math
 import os
 import re
-import struct
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
-from ..checkpoint.export import DTYPES, checkpoint_info, parse_size, read_tensors, resolve_checkpoint
+from ..checkpoint.export import (
+    DTYPES,
+    checkpoint_info,
+    parse_size,
+    read_tensors,
+    resolve_checkpoint,
+    split_by_size,
+    write_safetensors,
+)
 from .mapping import gpt_hf_keys, gpt_to_hf_config
 
-__all__ = ["export_hf", "find_model_config", "write_safetensors"]
+__all__ = ["export_hf", "find_model_config"]
 
-_ST = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-       torch.bool: "BOOL"}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _OUR_FILES = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
-
-Entry = tuple[str, tuple, torch.dtype]  # (key, shape, dtype) in file order
-
-
-def write_safetensors(path: Path, entries: list[Entry], tensors: Iterator[torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> None:
-    """Write one safetensors file: the header from ``entries``, then each tensor as it arrives."""
-    header: dict = {"__metadata__": metadata or {"format": "pt"}}
-    offset = 0
-    for key, shape, dtype in entries:
-        nbytes = math.prod(shape) * dtype.itemsize
-        header[key] = {"dtype": _ST[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for key, shape, dtype in entries:
-            tensor = next(tensors)
-            if tuple(tensor.shape) != tuple(shape):
-                raise AssertionError(f"{key}: streamed {tuple(tensor.shape)}, header says {tuple(shape)}")
-            tensor = tensor.to(dtype).contiguous()
-            if tensor.numel():
-                f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
-            del tensor
-    os.replace(tmp, path)
-
 
 # ------------------------------------------------------------------ which model
 def _read_json(path: Path) -> dict:
@@ -254,15 +229,7 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.d
 
     entries = [(key, shape, out_dtype(source), source) for source, outs in plan for key, shape, _ in outs]
     float_dtypes = {d for _, _, d, _ in entries if d.is_floating_point}
-    shards: list[list[int]] = [[]]
-    size = 0
-    for i, (_, shape, dt, _) in enumerate(entries):
-        nbytes = math.prod(shape) * dt.itemsize
-        if limit is not None and shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(i)
-        size += nbytes
+    shards = split_by_size([e[:3] for e in entries], limit)
 
     out.mkdir(parents=True, exist_ok=True)
     for old in out.iterdir():  # a previous export's weights would mix with these
@@ -273,7 +240,7 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.d
 
     converters = {key: fn for _, outs in plan for key, _, fn in outs}
 
-    def stream(indices: list[int]) -> Iterator[torch.Tensor]:
+    def stream(indices: list[int]) -> Iterator[tuple[str, torch.Tensor]]:
         """Each checkpoint tensor read once (one in memory at a time), cut into its HF tensors."""
         current, tensor = None, None
         for i in indices:
@@ -282,7 +249,7 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.d
                 tensor = None  # drop the previous one before reading the next
                 tensor = next(read_tensors(ckpt, [source]))[1]
                 current = source
-            yield converters[key](tensor)
+            yield key, converters[key](tensor)
 
     written = []
     metadata = {"format": "pt", "shardwise_step": str(info["meta"].get("step"))}
