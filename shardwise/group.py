@@ -141,6 +141,16 @@ class ParamGroup:
         return param
 
     # ------------------------------------------------------- level movement
+    def _paired(self, level: int, parents: list[torch.Tensor], pieces: list[torch.Tensor]) -> tuple[list, list]:
+        """For a collective between ``level - 1`` and ``level``: each parameter's gathered region of its
+        parent slot and its piece (parameters with no rows at this level take no part)."""
+        gathered, own = [], []
+        for p, parent, piece in zip(self.params, parents, pieces):
+            if p.piece_numel(level):
+                gathered.append(parent[: p.gathered_numel(level)])
+                own.append(piece[: p.piece_numel(level)])
+        return gathered, own
+
     def _gather_levels(self, views: list[torch.Tensor], top: int, bottom: int, targets: list[torch.Tensor]) -> list:
         """All-gather every parameter's pieces from level ``top`` down to ``bottom`` into ``targets``.
 
@@ -154,12 +164,7 @@ class ParamGroup:
                 temp = torch.empty(self.layouts[level - 1].total, dtype=views[0].dtype, device=self.device)
                 temps.append(temp)
                 out_views = self.layouts[level - 1].views(temp)
-            outs, ins = [], []
-            for p, out, inp in zip(self.params, out_views, views):
-                if p.piece_numel(level):
-                    outs.append(out[: p.gathered_numel(level)])
-                    ins.append(inp[: p.piece_numel(level)])
-            gather_pieces(outs, ins, self.plan.opt_axes[level - 1])
+            gather_pieces(*self._paired(level, out_views, views), self.plan.opt_axes[level - 1])
             views = out_views
         return temps
 
@@ -174,11 +179,7 @@ class ParamGroup:
             buffer = self.streams.pool.take(total, flat.dtype, self.device)
             staged.append(buffer)
             out = buffer[:total]
-            outs, ins = [], []
-            for p, o, i in zip(self.params, self.layouts[level].views(out), self.layouts[level - 1].views(flat)):
-                if p.piece_numel(level):
-                    outs.append(o[: p.piece_numel(level)])
-                    ins.append(i[: p.gathered_numel(level)])
+            ins, outs = self._paired(level, self.layouts[level - 1].views(flat), self.layouts[level].views(out))
             reduce_scatter_pieces(outs, ins, self.plan.opt_axes[level - 1])
             flat = out
         return flat
