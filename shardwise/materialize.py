@@ -43,6 +43,8 @@ __all__ = [
     "materialize_owned_meta_modules",
     "MetaInitializer",
     "default_device",
+    "meta_tensor_names",
+    "allocate_meta_tensors",
 ]
 
 
@@ -53,7 +55,8 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _direct_meta(module: nn.Module) -> tuple[list[str], list[str]]:
+def meta_tensor_names(module: nn.Module) -> tuple[list[str], list[str]]:
+    """Names of the parameters and buffers ``module`` itself (not its children) holds on the meta device."""
     params = [n for n, p in module._parameters.items() if p is not None and p.is_meta]
     buffers = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
     return params, buffers
@@ -62,7 +65,7 @@ def _direct_meta(module: nn.Module) -> tuple[list[str], list[str]]:
 def has_meta_tensors(module: nn.Module, recurse: bool = True) -> bool:
     """Whether ``module`` (and, with ``recurse``, its submodules) holds parameters or buffers on meta."""
     modules = module.modules() if recurse else [module]
-    return any(any(_direct_meta(m)) for m in modules)
+    return any(any(meta_tensor_names(m)) for m in modules)
 
 
 def _reset_method(module: nn.Module) -> Optional[Callable[[], None]]:
@@ -81,7 +84,7 @@ def _missing_reset_error(module: nn.Module, params: list[str], buffers: list[str
     )
 
 
-def _allocate(module: nn.Module, params: list[str], buffers: list[str], device: torch.device, memo: dict) -> bool:
+def allocate_meta_tensors(module: nn.Module, params: list[str], buffers: list[str], device: torch.device, memo: dict) -> bool:
     """Give the named meta tensors storage on ``device``; return whether any was new (not a re-bound tie)."""
     fresh = bool(buffers)
     for name in params:
@@ -102,7 +105,7 @@ def _allocate(module: nn.Module, params: list[str], buffers: list[str], device: 
 
 def _meta_and_reset(module: nn.Module):
     """``(params, buffers, reset)`` for a module's own meta tensors; None when it has none."""
-    params, buffers = _direct_meta(module)
+    params, buffers = meta_tensor_names(module)
     if not params and not buffers:
         return None
     reset = _reset_method(module)
@@ -120,11 +123,11 @@ def materialize_meta_module(
         return
     params, buffers, reset = found
     device = torch.device(device) if device is not None else default_device()
-    if not _allocate(module, params, buffers, device, {} if memo is None else memo):
+    if not allocate_meta_tensors(module, params, buffers, device, {} if memo is None else memo):
         return  # only re-bound parameters initialized elsewhere
     with torch.no_grad():
         reset()
-    left = _direct_meta(module)
+    left = meta_tensor_names(module)
     if any(left):
         raise ValueError(
             f"{type(module).__name__}.reset_parameters() left {left[0] + left[1]} on the meta device"
@@ -171,7 +174,7 @@ class MetaInitializer:
             self._starts[id(module)] = torch_generator_states(self.device)
             saved_params, saved_buffers = dict(module._parameters), dict(module._buffers)
             try:
-                _allocate(module, params, buffers, self.device, {})
+                allocate_meta_tensors(module, params, buffers, self.device, {})
                 with torch.no_grad():
                     reset()
             finally:
@@ -185,7 +188,7 @@ class MetaInitializer:
     def __call__(self, owner: nn.Module, device: Optional[torch.device] = None) -> None:
         device = torch.device(device) if device is not None else self.device
         for module in owner.modules():
-            if not any(_direct_meta(module)):
+            if not any(meta_tensor_names(module)):
                 continue
             start = self._starts.get(id(module))
             if start is not None:

@@ -19,6 +19,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from ..materialize import allocate_meta_tensors, meta_tensor_names
+
 __all__ = [
     "INSTALL_HINT",
     "require_transformers",
@@ -150,26 +152,11 @@ class MetaInit:
     def __call__(self, owner: nn.Module, device: torch.device | None = None) -> None:
         device = torch.device(device) if device is not None else self.device
         for module in owner.modules():
-            params = [n for n, p in module._parameters.items() if p is not None and p.is_meta]
-            buffers = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
+            params, buffers = meta_tensor_names(module)
             if not params and not buffers:
                 continue
-            fresh = bool(buffers)
-            for name in params:
-                old = module._parameters[name]
-                known = self.memo.get(id(old))
-                if known is None:
-                    new = nn.Parameter(torch.empty_like(old, device=device), requires_grad=old.requires_grad)
-                    new.__dict__.update(old.__dict__)
-                    self.memo[id(old)] = (old, new)
-                    fresh = True
-                else:
-                    new = known[1]
-                module._parameters[name] = new
-            for name in buffers:
-                module._buffers[name] = torch.empty_like(module._buffers[name], device=device)
-            if not fresh:
-                continue
+            if not allocate_meta_tensors(module, params, buffers, device, self.memo):
+                continue  # only re-bound ties: already initialized
             if self.reset is not None and params:
                 self.reset(module)
             elif buffers:
