@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import types
 
-import pytest
 import torch
+import transformers  # noqa: F401  (the test extra installs it: missing, it must fail, not skip)
 
 from distributed import run_distributed
 from hf_cases import save_folder, tensor_bytes, tokens
-
-pytest.importorskip("transformers")
 
 
 def _load_cases(cases):

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # noqa: F401  (the test extra installs it: missing, it must fail, not skip)
 
 from distributed import run_distributed
 from hf_cases import export_and_compare, save_folder, train_then_logits, write_config
 
-pytest.importorskip("transformers")
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = str(REPO / "shardwise" / "models")  # a few hundred KB of text, byte tokens
