@@ -2,6 +2,6 @@
 
 import sys
 
-from shardwise.cli import main
+from shardwise.app.cli import main
 
 sys.exit(main())

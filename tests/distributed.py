@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import torch.multiprocessing as mp
 
-from shardwise.launch import free_port
+from shardwise.app.launch import free_port
 
 TASK_TIMEOUT_S = float(os.environ.get("SHARDWISE_TEST_TIMEOUT", "240"))
 # SHARDWISE_TEST_BACKEND=nccl runs the same tests on GPUs (one process per GPU).

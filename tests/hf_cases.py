@@ -67,9 +67,9 @@ def train_then_logits(argv: list[str]):
     freshly built sharded model; returns (step, its logits on :func:`tokens`, its class name)."""
     import shardwise
     from shardwise.checkpoint import CheckpointManager
-    from shardwise.hf.train import build_model
+    from shardwise.app.hf_train import build_model
     from shardwise.models import GPT
-    from shardwise.train import resolve_config, train
+    from shardwise.app.train import resolve_config, train
 
     cfg, model_cfg = resolve_config(argv)
     train(cfg, model_cfg)
@@ -91,7 +91,7 @@ def train_then_logits(argv: list[str]):
 def export_and_compare(run: Path, logits: torch.Tensor, out: Path, *args: str) -> dict:
     """``shardwise ckpt export RUN/checkpoints OUT --format hf``; from_pretrained(OUT) loads it with no missing
     or unexpected keys and gives ``logits`` (fp32, 1e-5). Returns the exported config.json."""
-    from shardwise.checkpoint.cli import main as ckpt_main
+    from shardwise.app.ckpt import main as ckpt_main
 
     assert ckpt_main(["export", str(run / "checkpoints"), str(out), "--format", "hf", *args]) == 0
     hf, info = hf_logits(out)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from distributed import device, run_distributed
-from shardwise.bench import cli, report, runner
-from shardwise.bench.runner import exposed_length, interval_length, merge_intervals
+from shardwise.app.bench import cli, report, runner
+from shardwise.app.bench.runner import exposed_length, interval_length, merge_intervals
 
 
 # ------------------------------------------------------------------ interval arithmetic

@@ -16,14 +16,14 @@ import torch.multiprocessing as mp
 
 import shardwise
 from distributed import device, run_distributed
-from shardwise.launch import free_port
+from shardwise.app.launch import free_port
 from shardwise.checkpoint import (
     CheckpointManager,
     CheckpointMismatchError,
     gather_full_optimizer_state,
     gather_full_state_dict,
 )
-from shardwise.data import TokenLoader
+from shardwise.app.data import TokenLoader
 from tiny_model import Block, TinyConfig, TinyLM, batch
 
 

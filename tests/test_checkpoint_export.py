@@ -16,7 +16,7 @@ from safetensors.torch import load_file, load_model
 import shardwise
 from distributed import device, run_distributed
 from shardwise.checkpoint import CheckpointManager, gather_full_state_dict
-from shardwise.checkpoint.cli import main as ckpt_main
+from shardwise.app.ckpt import main as ckpt_main
 from test_checkpoint import _build, _global_batch_step
 from tiny_model import TinyConfig, TinyLM, batch
 
@@ -109,7 +109,7 @@ def _big_source(path: str):
 
 _MEASURE = r"""
 import json, sys
-from shardwise.checkpoint.cli import main
+from shardwise.app.ckpt import main
 import shardwise.checkpoint.export
 
 def status(key):

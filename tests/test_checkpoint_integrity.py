@@ -31,7 +31,7 @@ from shardwise.checkpoint import (
     gather_full_optimizer_state,
     gather_full_state_dict,
 )
-from shardwise.checkpoint.cli import main as ckpt_main
+from shardwise.app.ckpt import main as ckpt_main
 from test_checkpoint import _build, _equal_nested, _global_batch_step
 from tiny_model import Block, TinyConfig, TinyLM
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from shardwise.train import (ConfigError, LRSchedule, global_batch_plan, lr_schedule, main, resolve_config,
+from shardwise.app.train import (ConfigError, LRSchedule, global_batch_plan, lr_schedule, main, resolve_config,
                              resumed_schedule, summarize)
 
 TINY = ["--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1", "--ffn-hidden", "64",
@@ -178,7 +178,7 @@ def _clip_refusals() -> list[str]:
     except ValueError as e:
         messages.append(str(e))
 
-    from shardwise.train import check_optimizer_params
+    from shardwise.app.train import check_optimizer_params
 
     early = torch.nn.Sequential(torch.nn.Linear(4, 4))
     optimizer = torch.optim.AdamW(early.parameters())  # built before fully_shard: holds the originals
@@ -209,7 +209,7 @@ def test_clip_grad_norm_refuses_bad_arguments_and_a_backward_optimizer():
 def test_ctrl_c_in_a_command_is_one_line_and_130(monkeypatch, capsys):
     import types
 
-    from shardwise import cli
+    from shardwise.app import cli
 
     def interrupted(argv):
         raise KeyboardInterrupt

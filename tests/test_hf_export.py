@@ -36,7 +36,7 @@ def test_presets_export_to_transformers(tmp_path, preset, extra, arch):
 
 
 def test_unmappable_patterns_and_missing_config_are_one_line_errors(tmp_path, capsys):
-    from shardwise.checkpoint.cli import main as ckpt_main
+    from shardwise.app.ckpt import main as ckpt_main
     from shardwise.hf.mapping import gpt_to_hf_config
     from shardwise.models import GPTConfig
 

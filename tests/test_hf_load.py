@@ -16,7 +16,8 @@ def _load_cases(cases):
     import shardwise
     from shardwise.hf.mapping import hf_to_gpt_fields
     from shardwise.hf.models import load_config
-    from shardwise.hf.train import build_model, init_from_folder
+    from shardwise.app.hf_train import build_model
+    from shardwise.hf.load import init_from_folder
     from shardwise.models import GPTConfig
 
     out = {}

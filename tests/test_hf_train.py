@@ -1,6 +1,6 @@
 """--hf-config trains transformers models; --init-from starts from HF weights; --format hf exports both.
 
-Training runs ``shardwise.train.train`` on the 2-process gloo pool (what each
+Training runs ``shardwise.app.train.train`` on the 2-process gloo pool (what each
 spawned worker of ``shardwise train`` runs), with the configuration resolved
 from command-line flags by ``resolve_config``.
 """
@@ -54,7 +54,7 @@ def _first_batch_loss(folder: Path, seq_len: int = 32, micro_batch_size: int = 2
     """The HF model's loss on step 1's global batch of ``shardwise train --data DATA`` (mean over ranks)."""
     from transformers import AutoModelForCausalLM
 
-    from shardwise.data import TokenLoader, load_tokens
+    from shardwise.app.data import TokenLoader, load_tokens
 
     model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
     data, losses = load_tokens(DATA), []
@@ -84,7 +84,7 @@ def test_round_trip_init_from_train_export(tmp_path):
 
 
 def test_without_transformers_the_flags_say_how_to_install(tmp_path, monkeypatch, capsys):
-    from shardwise.train import main
+    from shardwise.app.train import main
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
     for flag in ("--hf-config", "--init-from"):

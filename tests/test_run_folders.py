@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.launch import launch_local
-from shardwise.train import main, prepare_run_folder, resolve_config
+from shardwise.app.launch import launch_local
+from shardwise.app.train import main, prepare_run_folder, resolve_config
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--preset", "tiny", "--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1",
@@ -120,7 +120,7 @@ def test_a_checkpoint_folder_that_cannot_be_made_is_found_at_start(tmp_path, cap
 # ------------------------------------------------------------------ a resumed run is one run
 def _train_then_list_threads(cfg, model_cfg, started_at):
     """``train`` in a worker, then fail if a process group's threads outlived it."""
-    from shardwise.train import train
+    from shardwise.app.train import train
 
     train(cfg, model_cfg, started_at)
     names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
@@ -178,7 +178,7 @@ def test_resume_on_one_rank_continues_the_whole_run(tmp_path, data):
 _KILLED_AFTER_SAVE = """
 import os, sys
 from shardwise.checkpoint.manager import CheckpointManager
-from shardwise.train import main
+from shardwise.app.train import main
 
 real_save = CheckpointManager.save
 
@@ -194,7 +194,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_a_kill_right_after_a_save_keeps_that_steps_metrics(tmp_path, data):
-    from shardwise.launch import free_port
+    from shardwise.app.launch import free_port
 
     out = tmp_path / "run"
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from shardwise import cli
-from shardwise.data import TokenLoader, load_tokens, stdlib_corpus
-from shardwise.train import ConfigError, _lr_at, main, resolve_config
+from shardwise.app import cli
+from shardwise.app.data import TokenLoader, load_tokens, stdlib_corpus
+from shardwise.app.train import ConfigError, _lr_at, main, resolve_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ def _env():
 
 def test_smoke_run_writes_metrics_and_plot(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "shardwise.train", "--preset", "tiny", "--steps", "4", "--nproc", "2",
+    cmd = [sys.executable, "-m", "shardwise", "train", "--preset", "tiny", "--steps", "4", "--nproc", "2",
            "--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1", "--ffn-hidden", "64",
            "--seq-len", "32", "--micro-batch-size", "2", "--grad-accum", "2", "--strategy", "3",
            "--out-dir", str(out)]
@@ -140,7 +140,7 @@ def test_meta_init_trains_exactly_like_a_direct_build(tmp_path):
     losses = {}
     for flag in ("--meta-init", "--no-meta-init"):
         out = tmp_path / flag
-        cmd = [sys.executable, "-m", "shardwise.train", "--preset", "tiny", "--steps", "2", "--nproc", "2",
+        cmd = [sys.executable, "-m", "shardwise", "train", "--preset", "tiny", "--steps", "2", "--nproc", "2",
                "--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1", "--ffn-hidden", "64",
                "--seq-len", "32", "--micro-batch-size", "2", flag, "--out-dir", str(out)]
         proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)

@@ -2,7 +2,8 @@
 
 * ``shardwise train --hf-config CONFIG.json``: any ``transformers`` causal LM
   built from a config, sharded per decoder layer (``_no_split_modules``),
-  trained with its own loss (:mod:`shardwise.hf.models`, :mod:`shardwise.hf.train`).
+  trained with its own loss (:mod:`shardwise.hf.models`; the command side is
+  :mod:`shardwise.app.hf_train`).
 * ``shardwise train --init-from HF_FOLDER``: start from a ``save_pretrained``
   folder; the model is built on the meta device and every rank reads only its
   own rows with ``safe_open(...).get_slice`` (:mod:`shardwise.hf.load`).
@@ -27,7 +28,7 @@ def __getattr__(name):  # the parts that need transformers (or torch.distributed
 
         return export_hf
     if name == "init_from_folder":
-        from .train import init_from_folder
+        from .load import init_from_folder
 
         return init_from_folder
     if name in ("HFCausalLM", "load_config", "build_hf_model", "decoder_layer_classes", "INSTALL_HINT"):

@@ -17,17 +17,20 @@ from __future__ import annotations
 import json
 import math
 import resource
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .mapping import gpt_hf_keys
+from .models import HFCausalLM
 
 __all__ = [
     "SafetensorsFolder",
@@ -40,6 +43,7 @@ __all__ = [
     "gpt_sources",
     "hf_sources",
     "local_box",
+    "init_from_folder",
 ]
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -382,3 +386,27 @@ def read_whole_with_transformers(folder: str | Path, names: list[str]) -> dict[s
             return []
 
     return {n: _Memory(state[n], n) for n in names}
+
+
+def init_from_folder(model: nn.Module, folder: str | Path, model_cfg=None, whole: bool = False) -> LoadStats:
+    """Fill a sharded (or plain) model from a ``save_pretrained`` folder, each rank its own rows.
+
+    ``model`` is a :class:`shardwise.models.GPT` (give ``model_cfg``) or an
+    :class:`HFCausalLM`. ``whole=True`` reads every file completely first (the
+    usual way; for comparison).
+    """
+    reader = SafetensorsFolder(folder, whole=whole)
+    try:
+        if isinstance(model, HFCausalLM):
+            sources, uncovered = hf_sources(model, model.hf_model, reader)
+            if uncovered:
+                sources.update(read_whole_with_transformers(folder, uncovered))
+        else:
+            sources = gpt_sources(model_cfg or model.config, reader)
+        stats = load_sources(model, sources, reader)
+    finally:
+        reader.close()
+    if stats.unused_keys and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"shardwise: --init-from {folder}: {len(stats.unused_keys)} tensor(s) not used: "
+              f"{stats.unused_keys[:6]}{'...' if len(stats.unused_keys) > 6 else ''}", file=sys.stderr, flush=True)
+    return stats

@@ -95,7 +95,7 @@ class HFCausalLM(nn.Module):
 
     ``forward(tokens)`` gives the logits; ``forward(tokens, targets)`` the
     model's own loss, with ``targets`` already shifted (``targets[:, i]`` is
-    the token after ``tokens[:, i]``, as ``shardwise.data`` yields them), so
+    the token after ``tokens[:, i]``, as ``shardwise.app.data`` yields them), so
     every position counts. Parameter names are the HF model's.
     """
 

@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..models import GPT
+from ...models import GPT
 from .sizes import SIZES, BenchSize, ddp_bytes_estimate, model_config
 from .wrappers import DEFAULT_ORDER, WRAPPERS, unavailable_reason
 

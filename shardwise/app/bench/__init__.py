@@ -4,7 +4,7 @@
 * :mod:`.wrappers`: one function per wrapper, ``wrap_<name>(model, device) -> (model, optimizer)``;
 * :mod:`.runner`: training, timing, memory and exposed-communication measurement;
 * :mod:`.report`: JSON, markdown table and bar chart;
-* :mod:`.cli`: the command (``shardwise bench``, ``python -m shardwise.bench``).
+* :mod:`.cli`: the command (``shardwise bench``, ``python -m shardwise bench``).
 """
 
 from .runner import BenchOptions, exposed_length, interval_length, merge_intervals, run_benchmark

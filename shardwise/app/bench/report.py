@@ -1,7 +1,7 @@
 """Benchmark results: per-run records, a per-wrapper summary, JSON, a markdown table and a bar chart.
 
 A *run* is one wrapper trained once on one size (the dicts
-:func:`shardwise.bench.runner.run_one` returns). A *row* summarizes the runs of
+:func:`shardwise.app.bench.runner.run_one` returns). A *row* summarizes the runs of
 one (size, wrapper) over the repeats: mean tokens/s, the largest peak memory
 and exposed communication, and the comparison against FSDP2 of the same size
 (ratios of the means; the loss check per repeat against FSDP2's run of that

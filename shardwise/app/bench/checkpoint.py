@@ -1,7 +1,7 @@
 """Time a checkpoint save, a resharded load and an export for a preset; report peak host memory.
 
-    python -m shardwise.checkpoint.bench --preset 1b --dir /tmp/ckpt            # one process per GPU
-    python -m shardwise.checkpoint.bench --preset tiny --nproc 2 --dir /tmp/c    # CPU, gloo
+    python -m shardwise.app.bench.checkpoint --preset 1b --dir /tmp/ckpt            # one process per GPU
+    python -m shardwise.app.bench.checkpoint --preset tiny --nproc 2 --dir /tmp/c    # CPU, gloo
 
 Each rank builds the preset's GPT, shards it (``--strategy``), takes one AdamW
 step so optimizer state exists, saves, then builds a fresh model sharded with
@@ -46,7 +46,7 @@ def _reset_peak() -> None:
 def _build(args, strategy: str, device: torch.device):
     import shardwise
     from shardwise.models import GPT, GPTConfig
-    from shardwise.presets import PRESETS
+    from shardwise.app.presets import PRESETS
 
     names = {f.name for f in fields(GPTConfig)}
     config = GPTConfig(**{k: v for k, v in PRESETS[args.preset].items() if k in names})
@@ -155,7 +155,8 @@ print(json.dumps({"phase": "export bf16", "seconds": round(time.perf_counter() -
 """
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shardwise.checkpoint.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m shardwise.app.bench.checkpoint",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="1b")
     parser.add_argument("--dir", required=True, help="checkpoint folder (use a local disk)")
     parser.add_argument("--nproc", type=int, default=0, help="processes (default: one per GPU, 2 on CPU)")
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-export", action="store_true")
     args = parser.parse_args(argv)
     world = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() and not args.cpu else 2)
-    if launch_local(_worker, world, (args,), "shardwise.checkpoint.bench"):
+    if launch_local(_worker, world, (args,), "shardwise.app.bench.checkpoint"):
         return 1
     if not args.no_export:
         subprocess.run([sys.executable, "-c", _EXPORT, args.dir, os.path.join(args.dir, "export")], check=True)

@@ -23,15 +23,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
+from ..hf.load import init_from_folder
+from ..hf.mapping import hf_to_gpt_fields
+from ..hf.models import (INSTALL_HINT, HFCausalLM, MetaInit, build_hf_model, decoder_layer_classes, hf_reset,
+                         load_config, require_transformers)
 from ..models import GPT, GPTConfig
-from .load import SafetensorsFolder, gpt_sources, hf_sources, load_sources, read_whole_with_transformers
-from .mapping import hf_to_gpt_fields
-from .models import (INSTALL_HINT, HFCausalLM, MetaInit, build_hf_model, decoder_layer_classes, hf_reset, load_config,
-                     require_transformers)
 
-__all__ = ["resolve", "build_model", "init_from_folder"]
+__all__ = ["resolve", "build_model"]
 
 HF_CONFIG_FILE = "hf_config.json"
 _ARCH_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "rope_theta", "norm_eps",
@@ -46,10 +45,10 @@ def _say(message: str) -> None:
 def resolve(cfg, model_cfg: GPTConfig) -> GPTConfig:
     """Check ``--hf-config`` / ``--init-from`` before any process starts; the model config to train.
 
-    Raises ``shardwise.train.ConfigError`` (``--flag value: reason``). May set
+    Raises ``shardwise.app.train.ConfigError`` (``--flag value: reason``). May set
     ``cfg.hf_config`` (an ``--init-from`` folder that is no GPT shape).
     """
-    from ..train import ConfigError
+    from .train import ConfigError
 
     flag, value = ("hf_config", cfg.hf_config) if cfg.hf_config else ("init_from", cfg.init_from)
     try:
@@ -93,33 +92,8 @@ def resolve(cfg, model_cfg: GPTConfig) -> GPTConfig:
     return replace(model_cfg, vocab_size=config.get_text_config().vocab_size)
 
 
-def init_from_folder(model: nn.Module, folder: str | Path, model_cfg: GPTConfig | None = None,
-                     whole: bool = False):
-    """Fill a sharded (or plain) model from a ``save_pretrained`` folder, each rank its own rows.
-
-    ``model`` is a :class:`shardwise.models.GPT` (give ``model_cfg``) or an
-    :class:`HFCausalLM`. ``whole=True`` reads every file completely first (the
-    usual way; for comparison). Returns :class:`shardwise.hf.load.LoadStats`.
-    """
-    reader = SafetensorsFolder(folder, whole=whole)
-    try:
-        if isinstance(model, HFCausalLM):
-            sources, uncovered = hf_sources(model, model.hf_model, reader)
-            if uncovered:
-                sources.update(read_whole_with_transformers(folder, uncovered))
-        else:
-            sources = gpt_sources(model_cfg or model.config, reader)
-        stats = load_sources(model, sources, reader)
-    finally:
-        reader.close()
-    if stats.unused_keys and (not dist.is_initialized() or dist.get_rank() == 0):
-        print(f"shardwise: --init-from {folder}: {len(stats.unused_keys)} tensor(s) not used: "
-              f"{stats.unused_keys[:6]}{'...' if len(stats.unused_keys) > 6 else ''}", file=sys.stderr, flush=True)
-    return stats
-
-
 def build_model(cfg, model_cfg: GPTConfig, device: torch.device):
-    """``(model, init_fn, unit_modules)`` for ``shardwise.train`` when ``--hf-config`` / ``--init-from`` is set.
+    """``(model, init_fn, unit_modules)`` for ``shardwise.app.train`` when ``--hf-config`` / ``--init-from`` is set.
 
     ``init_fn`` goes to ``fully_shard``; its ``finish()`` (called after
     sharding) reads the ``--init-from`` rows.

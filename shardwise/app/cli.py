@@ -12,9 +12,9 @@ import sys
 __all__ = ["COMMANDS", "main"]
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("shardwise.train", "train a reference model with fully_shard"),
-    "ckpt": ("shardwise.checkpoint.cli", "inspect, verify or export a checkpoint (info, verify, export)"),
-    "bench": ("shardwise.bench.cli", "compare shardwise with FSDP2, DDP and megatron-fsdp (speed, memory, exposed comm)"),
+    "train": ("shardwise.app.train", "train a reference model with fully_shard"),
+    "ckpt": ("shardwise.app.ckpt", "inspect, verify or export a checkpoint (info, verify, export)"),
+    "bench": ("shardwise.app.bench.cli", "compare shardwise with FSDP2, DDP and megatron-fsdp (speed, memory, exposed comm)"),
 }
 
 

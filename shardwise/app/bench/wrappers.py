@@ -37,7 +37,7 @@ def make_optimizer(params, device: torch.device) -> torch.optim.Optimizer:
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
-    from ..models import UNIT_MODULES
+    from ...models import UNIT_MODULES
 
     return [m for m in model.modules() if isinstance(m, UNIT_MODULES)]
 

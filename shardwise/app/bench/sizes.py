@@ -3,7 +3,7 @@
 Every size is a Llama-style :class:`shardwise.models.GPT` (RMSNorm, RoPE, GQA,
 SwiGLU, untied embedding and output) with a sequence length, a micro-batch and
 default step counts. ``0.9b`` and ``8b`` take their shapes from the ``1b`` and
-``8b`` presets of :mod:`shardwise.presets`, so ``shardwise train`` and
+``8b`` presets of :mod:`shardwise.app.presets`, so ``shardwise train`` and
 ``shardwise bench`` train the same models.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from ..models import GPTConfig
+from ...models import GPTConfig
 from ..presets import PRESETS
 
 __all__ = ["BenchSize", "SIZES", "model_config", "ddp_bytes_estimate"]

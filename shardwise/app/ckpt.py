@@ -56,8 +56,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _verify(target: str) -> int:
-    from .export import resolve_checkpoints
-    from .integrity import verify_checkpoint
+    from ..checkpoint.export import resolve_checkpoints
+    from ..checkpoint.integrity import verify_checkpoint
 
     bad = 0
     for path in resolve_checkpoints(target):
@@ -84,8 +84,8 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    from .export import checkpoint_info, export_safetensors, format_info, parse_size
-    from .integrity import CheckpointError
+    from ..checkpoint.export import checkpoint_info, export_safetensors, format_info, parse_size
+    from ..checkpoint.integrity import CheckpointError
 
     try:
         if args.action == "info":

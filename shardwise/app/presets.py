@@ -1,7 +1,7 @@
 """Named starting points for ``shardwise train --preset NAME``.
 
 Each preset is a flat dict of field names from :class:`shardwise.models.GPTConfig`
-and :class:`shardwise.train.TrainConfig`; anything not listed keeps the dataclass
+and :class:`shardwise.app.train.TrainConfig`; anything not listed keeps the dataclass
 default, and every field can still be overridden by ``--config`` or a flag.
 
 * ``tiny``: byte-level model for CPU (2 processes on 2 cores, a few minutes).

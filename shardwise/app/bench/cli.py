@@ -3,7 +3,7 @@
     shardwise bench --size tiny --device cpu --nproc 2              # CPU, gloo, a minute
     shardwise bench --sizes 0.9b,2.8b,8b --out runs/bench           # one process per GPU
     shardwise bench --sizes 0.9b --repeats 2 --steps 20 --wrappers fsdp2,shardwise
-    torchrun --nproc-per-node 2 -m shardwise.bench --sizes 8b --steps 8b=6
+    torchrun --nproc-per-node 2 -m shardwise bench --sizes 8b --steps 8b=6
 
 Started directly it spawns ``--nproc`` local workers (default: one per GPU, or 2
 on CPU); under ``torchrun`` it is the worker. Each size is trained under every
@@ -11,7 +11,7 @@ wrapper in turn (``--repeats 2`` runs the order again reversed), results are
 printed as each run ends, and rank 0 writes ``bench.json`` (every run, the
 summary and the settings), ``bench.md`` (the table) and ``bench.png`` (bar
 charts) under ``--out``; the JSON and table are rewritten after every run, so a
-job cut short still leaves what it measured. See :mod:`shardwise.bench.runner`
+job cut short still leaves what it measured. See :mod:`shardwise.app.bench.runner`
 for exactly what is measured.
 """
 
@@ -203,6 +203,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from shardwise.bench.cli import main as _main  # so spawned workers unpickle shardwise.bench.*
+    from shardwise.app.bench.cli import main as _main  # so spawned workers unpickle shardwise.app.bench.*
 
     sys.exit(_main())

@@ -2,8 +2,8 @@
 
     shardwise train --preset tiny                       # 2 CPU processes (gloo), stdlib bytes
     shardwise train --preset 1b --strategy optim_grads  # one process per GPU (NCCL)
-    torchrun --nproc-per-node 8 -m shardwise.train --preset 8b
-    python -m shardwise.train --preset tiny --steps 50 --dim 64 --config overrides.json
+    torchrun --nproc-per-node 8 -m shardwise train --preset 8b
+    python -m shardwise train --preset tiny --steps 50 --dim 64 --config overrides.json
 
 Settings come from, lowest first: the dataclass defaults, ``--preset``, a
 ``--config`` JSON file (field names with ``_`` or ``-``), then flags. Every
@@ -47,9 +47,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .checkpoint import CheckpointManager
+from ..checkpoint import CheckpointManager
 from .data import DATA_DTYPES, TokenLoader, check_data_path, load_tokens
-from .models import GPT, GPTConfig
+from ..models import GPT, GPTConfig
 from .launch import (EXIT_INTERRUPTED, WorkerError, describe_collective_error, launch_local, one_line_warnings,
                      run_guarded, shutdown_process_groups, under_launcher)
 from .presets import PRESETS
@@ -229,7 +229,7 @@ def resolve_config(argv=None) -> tuple[TrainConfig, GPTConfig]:
     model = GPTConfig(**{k: v for k, v in values.items() if k in _MODEL_FIELDS})
     _validate(cfg, model)
     if cfg.hf_config or cfg.init_from:
-        from .hf.train import resolve  # checks transformers (says how to install it) and the config/folder
+        from .hf_train import resolve  # checks transformers (says how to install it) and the config/folder
 
         model = resolve(cfg, model)
     return cfg, model
@@ -669,7 +669,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     phase("model setup (fully_shard)")
     torch.manual_seed(cfg.seed)
     if cfg.hf_config or cfg.init_from:  # init_fn.finish() reads the --init-from rows
-        from .hf.train import build_model
+        from .hf_train import build_model
 
         model, init_fn, unit_modules = build_model(cfg, model_cfg, device)
     else:
@@ -916,6 +916,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from shardwise.train import main as _main  # so spawned workers unpickle shardwise.train.*
+    from shardwise.app.train import main as _main  # so spawned workers unpickle shardwise.app.train.*
 
     sys.exit(_main())

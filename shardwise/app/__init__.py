@@ -1,0 +1,16 @@
+"""The application built on the library: the ``shardwise`` command and what only it uses.
+
+* :mod:`.cli`: the ``shardwise`` command (``python -m shardwise <command>``);
+  it dispatches to ``train``, ``ckpt`` and ``bench``;
+* :mod:`.train`: ``shardwise train`` (the training loop, run folders, metrics);
+  :mod:`.data` (token files, the loader), :mod:`.presets` (model sizes),
+  :mod:`.hf_train` (``--hf-config`` / ``--init-from``);
+* :mod:`.launch`: local worker processes watched like torchrun, error lines;
+* :mod:`.ckpt`: ``shardwise ckpt`` (info, verify, export);
+* :mod:`.bench`: ``shardwise bench`` (shardwise against FSDP2, DDP and
+  megatron-fsdp), plus the checkpoint benchmark (:mod:`.bench.checkpoint`)
+  and the ``--init-from`` load benchmark (:mod:`.bench.hf_load`).
+
+The library (``shardwise``'s engine modules, ``checkpoint/``, ``hf/``,
+``megatron/``, ``models/``) never imports from here.
+"""
