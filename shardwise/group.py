@@ -405,6 +405,10 @@ class ParamGroup:
                 param.grad = grad
         self.main_grad = None
         self._pending_install = False
+        # An optimizer step on these grads may not show in any version counter: on CUDA, torch's
+        # default (foreach) AdamW over DTensors moved none (2 x H200, torch 2.11), so the next
+        # forward rebuilds the model weights whenever grads were handed out.
+        self.weights_stale = True
 
     # -------------------------------------------------------- weight refresh
     def _main_version(self) -> tuple[int, int]:

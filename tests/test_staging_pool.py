@@ -19,8 +19,8 @@ def test_a_buffer_of_the_same_size_and_dtype_is_reused():
     assert pool.take(10, torch.bfloat16, CPU) is not first  # another dtype never aliases it
 
 
-def test_layer_after_layer_reuses_three_buffers_and_the_head_buffers_go():
-    pool = StagingPool(recent=3)
+def test_layer_after_layer_reuses_three_buffers_and_other_sizes_go():
+    pool = StagingPool()
     # the output head's reduction: flat gradients and the reduce-scatter output
     head = [pool.take(1000, torch.float32, CPU), pool.take(500, torch.float32, CPU)]
     cast = pool.take(60, torch.bfloat16, CPU)  # the next layer's gather, prefetched
@@ -38,3 +38,14 @@ def test_layer_after_layer_reuses_three_buffers_and_the_head_buffers_go():
         assert again[0] is cast and again[1] is layer[0] and again[2] is layer[1]
     pool.clear()
     assert pool.take(120, torch.float32, CPU) is not layer[0]
+
+
+def test_a_new_size_lets_the_spares_of_other_sizes_go_before_it_is_allocated():
+    pool = StagingPool()
+    layer = [pool.take(120, torch.float32, CPU), pool.take(60, torch.float32, CPU)]
+    for b in layer:
+        pool.give(b)  # the last layer's reduction landed: spares now
+    embedding = pool.take(1000, torch.float32, CPU)  # the embedding's backward: a size never seen
+    assert pool._free == {}, "the layers' spares must not sit beside the embedding's buffer"
+    pool.give(embedding)
+    assert pool.take(1000, torch.float32, CPU) is embedding
