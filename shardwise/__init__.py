@@ -1,5 +1,6 @@
 """shardwise: Fully Sharded Data Parallel training for PyTorch."""
 
+from .compile import compile_units
 from .fully_shard import ShardedModule, fully_shard
 from .materialize import MetaInitializer, materialize_meta_module, materialize_owned_meta_modules
 from .mesh import build_dp_mesh, build_expert_mesh, check_mesh_ranks_and_group_ranks_are_consistent
@@ -11,6 +12,7 @@ from .state_dict import full_state_dict
 __all__ = [
     "fully_shard",
     "ShardedModule",
+    "compile_units",
     "MetaInitializer",
     "materialize_meta_module",
     "materialize_owned_meta_modules",

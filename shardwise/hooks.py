@@ -20,7 +20,20 @@ from .group import ParamGroup
 from .mesh import ShardingPlan
 from .unit import Unit
 
-__all__ = ["ShardedState"]
+__all__ = ["ShardedState", "opaque_to_compiler"]
+
+
+def opaque_to_compiler(fn: Callable) -> Callable:
+    """``fn`` wrapped so ``torch.compile`` never traces into it.
+
+    A compiled region that reaches it calls it as a whole, eagerly, with
+    compilation off for everything it calls: the engine's hooks gather, free
+    and reduce through collectives, streams and storage resizes that a graph
+    cannot hold. Hooks registered this way cost a compiled unit nothing when
+    only its ``forward`` is compiled (``shardwise.compile_units``): they run
+    around the compiled code, never inside it.
+    """
+    return torch.compiler.disable(fn, recursive=True, reason="shardwise hooks run eagerly, outside compiled graphs")
 
 
 def _in_backward() -> bool:
@@ -37,7 +50,7 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.state.on_post_backward(ctx.unit, ctx.recompute)
+        ctx.state.post_backward_hook(ctx.unit, ctx.recompute)
         return (None, None, None) + grads
 
 
@@ -60,6 +73,17 @@ class ShardedState:
         # shardwise.optim.BackwardOptimizer); empty for the usual optimizer.step() loop.
         self.backward_optimizers: dict[int, torch.optim.Optimizer] = {}
         self.grad_forward = False
+        # Every hook is opaque to torch.compile, made once: a compiled region that reaches one
+        # (the module's forward hooks, autograd's callbacks under a compiled backward) runs it
+        # eagerly and whole. The forward hooks shadow the methods, so fully_shard registers these.
+        for name in ("root_pre_forward", "root_post_forward", "unit_pre_forward", "unit_post_forward"):
+            setattr(self, name, opaque_to_compiler(getattr(self, name)))
+        self._root_pre_backward_hook = opaque_to_compiler(self.on_root_pre_backward)
+        self._unit_pre_backward_hooks = {
+            id(u): opaque_to_compiler(lambda grad, unit=u: self.on_unit_pre_backward(unit)) for u in units
+        }
+        self._finish_backward_callback = opaque_to_compiler(self._finish_backward)
+        self.post_backward_hook = opaque_to_compiler(self.on_post_backward)
 
     @property
     def all_units(self) -> list[Unit]:
@@ -97,7 +121,7 @@ class ShardedState:
         self.root.use_sharded()
         if not self.order_recorded and self.forward_order:
             self.order_recorded = True
-        hooked = torch.is_grad_enabled() and self._hook_outputs(output, self.on_root_pre_backward)
+        hooked = torch.is_grad_enabled() and self._hook_outputs(output, self._root_pre_backward_hook)
         if not hooked:  # nothing will run backward through this forward
             for unit in self.all_units:
                 unit.reshard()
@@ -145,7 +169,7 @@ class ShardedState:
             else:
                 unit.use_sharded()
         if torch.is_grad_enabled():
-            self._hook_outputs(output, lambda grad: self.on_unit_pre_backward(unit))
+            self._hook_outputs(output, self._unit_pre_backward_hooks[id(unit)])
         return output
 
     def on_unit_pre_backward(self, unit: Unit) -> None:
@@ -192,7 +216,7 @@ class ShardedState:
     def _queue_final_callback(self) -> None:
         if not self.callback_queued:
             self.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward_callback)
 
     def _finish_backward(self) -> None:
         ordered = list(reversed(self.forward_order)) + [u for u in self.units if id(u) not in self._order_index]
