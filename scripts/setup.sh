@@ -1,20 +1,64 @@
 #!/usr/bin/env bash
-# Install shardwise into the current Python environment.
-# An existing torch >= 2.11 is kept; with no torch, the CPU build torch==2.13.0 is
-# installed (a bare `pip install torch` would pull a multi-GB CUDA build).
+# Set up shardwise in a virtual environment, .venv at the repository root, and install
+# it there (editable, with the test extra). Nothing is installed outside .venv.
+#
+#   bash scripts/setup.sh && .venv/bin/python -m shardwise train
+#   bash scripts/setup.sh && .venv/bin/python -m pytest -q
+#
+# - .venv is created with `${PYTHON:-python3} -m venv .venv` when it does not exist; an
+#   existing .venv is used as it is (running the script again only updates the install).
+# - torch: a torch >= 2.11 that .venv/bin/python can import is kept. Otherwise the CPU
+#   build torch==2.13.0+cpu is installed (a plain `pip install torch` on Linux would pull
+#   a multi-GB CUDA build): from what pip is configured with (a local wheel folder or
+#   index), else from https://download.pytorch.org/whl/cpu.
+# - To keep a CUDA torch installed in the system Python (a GPU host), create the venv
+#   yourself first so that it sees the system's packages, then run this script:
+#       python3 -m venv --system-site-packages .venv && bash scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if ! "$PY" - <<'PYEOF'
+VPY=.venv/bin/python
+
+if [ ! -e "$VPY" ]; then
+    echo "setup: creating .venv with $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
+    if ! "$PY" -m venv .venv; then
+        rm -rf .venv
+        echo "setup: '$PY -m venv .venv' failed; on Debian/Ubuntu install the venv module" \
+             "(apt install python3-venv), or set PYTHON to another python3" >&2
+        exit 1
+    fi
+fi
+if ! "$VPY" -c 'import sys; assert sys.version_info >= (3, 10), sys.version' >/dev/null; then
+    echo "setup: .venv/bin/python does not run or is older than Python 3.10;" \
+         "delete .venv (rm -rf .venv) and run this script again" >&2
+    exit 1
+fi
+
+if "$VPY" - <<'PYEOF'
 import sys
 try:
     import torch
 except ImportError:
     sys.exit(1)
-major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-sys.exit(0 if (major, minor) >= (2, 11) else 1)
+major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+if (major, minor) < (2, 11):
+    print(f"setup: torch {torch.__version__} is older than 2.11")
+    sys.exit(1)
+print(f"setup: keeping torch {torch.__version__} ({torch.__file__.rsplit('/', 2)[0]})")
 PYEOF
 then
-    "$PY" -m pip install -q "torch==2.13.0"
+    :
+else
+    echo "setup: installing torch==2.13.0+cpu into .venv"
+    if ! log=$("$VPY" -m pip install -q "torch==2.13.0+cpu" 2>&1); then
+        echo "setup: not available from pip's configured sources; trying https://download.pytorch.org/whl/cpu"
+        if ! "$VPY" -m pip install -q "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+        then
+            echo "$log" >&2
+            exit 1
+        fi
+    fi
 fi
-"$PY" -m pip install -q -e ".[test]"
+
+echo "setup: installing shardwise (editable, with the test extra) into .venv"
+"$VPY" -m pip install -q -e ".[test]"
