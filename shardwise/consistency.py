@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .mesh import EXPERT, experts_by_mark
 from .placements import describe as describe_placements
 from .placements import normalize_placements, strategy_placements
 
@@ -192,6 +193,16 @@ def _describe_params(module: nn.Module) -> tuple:
     return tuple(out)
 
 
+def _expert_params(module: nn.Module, expert_mesh: Optional[DeviceMesh], plan_fn) -> tuple[str, ...]:
+    """The parameter names ``plan_fn`` puts on the expert mesh (none without one), in ``named_parameters`` order."""
+    if expert_mesh is None:
+        return ()
+    plan_fn = experts_by_mark if plan_fn is None else plan_fn
+    if not callable(plan_fn):
+        return ()  # fully_shard names the bad argument itself
+    return tuple(n for n, p in module.named_parameters(remove_duplicate=False) if plan_fn(n, p) == EXPERT)
+
+
 def describe(
     module: nn.Module,
     *,
@@ -205,13 +216,15 @@ def describe(
     tp_axis: str = "tp",
     ep_axis: str = "ep",
     options: Optional[Mapping[str, Any]] = None,
+    plan_fn=None,
 ) -> dict:
     """What must agree across the ranks of a mesh, as a small picklable dict.
 
     Parameters are described as this rank holds them (TP/EP slices have the
     same local shape on every rank): ``(name, shape, dtype, requires_grad,
     tensor-parallel partition dim, allreduce mark, tied-to name)``, in
-    ``named_parameters`` order with shared parameters listed under every name.
+    ``named_parameters`` order with shared parameters listed under every name;
+    with an expert mesh, the names ``plan_fn`` puts on it.
     """
     _, world = _world()
     return {
@@ -224,6 +237,7 @@ def describe(
         "options": _canon(dict(options or {})),
         "params": _describe_params(module),
         "units": _unit_names(module, unit_modules),
+        "expert_params": _expert_params(module, expert_mesh, plan_fn),
     }
 
 
@@ -275,6 +289,10 @@ def first_difference(a: dict, b: dict, ra: int, rb: int) -> Optional[str]:
             if name not in ua:
                 return f"module {name!r} is a unit (unit_modules) on rank {rb} but not on rank {ra}"
         return f"the units are {list(ua)} on rank {ra} but {list(ub)} on rank {rb}"
+    xa, xb = a.get("expert_params", ()), b.get("expert_params", ())
+    if xa != xb:
+        for name, mine, theirs in [(n, ra, rb) for n in xa if n not in xb] + [(n, rb, ra) for n in xb if n not in xa]:
+            return f"parameter {name!r} is on the expert mesh (plan_fn) on rank {mine} but not on rank {theirs}"
     return None
 
 
@@ -311,16 +329,15 @@ def _axis_row(mesh: DeviceMesh, axis: str, me: int) -> Optional[list[int]]:
     return None
 
 
-def _tp_problem(module: nn.Module, mesh: Optional[DeviceMesh], expert_mesh, tp_axis: str, me: int, world: int,
-                data_axes: Optional[Iterable[str]]) -> Optional[str]:
+def _tp_problem(module: nn.Module, mesh: Optional[DeviceMesh], experts: Iterable[str], tp_axis: str, me: int,
+                world: int, data_axes: Optional[Iterable[str]]) -> Optional[str]:
     names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ("dp_shard",)
     if data_axes is None or any(n not in data_axes and n != tp_axis for n in names):
         return None  # invalid placements or an axis neither data- nor model-parallel: fully_shard names it
     mesh_row = _axis_row(mesh, tp_axis, me) if mesh is not None and tp_axis in names else None
     for prefix, sub in module.named_modules():
         params = [(n, p) for n, p in sub._parameters.items() if p is not None and getattr(p, "tensor_model_parallel", False)]
-        if expert_mesh is not None:
-            params = [(n, p) for n, p in params if ".experts." not in f".{prefix}.{n}"]
+        params = [(n, p) for n, p in params if (f"{prefix}.{n}" if prefix else n) not in experts]
         if not params:
             continue
         pname = f"{prefix}.{params[0][0]}" if prefix else params[0][0]
@@ -412,11 +429,11 @@ def _ep_problem(module: nn.Module, mesh, expert_mesh, tp_axis: str, ep_axis: str
     return None
 
 
-def _local_problem(module, mesh, expert_mesh, tp_axis, ep_axis, me, world, data_axes) -> Optional[str]:
+def _local_problem(module, mesh, expert_mesh, tp_axis, ep_axis, me, world, data_axes, experts=()) -> Optional[str]:
     for m, what in ((mesh, "mesh"), (expert_mesh, "expert mesh")):
         if m is not None and me not in _mesh_ranks(m, world):
             return f"rank {me} is not in the {what} {m.mesh.tolist()}"
-    return _tp_problem(module, mesh, expert_mesh, tp_axis, me, world, data_axes) or _ep_problem(
+    return _tp_problem(module, mesh, set(experts), tp_axis, me, world, data_axes) or _ep_problem(
         module, mesh, expert_mesh, tp_axis, ep_axis, me, world
     )
 
@@ -435,6 +452,7 @@ def check_rank_consistency(
     tp_axis: str = "tp",
     ep_axis: str = "ep",
     options: Optional[Mapping[str, Any]] = None,
+    plan_fn=None,
 ) -> None:
     """Raise ``ValueError`` on every rank unless all ranks of each mesh wrap the same thing.
 
@@ -443,7 +461,8 @@ def check_rank_consistency(
     ``strategy``/``outer_dp_sharding_strategy``; unit classes or instances);
     ``options`` holds the other arguments that must agree (mixed precision,
     ``reshard_after_forward``, ``prefetch``, ``gradient_reduction``,
-    ``bucket_size``). A collective over the default group: every rank must call
+    ``bucket_size``); ``plan_fn`` picks the expert parameters (with an expert mesh:
+    TP slices among them are not checked against the dense mesh). A collective over the default group: every rank must call
     it, before any parameter is sharded. Ranks are compared with the ranks of
     their own mesh (pipeline stages may wrap different models).
     """
@@ -454,11 +473,12 @@ def check_rank_consistency(
             module, mesh=mesh, placements=placements, strategy=strategy,
             outer_dp_sharding_strategy=outer_dp_sharding_strategy, unit_modules=unit_modules,
             expert_mesh=expert_mesh, expert_placements=expert_placements, tp_axis=tp_axis,
-            ep_axis=ep_axis, options=options,
+            ep_axis=ep_axis, options=options, plan_fn=plan_fn,
         )
         resolved = _resolve(mesh, placements, strategy, outer_dp_sharding_strategy)
         data_axes = None if resolved is None else list(resolved)
-        problem = _local_problem(module, mesh, expert_mesh, tp_axis, ep_axis, me, world, data_axes)
+        problem = _local_problem(module, mesh, expert_mesh, tp_axis, ep_axis, me, world, data_axes,
+                                 description["expert_params"])
         peers = tuple(sorted(_mesh_ranks(mesh, world)))
     except Exception as err:  # noqa: BLE001 - reported on every rank below
         problem = f"rank {me} could not describe its model and arguments: {type(err).__name__}: {err}"

@@ -18,7 +18,7 @@ from .buffers import StreamSet
 from .consistency import check_rank_consistency
 from .group import ParamGroup, ParamRef
 from .hooks import ShardedState
-from .mesh import ShardingPlan, build_dp_mesh
+from .mesh import EXPERT, PLAN_CHOICES, ShardingPlan, build_dp_mesh, experts_by_mark
 from .placements import AxisPlacements, normalize_placements, strategy_placements
 from .precision import MixedPrecisionPolicy
 from .unit import Unit
@@ -191,17 +191,28 @@ def _expert_plan(plan, placements, expert_mesh, expert_placements, ep_axis) -> S
     return expert
 
 
-def _place_model_parallel(ref: ParamRef, plan: ShardingPlan, expert_plan, tp_axis: str, ep_axis: str) -> ShardingPlan:
-    """Choose the plan a parameter is sharded by and record its model-parallel dimensions."""
-    is_expert = ".experts." in f".{ref.fqn}"
-    target = expert_plan if (is_expert and expert_plan is not None) else plan
+def _plan_choice(plan_fn: Callable, fqn: str, param: torch.Tensor) -> str:
+    """``plan_fn(fqn, param)``, checked to be one of ``PLAN_CHOICES``."""
+    choice = plan_fn(fqn, param)
+    if not isinstance(choice, str) or choice not in PLAN_CHOICES:
+        raise ValueError(f"plan_fn returned {choice!r} for parameter {fqn!r}; it must return one of {list(PLAN_CHOICES)}")
+    return choice
+
+
+def _place_model_parallel(
+    ref: ParamRef, plan: ShardingPlan, expert_plan, tp_axis: str, ep_axis: str, plan_fn: Callable = experts_by_mark
+) -> ShardingPlan:
+    """Choose the plan a parameter is sharded by (``plan_fn``, with an expert plan) and record its
+    model-parallel dimensions."""
+    is_expert = expert_plan is not None and _plan_choice(plan_fn, ref.fqn, ref.param) == EXPERT
+    target = expert_plan if is_expert else plan
     if target is expert_plan:
         ref.model_parallel_dims[ep_axis] = 0  # experts are stacked along dim 0
     if getattr(ref.param, "tensor_model_parallel", False):
         if tp_axis in target.model_parallel:
             dim = int(getattr(ref.param, "partition_dim", 0))
             ref.model_parallel_dims[tp_axis] = dim
-        elif is_expert and expert_plan is not None:
+        elif is_expert:
             raise ValueError(
                 f"parameter {ref.fqn!r} is tensor-parallel inside experts; expert tensor parallelism "
                 "is not built yet"
@@ -272,6 +283,7 @@ def fully_shard(
     ep_axis: str = "ep",
     gradient_reduction: str = "mean",
     bucket_size: int | None = None,
+    plan_fn: Callable[[str, nn.Parameter], str] | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters, gradients and optimizer state over ``mesh``.
 
@@ -281,6 +293,10 @@ def fully_shard(
     the named shortcut. ``unit_modules`` (classes or instances) are gathered and
     freed one at a time; the root owns every other parameter. ``init_fn(module,
     device)`` materializes meta parameters one unit at a time before sharding.
+    With an ``expert_mesh``, ``plan_fn(fqn, param)`` returns ``"expert"`` for a
+    parameter sharded over it (its ``ep_axis`` split along dim 0) and ``"dense"``
+    for one sharded over ``mesh``; by default a parameter marked
+    ``allreduce=False`` (Megatron's mark for experts) is an expert.
     Returns ``module`` itself, whose parameters are now DTensors.
     """
     if not isinstance(module, nn.Module):
@@ -296,6 +312,7 @@ def fully_shard(
         module, mesh=mesh, placements=placements, strategy=strategy,
         outer_dp_sharding_strategy=outer_dp_sharding_strategy, unit_modules=unit_modules,
         expert_mesh=expert_mesh, expert_placements=expert_placements, tp_axis=tp_axis, ep_axis=ep_axis,
+        plan_fn=plan_fn,
         options=dict(mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
                      prefetch=prefetch, gradient_reduction=gradient_reduction, bucket_size=bucket_size),
     )
@@ -308,6 +325,9 @@ def fully_shard(
     )
     if init_fn is not None and not callable(init_fn):
         raise TypeError(f"init_fn={init_fn!r} must be a callable (module, device) or None")
+    if plan_fn is not None and not callable(plan_fn):
+        raise TypeError(f"plan_fn={plan_fn!r} must be a callable (fqn, param) -> {' or '.join(map(repr, PLAN_CHOICES))}")
+    plan_fn = plan_fn or experts_by_mark
     mesh, placements = _resolve_placements(mesh, placements, strategy, outer_dp_sharding_strategy)
     names = mesh.mesh_dim_names or ()
     plan = ShardingPlan(mesh, placements, model_parallel_axes=[tp_axis] if tp_axis in names else [])
@@ -354,7 +374,7 @@ def fully_shard(
                 ref.holders.append((holder, attr))
         buckets: dict[tuple, list[ParamRef]] = {}
         for ref in refs.values():
-            ref_plan = _place_model_parallel(ref, plan, expert_plan, tp_axis, ep_axis)
+            ref_plan = _place_model_parallel(ref, plan, expert_plan, tp_axis, ep_axis, plan_fn)
             sequence_parallel = bool(getattr(ref.param, "sequence_parallel", False)) and tp_axis in ref_plan.model_parallel
             key = (id(ref_plan), ref.param.dtype, ref.param.requires_grad, sequence_parallel)
             buckets.setdefault(key, []).append(ref)

@@ -28,6 +28,10 @@ __all__ = [
     "build_expert_mesh",
     "default_device_type",
     "check_mesh_ranks_and_group_ranks_are_consistent",
+    "DENSE",
+    "EXPERT",
+    "PLAN_CHOICES",
+    "experts_by_mark",
 ]
 
 
@@ -196,10 +200,7 @@ class ShardingPlan:
             names = list(self.mesh_axes)
             sharded = set(self.opt_axis_names)
             order = [n for n in names if n not in sharded] + self.opt_axis_names
-            trivial = {n for n in names if self.mesh.size(names.index(n)) == 1}
-            if [n for n in order if n not in trivial] == [n for n in names if n not in trivial]:
-                # A size-1 axis splits nothing, so its position is free; keeping the given mesh also
-                # avoids torch 2.11's failure to slice a regrouped mesh with a size-1 axis in it.
+            if order == names:
                 self._dt_mesh = self.mesh
             else:
                 perm = [names.index(n) for n in order]
@@ -216,3 +217,21 @@ class ShardingPlan:
         for name, dim in model_parallel_dims.items():
             shape[dim] *= self.model_parallel[name].size
         return torch.Size(shape)
+
+
+# --------------------------------------------- which plan a parameter is sharded by
+DENSE = "dense"
+"""``plan_fn``'s answer for a parameter sharded over ``fully_shard``'s ``mesh``."""
+EXPERT = "expert"
+"""``plan_fn``'s answer for a parameter sharded over ``fully_shard``'s ``expert_mesh``."""
+PLAN_CHOICES = (DENSE, EXPERT)
+
+
+def experts_by_mark(fqn: str, param: torch.Tensor) -> str:
+    """``fully_shard``'s default ``plan_fn``: :data:`EXPERT` for a parameter marked ``allreduce=False``.
+
+    That is Megatron's mark for expert weights (their gradients are reduced over
+    the expert-data-parallel ranks only), which shardwise's models set on their
+    experts too; the name plays no part. Everything else is :data:`DENSE`.
+    """
+    return EXPERT if getattr(param, "allreduce", True) is False else DENSE

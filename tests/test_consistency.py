@@ -284,6 +284,8 @@ def test_first_difference_names_the_first_field():
     assert first_difference(a, b, 0, 3) == "parameter 'w' has shape (2, 3) on rank 0 but (3, 2) on rank 3"
     assert "is a unit" in first_difference(a, dict(a, units=("x",)), 0, 1)
     assert first_difference(a, dict(b, mesh="n"), 0, 1).startswith("the mesh: m on rank 0 but n on rank 1")
+    assert first_difference(a, dict(a, expert_params=("w",)), 0, 1) == (
+        "parameter 'w' is on the expert mesh (plan_fn) on rank 1 but not on rank 0")
 
 
 def test_group_layout_of_four_ranks():

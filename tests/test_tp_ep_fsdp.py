@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import shardwise
 from distributed import device, run_distributed
-from shardwise.models import GPT, GPTConfig, MoETransformerLayer, TransformerLayer
+from shardwise.models import GPT, GPTConfig, MoE, MoETransformerLayer, TransformerLayer
 
 STEPS, GLOBAL_BATCH, SEQ = 4, 8, 16
 
@@ -124,6 +124,61 @@ def _ep_dp(strategy):
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
 def test_ep2_dp2_matches_ep1_single_process(strategy):
     run_distributed(_ep_dp, 4, strategy)
+
+
+def _experts_renamed(model: GPT) -> GPT:
+    """Move every MoE layer's experts from ``.experts`` to ``.bank`` (the forward still finds them)
+    and drop their ``allreduce=False`` mark: neither a name nor a mark says they are experts."""
+    for layer in model.layers:
+        moe = layer.mlp
+        if isinstance(moe, MoE):
+            bank = moe._modules.pop("experts")
+            moe._modules["bank"] = bank
+            moe.__dict__["experts"] = bank  # MoE.forward reads self.experts
+            for p in bank.parameters():
+                del p.allreduce
+    return model
+
+
+def _ep_dp_plan_fn():
+    dev = device()
+    expert_mesh = shardwise.build_expert_mesh(ep=2)
+    moe = dict(layer_pattern="AE", moe_num_experts=4, moe_top_k=2, moe_aux_loss_coef=0.0)
+    units = [TransformerLayer, MoETransformerLayer]
+
+    def build():
+        torch.manual_seed(0)
+        model = _experts_renamed(GPT(_config(**moe, ep_group=expert_mesh.get_group("ep"))))
+        assert not any(".experts." in n or getattr(p, "allreduce", True) is False for n, p in model.named_parameters())
+        return model
+
+    def plan_fn(fqn, param):
+        return "expert" if ".bank." in fqn else "dense"
+
+    # the default plan_fn reads the allreduce mark, not the name: the unmarked bank stays dense
+    default = shardwise.fully_shard(build(), strategy="optim_grads_params", unit_modules=units, expert_mesh=expert_mesh)
+    assert "ep" not in default.layers[1].mlp.bank.w1.device_mesh.mesh_dim_names
+    try:
+        shardwise.fully_shard(build(), unit_modules=units, expert_mesh=expert_mesh, plan_fn=lambda fqn, p: "experts")
+        bad = None
+    except ValueError as exc:
+        bad = str(exc)
+    assert bad is not None and "plan_fn returned 'experts'" in bad, bad
+
+    model = shardwise.fully_shard(build(), strategy="optim_grads_params", unit_modules=units, expert_mesh=expert_mesh,
+                                  plan_fn=plan_fn)
+    w1 = model.layers[1].mlp.bank.w1
+    assert "ep" in w1.device_mesh.mesh_dim_names and w1.shape[0] == 4  # all 4 experts, split over EP
+    assert "ep" not in model.layers[1].mlp.router.device_mesh.mesh_dim_names
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = _train(model, opt, dist.get_rank(), dist.get_world_size(), dev)
+    full = {k.replace(".bank.", ".experts."): v for k, v in shardwise.full_state_dict(model).items()}
+    ref_losses, ref_state = _reference(_config(**moe), dev)
+    _compare(losses, ref_losses, full, ref_state)
+
+
+def test_plan_fn_puts_parameters_not_named_experts_on_the_expert_mesh():
+    run_distributed(_ep_dp_plan_fn, 4)
 
 
 def _mismatched_groups():
