@@ -200,7 +200,10 @@ class ShardingPlan:
             names = list(self.mesh_axes)
             sharded = set(self.opt_axis_names)
             order = [n for n in names if n not in sharded] + self.opt_axis_names
-            if order == names:
+            trivial = {n for n in names if self.mesh.size(names.index(n)) == 1}
+            if [n for n in order if n not in trivial] == [n for n in names if n not in trivial]:
+                # A size-1 axis splits nothing, so its position is free; keeping the given mesh also
+                # avoids torch 2.11's failure to slice a regrouped mesh with a size-1 axis in it.
                 self._dt_mesh = self.mesh
             else:
                 perm = [names.index(n) for n in order]
