@@ -1,22 +1,41 @@
 """shardwise: Fully Sharded Data Parallel training for PyTorch."""
 
 from .compile import compile_units
+from .engine import (
+    broadcast_from_first_replica,
+    install_grads,
+    is_sharded,
+    load_full_state_dict,
+    refresh_model_weights,
+    sharded_state,
+    wait_for_reductions,
+)
 from .fully_shard import ShardedModule, fully_shard
 from .materialize import MetaInitializer, materialize_meta_module, materialize_owned_meta_modules
-from .mesh import build_dp_mesh, build_expert_mesh, check_mesh_ranks_and_group_ranks_are_consistent
+from .mesh import build_dp_mesh, build_expert_mesh, check_mesh_ranks_and_group_ranks_are_consistent, experts_by_mark
 from .optim import BackwardOptimizer, clip_grad_norm_, grad_norm
 from .placements import AxisPlacements, STRATEGY_PLACEMENTS, resolve_strategy, strategy_placements
+from .offload import OffloadPolicy
 from .precision import MixedPrecisionPolicy
 from .state_dict import full_state_dict
 
 __all__ = [
     "fully_shard",
     "ShardedModule",
+    "sharded_state",
+    "is_sharded",
+    "wait_for_reductions",
+    "install_grads",
+    "refresh_model_weights",
+    "broadcast_from_first_replica",
+    "load_full_state_dict",
+    "experts_by_mark",
     "compile_units",
     "MetaInitializer",
     "materialize_meta_module",
     "materialize_owned_meta_modules",
     "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "AxisPlacements",
     "STRATEGY_PLACEMENTS",
     "strategy_placements",

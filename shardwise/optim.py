@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from .engine import sharded_state
+
 __all__ = ["clip_grad_norm_", "grad_norm"]
 
 
@@ -22,30 +24,43 @@ def _shard_groups(param: torch.Tensor) -> tuple:
     )
 
 
+def _comm_device(parameters: list) -> torch.device | None:
+    """Where the collectives of these DTensors' meshes run (their mesh's device type)."""
+    for p in parameters:
+        if isinstance(p, DTensor) and p.device_mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
 def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all gradients as if they were unsharded (the same value on every rank)."""
     norm_type = float(norm_type)
+    parameters = list(parameters)
     by_groups: dict[tuple, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is None:
             continue
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        by_groups.setdefault(_shard_groups(p), []).append(grad)
+        by_groups.setdefault((_shard_groups(p), grad.device), []).append(grad)  # offloaded ones on the host
     if not by_groups:
         return torch.tensor(0.0)
     device = next(iter(by_groups.values()))[0].device
+    # Offloaded grads live on the host; NCCL sums only device tensors.
+    comm_device = _comm_device(parameters) or device
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for groups, grads in by_groups.items():
+    for (groups, grad_device), grads in by_groups.items():
         grads = [g for g in grads if g.numel()]
         if grads:
             norms = torch._foreach_norm(grads, norm_type)
             part = torch.stack([n.float() for n in norms])
             local = part.max() if math.isinf(norm_type) else part.pow(norm_type).sum()
         else:
-            local = torch.zeros((), dtype=torch.float32, device=device)
+            local = torch.zeros((), dtype=torch.float32, device=grad_device)
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        local = local.to(comm_device if groups else device)
         for group in groups:
             dist.all_reduce(local, op=op, group=group)
+        local = local.to(device)
         total = torch.maximum(total, local) if math.isinf(norm_type) else total + local
     return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
 
@@ -91,9 +106,12 @@ def clip_grad_norm_(
         raise RuntimeError(f"the total norm of gradients is {total.item()}, which is not finite")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     grads = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in parameters if p.grad is not None]
-    grads = [g for g in grads if g.numel()]
-    if grads:
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        if g.numel():
+            by_device.setdefault(g.device, []).append(g)
+    for grad_device, same in by_device.items():
+        torch._foreach_mul_(same, coef.to(grad_device))
     return total
 
 
@@ -112,9 +130,7 @@ class BackwardOptimizer:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer_class, **kwargs):
-        state = getattr(model, "_shardwise_state", None)
-        if state is None:
-            raise ValueError(f"{type(model).__name__} is not sharded by shardwise.fully_shard")
+        state = sharded_state(model)
         if state.backward_optimizers:
             raise ValueError("the model already has a BackwardOptimizer")
         self.optimizers: dict[str, torch.optim.Optimizer] = {}

@@ -7,6 +7,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .engine import sharded_state
+
 __all__ = ["full_state_dict", "full_tensor_dict", "gathered"]
 
 
@@ -48,8 +50,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False, cpu: bool = True
     buffers included). A collective: every rank must call it. With
     ``rank0_only`` the other ranks get an empty dict (they still take part).
     """
-    if getattr(model, "_shardwise_state", None) is None:
-        raise ValueError(f"{type(model).__name__} is not sharded by shardwise.fully_shard")
+    sharded_state(model)  # refuses a model fully_shard did not wrap
     with torch.no_grad():
         same = {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}
         out = full_tensor_dict(model.state_dict(), cpu=cpu, same=same)

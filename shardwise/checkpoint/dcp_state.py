@@ -61,6 +61,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from ..engine import sharded_state
 from .integrity import read_dcp_metadata
 from .rng_state import capture_rng_state, restore_rng_state
 
@@ -86,13 +87,6 @@ _WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wr
 
 
 # ------------------------------------------------------------- the model
-def _state(model: nn.Module):
-    state = getattr(model, "_shardwise_state", None)
-    if state is None:
-        raise ValueError(f"{type(model).__name__} is not sharded by shardwise.fully_shard")
-    return state
-
-
 def _clean(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
@@ -131,7 +125,7 @@ def model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, 
 
     The values share storage with the model: DCP reads into them in place.
     """
-    _state(model)
+    sharded_state(model)
     state = get_model_state_dict(model)
     _, aliases, _ = _names(model, state.keys())
     return {k: v for k, v in state.items() if k not in aliases and isinstance(v, torch.Tensor)}, aliases
@@ -141,7 +135,7 @@ def describe_model(model: nn.Module) -> dict:
     """JSON-friendly facts: tensors (shape, dtype, kind), tied aliases, mesh and placements."""
     from ..placements import STRATEGY_PLACEMENTS, describe
 
-    plan = _state(model).plan
+    plan = sharded_state(model).plan
     tensors, aliases = model_tensors(model)
     params = {_clean(n): p for n, p in model.named_parameters()}
     described = {}

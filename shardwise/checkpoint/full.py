@@ -17,7 +17,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..state_dict import gathered
-from .dcp_state import _optimizer_params, _state, model_tensors
+from ..engine import sharded_state
+from .dcp_state import _optimizer_params, model_tensors
 
 __all__ = ["gather_full_state_dict", "gather_full_optimizer_state"]
 
@@ -57,7 +58,7 @@ def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True, dtype: 
 def gather_full_optimizer_state(model: nn.Module, optimizer, *, rank0_only: bool = True) -> dict[str, dict[str, Any]]:
     """``{fqn: {state key: value}}`` with sharded state (``exp_avg``...) gathered to full CPU tensors."""
     keep = _keep(rank0_only)
-    _state(model)
+    sharded_state(model)
     out: dict[str, dict[str, Any]] = {}
     for _, pairs in _optimizer_params(model, optimizer):
         for fqn, param in pairs:

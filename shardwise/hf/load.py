@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..engine import is_sharded
 from .mapping import gpt_hf_keys
 from .models import HFCausalLM
 
@@ -269,7 +270,7 @@ def load_sources(model: nn.Module, sources: dict[str, Source], folder: Safetenso
             del block
         stats.tensors += 1
     mark = getattr(model, "mark_weights_modified", None)
-    if callable(mark) and getattr(model, "_shardwise_state", None) is not None:
+    if callable(mark) and is_sharded(model):
         mark()
     if folder is not None:
         used = {k for n in params if n in sources for k in sources[n].keys()}

@@ -22,18 +22,19 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-from ..fully_shard import ShardedState, fully_shard
+from ..engine import ShardedState, load_full_state_dict, sharded_state
+from ..fully_shard import fully_shard
 from ..materialize import MetaInitializer, has_meta_tensors
-from ..mesh import default_device_type
+from ..mesh import DENSE, EXPERT, default_device_type
 from ..placements import AxisPlacements
 from ..precision import MixedPrecisionPolicy
 from .config import OUTER_SHARDING_STRATEGIES, DistributedDataParallelConfig, TransformerConfig
 from .meshes import _DATA_PARALLEL_PLACEMENTS, EP_AXIS, INNER_AXIS, OUTER_AXIS, TP_AXIS
 from .process_groups import group_size
 
-__all__ = ["_BaseDataParallel", "_ShardedDataParallel", "logger"]
+__all__ = ["_BaseDataParallel", "_ShardedDataParallel", "expert_plan_fn", "is_expert_param", "logger"]
 
 # Named after the module Megatron users know; V1, V2 and the factory all log here.
 logger = logging.getLogger("shardwise.megatron.mcore_fsdp_adapter")
@@ -132,9 +133,20 @@ def _device_type(device: Optional[torch.device]) -> str:
     return torch.device(device).type if device is not None else default_device_type()
 
 
+def is_expert_param(fqn: str, param: Optional[torch.Tensor] = None) -> bool:
+    """Whether a parameter is an expert weight, by Megatron-Core's layout: a MoE layer keeps its
+    experts in an ``experts`` submodule (``...mlp.experts.*``), as Megatron-FSDP assumes too."""
+    return ".experts." in f".{fqn}"
+
+
+def expert_plan_fn(fqn: str, param: torch.Tensor) -> str:
+    """The ``plan_fn`` the face hands ``fully_shard``: expert weights on the expert mesh, the rest dense."""
+    return EXPERT if is_expert_param(fqn, param) else DENSE
+
+
 def _has_expert_params(module: nn.Module) -> bool:
-    """Whether some parameter lies under ``.experts.`` (what the engine puts on the expert mesh)."""
-    return any(".experts." in f".{name}" for name, _ in module.named_parameters())
+    """Whether some parameter is an expert weight (what the face puts on the expert mesh)."""
+    return any(is_expert_param(name, p) for name, p in module.named_parameters())
 
 
 @dataclass(frozen=True)
@@ -252,7 +264,8 @@ class _ShardedDataParallel(_BaseDataParallel):
         bucket_size: Optional[int] = None,
     ) -> None:
         """Shard ``self.module`` with the engine: dense parameters over ``mesh`` (its ``tp`` axis, if
-        any, is tensor-parallel), ``.experts.`` parameters over ``expert_mesh`` (its ``ep`` axis)."""
+        any, is tensor-parallel), expert parameters (:func:`is_expert_param`) over ``expert_mesh``
+        (its ``ep`` axis)."""
         module = self.module
         initializer = None
         if has_meta_tensors(module):
@@ -279,6 +292,7 @@ class _ShardedDataParallel(_BaseDataParallel):
             ep_axis=EP_AXIS,
             gradient_reduction=gradient_reduction,
             bucket_size=bucket_size,
+            plan_fn=expert_plan_fn,
         )
         if initializer is not None:
             initializer.finish()
@@ -286,13 +300,7 @@ class _ShardedDataParallel(_BaseDataParallel):
     @property
     def sharded_state(self) -> ShardedState:
         """The engine's state for the wrapped model (units, parameter groups, sharding plan)."""
-        return self.module.sharded_state
-
-    def _wait_for_reductions(self) -> None:
-        state = self.sharded_state
-        for flight in state.in_flight:
-            flight.wait()
-        state.in_flight = []
+        return sharded_state(self.module)
 
     # ----------------------------------------------------------- micro-batches
     def no_sync(self):
@@ -327,19 +335,4 @@ class _ShardedDataParallel(_BaseDataParallel):
         Full tensors are cut to this rank's shard locally (no communication);
         the engine refreshes the compute weights at the next forward.
         """
-        params = dict(self.module.named_parameters())
-        converted = {}
-        for key, value in state_dict.items():
-            param = params.get(key)
-            if param is not None and isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                value = _shard_like(param, value)
-            converted[key] = value
-        return self.module.load_state_dict(converted, strict=strict)
-
-
-def _shard_like(param: DTensor, full: torch.Tensor) -> DTensor:
-    """This rank's piece of the global tensor ``full``, laid out like the sharded ``param`` (no communication)."""
-    if tuple(full.shape) != tuple(param.shape):
-        raise ValueError(f"cannot load a tensor of shape {tuple(full.shape)} into a parameter of shape {tuple(param.shape)}")
-    value = full.detach().to(device=param.to_local().device, dtype=param.dtype)
-    return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+        return load_full_state_dict(self.module, state_dict, strict=strict)

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
 
+from ..engine import broadcast_from_first_replica, install_grads, refresh_model_weights, wait_for_reductions
 from ..placements import AxisPlacements
 from ..rng import sync_rng_states
 from .base import (
@@ -83,7 +83,7 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
     Tensor parallelism (``tensor_model_parallel_size > 1``): the model's TP
     slices are sharded over the data-parallel axes of a ``dp x tp`` mesh and
     their DTensors describe the global tensors. Expert parallelism
-    (``expert_model_parallel_size > 1``): ``.experts.`` parameters are sharded
+    (``expert_model_parallel_size > 1``): expert parameters (under ``.experts.``) are sharded
     over ``expt_dp`` on an ``(expert_dp, ep)`` mesh, the rest over ``dp_cp``.
     The model must be built with ``pg_collection``'s ``tp`` / ``ep`` groups.
     """
@@ -275,8 +275,7 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         units are gathered later by their forward hooks. Without this call the
         engine does the same at the next forward.
         """
-        for group in self.sharded_state.groups:
-            group.refresh_model_weights()
+        refresh_model_weights(self.module)
 
     def synchronize_param_gather(self, *unused, **unused_kwargs) -> None:
         """Nothing to wait for: ``start_param_sync`` returns with its gathers done, and
@@ -291,11 +290,9 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         The engine already does both in its end-of-backward callback, so after
         the last micro-batch's ``backward()`` this only confirms it (idempotent).
         """
-        self._wait_for_reductions()
-        for unit in self.sharded_state.all_units:
-            unit.install_grads()
+        wait_for_reductions(self.module)
+        install_grads(self.module)
 
-    @torch.no_grad()
     def broadcast_params(self) -> None:
         """Make every data-parallel replica hold the first replica's weights.
 
@@ -305,17 +302,11 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         EP ranks keep their own experts); the compute weights are rebuilt at the
         next forward.
         """
-        for group in self.sharded_state.groups:
-            plan = group.plan
-            for name, placement in plan.placements.items():
-                axis = plan.axes[name]
-                if axis.size > 1 and isinstance(placement.optimizer, Replicate):
-                    group.broadcast_main_weights(axis)
-        self.module.mark_weights_modified()
+        broadcast_from_first_replica(self.module)
 
     def stop_communication(self) -> None:
         """Wait for every outstanding gradient reduction."""
-        self._wait_for_reductions()
+        wait_for_reductions(self.module)
 
     def sync_rng_states_across_tp_group(self) -> None:
         """Give every tensor-parallel rank TP rank 0's Python, NumPy, torch, CUDA and tracker RNG states.

@@ -1,0 +1,134 @@
+"""The engine's public API for the faces: what Megatron, checkpoints and Hugging Face may touch.
+
+A face drives a model that :func:`shardwise.fully_shard` wrapped through these
+functions and the methods ``fully_shard`` adds to the model (``no_sync``,
+``zero_grad_buffer``, ``mark_weights_modified``, ...). It never reads a
+parameter group's buffers or the hooks' bookkeeping itself, so the engine can
+change those without breaking a face.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+from .fully_shard import _STATE_ATTR, ShardedState
+
+__all__ = [
+    "ShardedState",
+    "sharded_state",
+    "is_sharded",
+    "wait_for_reductions",
+    "install_grads",
+    "refresh_model_weights",
+    "broadcast_from_first_replica",
+    "load_full_state_dict",
+    "shard_like",
+]
+
+
+def sharded_state(model: nn.Module) -> ShardedState:
+    """The engine's state of a model ``fully_shard`` wrapped: its units, parameter groups and plan.
+
+    The one way to it: ``ValueError`` naming the model's type when ``model`` is
+    not the module ``fully_shard`` returned (a face's wrapper passes its ``.module``).
+    """
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} is not sharded by shardwise.fully_shard")
+    return state
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is a module ``fully_shard`` wrapped (so :func:`sharded_state` answers)."""
+    return getattr(model, _STATE_ATTR, None) is not None
+
+
+def wait_for_reductions(model: nn.Module) -> None:
+    """Wait for every gradient reduction still in flight.
+
+    Backward already waits for its reductions when it ends; a schedule with an
+    explicit finish step (Megatron's ``finish_grad_sync``, ``stop_communication``)
+    calls this so it does not depend on that. A group with a
+    :class:`~shardwise.BackwardOptimizer` steps as its reduction lands, as in backward.
+    """
+    sharded_state(model)._land_in_flight()
+
+
+def install_grads(model: nn.Module) -> None:
+    """Expose every finalized gradient as its parameter's ``.grad`` (a DTensor on the gradient buffer).
+
+    The last backward of a step does this; calling it again changes nothing. For
+    a schedule whose finish step promises that ``.grad`` is in place.
+    """
+    for unit in sharded_state(model).all_units:
+        unit.install_grads()
+
+
+def refresh_model_weights(model: nn.Module) -> None:
+    """Rebuild the compute weights from main weights that changed (an optimizer step), now.
+
+    Where the optimizer state is sharded but the parameters are not (ZeRO-1/2,
+    HFSDP's outer axis) this is the all-gather of the updated shards. The engine
+    does the same at the next forward; a face calls it to start that work earlier
+    (Megatron's ``start_param_sync``). Groups whose weights did not change do nothing.
+    """
+    for group in sharded_state(model).groups:
+        group.refresh_model_weights()
+
+
+@torch.no_grad()
+def broadcast_from_first_replica(model: nn.Module, axes: Optional[Iterable[str]] = None) -> None:
+    """Make every data-parallel replica hold the first replica's main weights.
+
+    For a model initialized differently on each rank (Megatron's
+    ``broadcast_params``). On each data-parallel axis (those named in ``axes``;
+    all by default) where a group's main weights are replicated, the axis's first
+    rank broadcasts them; an axis that shards them has nothing to agree on.
+    Expert groups use their own (expert) mesh, so expert-parallel ranks keep their
+    own experts. The compute weights are rebuilt at the next forward. A
+    collective: every rank calls it.
+    """
+    state = sharded_state(model)
+    wanted = None if axes is None else ([axes] if isinstance(axes, str) else list(axes))
+    if wanted is not None:
+        known = {name for group in state.groups for name in group.plan.placements} | set(state.plan.placements)
+        unknown = [a for a in wanted if a not in known]
+        if unknown:
+            raise ValueError(f"axes {unknown} are not data-parallel axes of the model; it has {sorted(known)}")
+    for group in state.groups:
+        plan = group.plan
+        for name, placement in plan.placements.items():
+            axis = plan.axes[name]
+            if (wanted is None or name in wanted) and axis.size > 1 and isinstance(placement.optimizer, Replicate):
+                group.broadcast_main_weights(axis)
+    state.mark_weights_modified()
+
+
+def shard_like(param: DTensor, full: torch.Tensor) -> DTensor:
+    """This rank's piece of the global tensor ``full``, laid out like the sharded ``param`` (no communication)."""
+    if tuple(full.shape) != tuple(param.shape):
+        raise ValueError(f"cannot load a tensor of shape {tuple(full.shape)} into a parameter of shape {tuple(param.shape)}")
+    value = full.detach().to(device=param.to_local().device, dtype=param.dtype)
+    return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+
+
+def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True):
+    """``model.load_state_dict`` for values that are the model's DTensors or full (unsharded) tensors.
+
+    Each full tensor of a parameter is cut to this rank's piece locally (no
+    communication), so every rank may load the same full checkpoint; the compute
+    weights are rebuilt at the next forward. Returns what ``load_state_dict`` returns.
+    """
+    sharded_state(model)
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied aliases too
+    converted = {}
+    for key, value in state_dict.items():
+        param = params.get(key)
+        if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            value = shard_like(param, value)
+        converted[key] = value
+    return model.load_state_dict(converted, strict=strict)
