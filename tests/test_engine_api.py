@@ -1,6 +1,7 @@
 """The engine's public API for the faces (issue 16, item 2), and the import rules that keep the faces on it.
 
 - no underscore name is imported across a package boundary inside ``shardwise/``;
+- ``shardwise.megatron`` does not import ``shardwise.models`` (unit types come from the registry);
 - only ``sharded_state`` reads the engine's state attribute;
 - the API functions do what the faces rely on (2 gloo processes).
 """
@@ -18,6 +19,7 @@ import torch.nn as nn
 import shardwise
 from distributed import device, run_distributed
 from shardwise.mesh import DENSE, EXPERT, experts_by_mark
+from shardwise.registry import EXPERTS, LAYER, module_types, register_module_type
 from tiny_model import Block, TinyConfig, TinyLM, batch
 
 PACKAGE = Path(shardwise.__file__).parent
@@ -67,6 +69,12 @@ def test_no_underscore_name_crosses_a_package_boundary():
     assert not crossing, "\n".join(crossing)
 
 
+def test_megatron_does_not_import_models():
+    found = [f"{p.relative_to(PACKAGE.parent)}:{line}: {target}" for p, line, package, target, _ in _imports()
+             if package.startswith("shardwise.megatron") and (target == "shardwise.models" or target.startswith("shardwise.models."))]
+    assert not found, found
+
+
 def test_only_the_accessor_reads_the_engine_state_attribute():
     from shardwise.fully_shard import _STATE_ATTR
 
@@ -82,6 +90,17 @@ def test_sharded_state_names_a_model_that_is_not_wrapped():
         shardwise.sharded_state(model)
     with pytest.raises(ValueError, match="Linear is not sharded"):
         shardwise.wait_for_reductions(model)
+
+
+def test_models_register_their_layers_and_experts():
+    from shardwise.models import UNIT_MODULES, Experts
+
+    assert module_types(LAYER)[: len(UNIT_MODULES)] == UNIT_MODULES
+    assert Experts in module_types(EXPERTS)
+    with pytest.raises(ValueError, match="not one of"):
+        module_types("unit")
+    with pytest.raises(TypeError, match="needs a class"):
+        register_module_type(LAYER, Block(TinyConfig()))
 
 
 def test_default_plan_fn_reads_the_mark_not_the_name():

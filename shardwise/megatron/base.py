@@ -30,6 +30,7 @@ from ..materialize import MetaInitializer, has_meta_tensors
 from ..mesh import DENSE, EXPERT, default_device_type
 from ..placements import AxisPlacements
 from ..precision import MixedPrecisionPolicy
+from ..registry import LAYER, module_types
 from .config import OUTER_SHARDING_STRATEGIES, DistributedDataParallelConfig, TransformerConfig
 from .meshes import _DATA_PARALLEL_PLACEMENTS, EP_AXIS, INNER_AXIS, OUTER_AXIS, TP_AXIS
 from .process_groups import group_size
@@ -62,10 +63,9 @@ def _megatron_layer_types() -> list:
 
 
 def _default_unit_types() -> list:
-    """Transformer, MoE transformer and Mamba layers (shardwise's, and Megatron-Core's when installed)."""
-    from ..models import MambaLayer, MoETransformerLayer, TransformerLayer
-
-    return [TransformerLayer, MoETransformerLayer, MambaLayer] + _megatron_layer_types()
+    """Transformer, MoE transformer and Mamba layers: those registered as layers (shardwise's models
+    register theirs), and Megatron-Core's when it is installed."""
+    return list(module_types(LAYER)) + _megatron_layer_types()
 
 
 def _present(module: nn.Module, types: list) -> list:

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..engine import broadcast_from_first_replica, install_grads, refresh_model_weights, wait_for_reductions
 from ..placements import AxisPlacements
+from ..registry import EXPERTS, module_types
 from ..rng import sync_rng_states
 from .base import (
     _check_strategies,
@@ -94,17 +95,16 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
     def _fine_grained_recurse_module_types(config, ddp_config) -> Tuple[Type[nn.Module], ...]:
         """Module classes needing ``parameters(recurse=True)`` for fine-grained hooks.
 
-        Only the expert MLPs, and only when expert-parallel communication overlap
-        runs with ZeRO-3; otherwise none.
+        Only the expert MLPs (the classes registered as ``EXPERTS``, and Megatron-Core's
+        when installed), and only when expert-parallel communication overlap runs
+        with ZeRO-3; otherwise none.
         """
         if not (
             getattr(config, "overlap_moe_expert_parallel_comm", False)
             and getattr(ddp_config, "data_parallel_sharding_strategy", None) == "optim_grads_params"
         ):
             return ()
-        from ..models import Experts
-
-        types: list = [Experts]
+        types: list = list(module_types(EXPERTS))
         for module_name, name in (
             ("megatron.core.transformer.moe.experts", "TEGroupedMLP"),
             ("megatron.core.transformer.moe.shared_experts", "SharedExpertMLP"),

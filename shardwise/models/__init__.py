@@ -6,6 +6,7 @@ parameters has ``reset_parameters()``; :func:`init_weights` calls them in a fixe
 order, so meta-device construction plus ``to_empty`` reproduces a direct build.
 """
 
+from ..registry import EXPERTS, LAYER, register_module_type
 from .attention import Attention
 from .config import LAYER_KINDS, GPTConfig
 from .gpt import GPT, LAYER_CLASSES, init_weights
@@ -26,6 +27,12 @@ from .transformer import MoETransformerLayer, TransformerLayer
 
 UNIT_MODULES = (TransformerLayer, MoETransformerLayer, MambaLayer)
 """Layer classes to hand to ``fully_shard(unit_modules=...)``."""
+
+# The faces find these by role, without importing this package (shardwise.megatron's default units).
+for _layer in UNIT_MODULES:
+    register_module_type(LAYER, _layer)
+register_module_type(EXPERTS, Experts)
+del _layer
 
 __all__ = [
     "GPT", "GPTConfig", "LAYER_KINDS", "LAYER_CLASSES", "UNIT_MODULES", "init_weights",
