@@ -19,6 +19,10 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VPY=.venv/bin/python
 
+pip_install() {  # quiet, without pip's note on each configured file:// index that lacks a package
+    "$VPY" -m pip install -q "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
+
 if [ ! -e "$VPY" ]; then
     echo "setup: creating .venv with $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
     if ! "$PY" -m venv .venv; then
@@ -50,10 +54,9 @@ then
     :
 else
     echo "setup: installing torch==2.13.0+cpu into .venv"
-    if ! log=$("$VPY" -m pip install -q "torch==2.13.0+cpu" 2>&1); then
+    if ! log=$(pip_install "torch==2.13.0+cpu"); then
         echo "setup: not available from pip's configured sources; trying https://download.pytorch.org/whl/cpu"
-        if ! "$VPY" -m pip install -q "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
-        then
+        if ! pip_install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu; then
             echo "$log" >&2
             exit 1
         fi
@@ -61,4 +64,4 @@ else
 fi
 
 echo "setup: installing shardwise (editable, with the test extra) into .venv"
-"$VPY" -m pip install -q -e ".[test]"
+pip_install -e ".[test]"
