@@ -19,6 +19,7 @@ from .consistency import check_rank_consistency
 from .group import ParamGroup, ParamRef
 from .hooks import ShardedState
 from .mesh import EXPERT, PLAN_CHOICES, ShardingPlan, build_dp_mesh, experts_by_mark
+from .offload import OffloadPolicy, choose_offloaded
 from .placements import AxisPlacements, normalize_placements, strategy_placements
 from .precision import MixedPrecisionPolicy
 from .unit import Unit
@@ -284,6 +285,7 @@ def fully_shard(
     gradient_reduction: str = "mean",
     bucket_size: int | None = None,
     plan_fn: Callable[[str, nn.Parameter], str] | None = None,
+    offload_policy: OffloadPolicy | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters, gradients and optimizer state over ``mesh``.
 
@@ -297,6 +299,8 @@ def fully_shard(
     parameter sharded over it (its ``ep_axis`` split along dim 0) and ``"dense"``
     for one sharded over ``mesh``; by default a parameter marked
     ``allreduce=False`` (Megatron's mark for experts) is an expert.
+    ``offload_policy`` keeps the main weights, optimizer state and finished
+    grads of some or all units in host memory (the optimizer steps on the CPU).
     Returns ``module`` itself, whose parameters are now DTensors.
     """
     if not isinstance(module, nn.Module):
@@ -323,6 +327,8 @@ def fully_shard(
         tp_axis=(tp_axis, str),
         ep_axis=(ep_axis, str),
     )
+    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be a shardwise.OffloadPolicy or None, got {type(offload_policy).__name__}")
     if init_fn is not None and not callable(init_fn):
         raise TypeError(f"init_fn={init_fn!r} must be a callable (module, device) or None")
     if plan_fn is not None and not callable(plan_fn):
@@ -356,6 +362,12 @@ def fully_shard(
     streams = StreamSet(device)
     holder_owner, holder_obj = _owners(module, unit_list)
     module_names = {id(m): n for n, m in module.named_modules()}
+    owned = {id(m): 0 for m in unit_list + [module]}
+    for key, (holder, attr, _) in holder_obj.items():
+        owned[id(holder_owner[key])] += holder._parameters[attr].numel()
+    offloaded = choose_offloaded(
+        offload_policy, [(module_names[id(m)], m, owned[id(m)]) for m in unit_list + [module]]
+    )
 
     def build(owner: nn.Module) -> list[ParamGroup]:
         if init_fn is not None and any(p.is_meta for p in owner.parameters()):
@@ -390,7 +402,10 @@ def fully_shard(
             kind = ("" if rg else ",frozen") + (",experts" if ref_plan is not plan else "")
             label = f"{module_names.get(id(owner), '') or '<root>'}[{str(dtype).replace('torch.', '')}{kind}]"
             sum_axes = [ref_plan.model_parallel[tp_axis]] if sequence_parallel else []
-            group = ParamGroup(label, bucket, ref_plan, policy, device, streams, sum_over_axes=sum_axes)
+            group = ParamGroup(
+                label, bucket, ref_plan, policy, device, streams, sum_over_axes=sum_axes,
+                offload=id(owner) in offloaded, pin_memory=offload_policy is None or offload_policy.pin_memory,
+            )
             group.install_sharded_params()  # the modules now hold DTensors; the full tensors can go
             groups.append(group)
         return groups

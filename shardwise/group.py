@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from .buffers import InFlight, StreamSet, all_reduce_chain, gather_pieces, reduce_scatter_pieces
 from .layout import LevelLayout
 from .mesh import ShardingPlan
+from .offload import host_empty
 from .param import ParamRef, ShardedParam
 from .precision import MixedPrecisionPolicy
 
@@ -46,6 +47,8 @@ class ParamGroup:
         device: torch.device,
         streams: StreamSet,
         sum_over_axes: Sequence = (),
+        offload: bool = False,
+        pin_memory: bool = True,
     ):
         self.name = name
         self.refs = list(refs)
@@ -61,6 +64,12 @@ class ParamGroup:
         self.main_dtype = policy.main_params_dtype
         self.main_grad_dtype = policy.main_grads_dtype
         self.comm_dtype = policy.comm_dtype
+        # Offloaded: main weights (so the optimizer state) and the finished grads live on the host.
+        self.offloaded = offload
+        self._pin = pin_memory
+        self._host_ready: "torch.cuda.Event | None" = None  # the grads' copy to the host
+        self._upload_pending = False  # updated host weights not yet copied into the model shard
+        self._host_kept = None  # grads the user kept across steps, added to at install
         # Levels of the buffers: parameter, gradient and optimizer placements.
         self.param_level = len(plan.param_axes)
         self.grad_level = len(plan.grad_axes)
@@ -69,11 +78,11 @@ class ParamGroup:
             LevelLayout([p.slot_numel(level) for p in self.params]) for level in range(self.opt_level + 1)
         ]
         kp, m = self.param_level, self.opt_level
-        self.main_aliases_model = self.compute_dtype == self.main_dtype
+        self.main_aliases_model = self.compute_dtype == self.main_dtype and not offload
         # With ZeRO-3-like placements (parameters sharded exactly like the optimizer state) a
         # lower-precision model-weight shard is cast from the main weights on the gather
         # stream right before each gather instead of being kept: 2 bytes/param less at rest.
-        self.casts_on_gather = not self.main_aliases_model and kp == m and kp > 0
+        self.casts_on_gather = not self.main_aliases_model and kp == m and kp > 0 and not offload
         with torch.no_grad():
             self.model_shard: torch.Tensor | None = None
             self._model_views: list[torch.Tensor] | None = None
@@ -87,6 +96,10 @@ class ParamGroup:
             elif self.main_aliases_model and m == kp + 1:  # this rank's pieces inside the model shard
                 self.main = None
                 self._main_views = [p.own_piece(v, m) for p, v in zip(self.params, self._model_views)]
+            elif offload:
+                self.main = host_empty(self.layouts[m].total, self.main_dtype, pin_memory).zero_()
+                self._main_views = self.layouts[m].views(self.main)
+                self._fill(self._main_views, m)
             else:
                 self.main = torch.zeros(self.layouts[m].total, dtype=self.main_dtype, device=device)
                 self._main_views = self.layouts[m].views(self.main)
@@ -228,6 +241,9 @@ class ParamGroup:
         with self.streams.on(self.streams.gather), torch.autograd._unsafe_preserve_version_counter(self.unsharded):
             staged = ()
             if self.model_shard is not None:
+                if self._upload_pending:  # offloaded: the optimizer's update comes in right before the gather
+                    self.model_shard.copy_(self.main, non_blocking=True)
+                    self._upload_pending = False
                 views = self._model_views
             else:  # ZeRO-3 mixed precision: cast the main shard right before the gather
                 buffer = self.streams.pool.take(self.main.numel(), self.compute_dtype, self.device)
@@ -277,6 +293,9 @@ class ParamGroup:
         m = self.opt_level
         cleared = [p.grad is None for p in self.sharded_params]
         existing = self._main_grad_ref() if self._main_grad_ref is not None else None
+        if self.offloaded:  # the host grads the user kept are added to at install time
+            self._host_kept = None if all(cleared) or existing is None else (existing, cleared)
+            existing = None
         if all(cleared) or existing is None:
             self.main_grad = torch.empty(self.layouts[m].total, dtype=self.main_grad_dtype, device=self.device)
             self._main_grad_ref = weakref.ref(self.main_grad)
@@ -347,9 +366,10 @@ class ParamGroup:
         return self._in_flight(staged)
 
     def _in_flight(self, staged: list) -> InFlight:
-        return InFlight(
-            self.streams.record(self.streams.reduce), keepalive=self._released, staged=tuple(staged), pool=self.streams.pool
-        )
+        event = self.streams.record(self.streams.reduce)
+        if self.offloaded and self._pending_install:
+            self._host_ready = event  # the CPU may read the host grads once this has passed
+        return InFlight(event, keepalive=self._released, staged=tuple(staged), pool=self.streams.pool)
 
     def finalize_without_new_grads(self) -> InFlight | None:
         """End an accumulation window whose last micro-batch brought no grads to this group."""
@@ -378,6 +398,11 @@ class ParamGroup:
         self.grad_acc = None
         self._window_open = False
         self._pending_install = True
+        if self.offloaded:  # stream the finished shard to the host right behind its reduction
+            host = host_empty(self.main_grad.numel(), self.main_grad.dtype, self._pin)
+            host.copy_(self.main_grad, non_blocking=True)
+            self._released = self._released + (self.main_grad,)
+            self.main_grad = host
 
     def discard_grads(self) -> None:
         """Drop installed grads and any accumulation still open (the next backward overwrites)."""
@@ -389,6 +414,8 @@ class ParamGroup:
         self.main_grad = None
         self._window_open = False
         self._pending_install = False
+        self._host_ready = None
+        self._host_kept = None
 
     def install_grads(self) -> None:
         """Expose the finalized main grads as the sharded parameters' ``.grad``.
@@ -396,6 +423,9 @@ class ParamGroup:
         Only the ``.grad`` DTensors keep the buffer alive from here on.
         """
         if not self._pending_install:
+            return
+        if self.offloaded:
+            self._install_host_grads()
             return
         existing = [p.grad for p in self.sharded_params]
         if all(g is not None and g._local_tensor._base is self.main_grad for g in existing):
@@ -408,6 +438,29 @@ class ParamGroup:
         # An optimizer step on these grads may not show in any version counter: on CUDA, torch's
         # default (foreach) AdamW over DTensors moved none (2 x H200, torch 2.11), so the next
         # forward rebuilds the model weights whenever grads were handed out.
+        self.weights_stale = True
+
+    def _install_host_grads(self) -> None:
+        if self._host_ready is not None:
+            self._host_ready.synchronize()  # the host copy has landed
+            self._host_ready = None
+        kept = self._host_kept
+        if kept is not None:  # accumulate onto the grads the user did not clear
+            existing, cleared = kept
+            m = self.opt_level
+            for was_cleared, p, old, new in zip(
+                cleared, self.params, self.layouts[m].views(existing), self.layouts[m].views(self.main_grad)
+            ):
+                target = p.local(old, m)
+                target.copy_(p.local(new, m)) if was_cleared else target.add_(p.local(new, m))
+            self.main_grad = existing
+        self._host_kept = None
+        if kept is None or any(p.grad is None for p in self.sharded_params):
+            for param, grad in zip(self.sharded_params, self._grad_views(self.main_grad)):
+                param.grad = grad
+        self._main_grad_ref = weakref.ref(self.main_grad)
+        self.main_grad = None
+        self._pending_install = False
         self.weights_stale = True
 
     # -------------------------------------------------------- weight refresh
@@ -430,12 +483,18 @@ class ParamGroup:
         self.weights_stale = False
         self._refreshed_version = version
         kp, m = self.param_level, self.opt_level
+        if self.offloaded and kp == m and kp > 0:
+            self._upload_pending = True  # copied in on the gather stream, right before the next gather
+            return
+        if self.offloaded and kp == m:  # replicated weights (no_shard): one copy from the host
+            self.model_shard.copy_(self.main, non_blocking=True)
+            return
         if self.model_shard is None or (self.main_aliases_model and m == kp):
             return
         if self.main is None:  # main weights are this rank's pieces of the model shard: gather in place
             views = self._main_views
-        else:
-            views = self.layouts[m].views(self.main.to(self.compute_dtype))
+        else:  # (from the host when offloaded)
+            views = self.layouts[m].views(self.main.to(self.device, self.compute_dtype, non_blocking=True))
         with torch.autograd._unsafe_preserve_version_counter(self.model_shard):
             self._gather_levels(views, m, kp, self._model_views)
 
@@ -446,7 +505,10 @@ class ParamGroup:
 
         buffer = self.main if self.main is not None else self.model_shard
         if buffer.numel():
-            dist.broadcast(buffer, src=dist.get_global_rank(axis.group, 0), group=axis.group)
+            on_device = buffer.to(self.device)  # the buffer itself when it is not offloaded
+            dist.broadcast(on_device, src=dist.get_global_rank(axis.group, 0), group=axis.group)
+            if on_device is not buffer:
+                buffer.copy_(on_device)
         self.weights_stale = True
 
     # ------------------------------------------------------------ reporting
@@ -454,6 +516,8 @@ class ParamGroup:
         """Bytes of device storage this group holds right now, by buffer."""
         main_grad = self._main_grad_ref() if self._main_grad_ref is not None else None
         own_main = self.main is not None and self.main is not self.model_shard
+        if self.offloaded:  # on the host: see host_bytes()
+            own_main, main_grad = False, None
         return {
             "model_shard": 0 if self.model_shard is None else self.model_shard.untyped_storage().nbytes(),
             "main": self.main.untyped_storage().nbytes() if own_main else 0,
@@ -461,3 +525,10 @@ class ParamGroup:
             "main_grad": 0 if main_grad is None else main_grad.untyped_storage().nbytes(),
             "grad_acc": 0 if self.grad_acc is None or self.grad_acc is main_grad else self.grad_acc.untyped_storage().nbytes(),
         }
+
+    def host_bytes(self) -> dict[str, int]:
+        """Bytes of host memory an offloaded group holds right now (main weights and grads)."""
+        if not self.offloaded:
+            return {"main": 0, "main_grad": 0}
+        grad = self._main_grad_ref() if self._main_grad_ref is not None else None
+        return {"main": self.main.untyped_storage().nbytes(), "main_grad": 0 if grad is None else grad.untyped_storage().nbytes()}

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .layout import RowPiece, nested_chunks, row_numel, slot_rows
 from .mesh import ShardingPlan
@@ -96,7 +97,14 @@ class ShardedParam:
         return slot[: rows * self.row_numel].view(rows, *self.shape[1:])
 
     def dtensor(self, local: torch.Tensor) -> DTensor:
-        """``local`` (this rank's optimizer-level rows) as a DTensor of the global parameter."""
+        """``local`` (this rank's optimizer-level rows) as a DTensor of the global parameter.
+
+        A host ``local`` (offloaded main weights) stays on the host: ``from_local``
+        would copy it to the mesh's device.
+        """
+        if local.device.type != self.mesh.device_type:
+            meta = TensorMeta(self.global_shape, _contiguous_stride(self.global_shape), local.dtype)
+            return DTensor(local, DTensorSpec(self.mesh, tuple(self.placements), tensor_meta=meta), requires_grad=False)
         return DTensor.from_local(
             local,
             self.mesh,

@@ -1,0 +1,76 @@
+"""Main weights and optimizer state in host memory: which groups, and the host buffers.
+
+An offloaded group keeps its main weights (and so the optimizer state the
+optimizer creates beside them) and its finished gradient shard in host memory;
+the GPU keeps only the compute-dtype weight shard. Gradients stream to the host
+as each group's reduction finishes, the optimizer steps on the CPU, and the
+updated shard streams back before the group's next gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+__all__ = ["OffloadPolicy", "host_empty", "choose_offloaded"]
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Which units keep their main weights and optimizer state on the host.
+
+    fraction: share of the model's parameters to offload, taken unit by unit in
+        ``unit_modules`` order (then the root); 1.0 offloads everything, 0.5
+        keeps the later half of the units on the GPU (faster, more memory).
+    units: the unit modules (or their names) to offload instead of a fraction.
+    pin_memory: page-locked host buffers, so copies overlap with compute (CUDA).
+    """
+
+    fraction: float = 1.0
+    units: Sequence[nn.Module | str] | None = None
+    pin_memory: bool = True
+
+    def __post_init__(self):
+        f = self.fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+            raise ValueError(f"OffloadPolicy.fraction={f!r} must be a number in [0, 1]")
+        if self.units is not None and (isinstance(self.units, (str, nn.Module)) or not hasattr(self.units, "__iter__")):
+            raise TypeError(f"OffloadPolicy.units={self.units!r} must be a list of unit modules or their names")
+
+
+def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A flat host buffer; page-locked when a GPU is there to copy from it asynchronously."""
+    return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin and torch.cuda.is_available())
+
+
+def choose_offloaded(policy: OffloadPolicy | None, units: list[tuple[str, nn.Module, int]]) -> set[int]:
+    """ids of the modules whose groups are offloaded, from ``(name, module, parameter count)`` in order.
+
+    ``units`` lists the unit modules in ``unit_modules`` order and the root last.
+    """
+    if policy is None:
+        return set()
+    if policy.units is not None:
+        by_name = {name: module for name, module, _ in units}
+        chosen = set()
+        for unit in policy.units:
+            if isinstance(unit, str):
+                if unit not in by_name:
+                    raise ValueError(f"OffloadPolicy.units: {unit!r} is not a unit; units are {sorted(by_name)[:8]}")
+                chosen.add(id(by_name[unit]))
+            elif any(unit is module for _, module, _ in units):
+                chosen.add(id(unit))
+            else:
+                raise ValueError(f"OffloadPolicy.units: {type(unit).__name__} module is not one of the wrapped units")
+        return chosen
+    total = sum(count for _, _, count in units)
+    chosen, taken = set(), 0
+    for _, module, count in units:
+        if taken >= policy.fraction * total - 1e-9 * total:
+            break
+        chosen.add(id(module))
+        taken += count
+    return chosen
