@@ -18,6 +18,7 @@ No rank can stop before the exchange (describing never raises: a problem found
 locally travels in the exchange), so no rank is left waiting in a collective.
 
 Local problems, found without communication and raised on every rank:
+an expert mesh with no parameter for it (``plan_fn`` chose none),
 tensor-parallel slices (``tensor_model_parallel=True``) of a TP group of more
 than one rank wrapped on a mesh without the ``tp`` axis (or built with another
 TP group than the mesh's), expert-parallel models whose experts per rank do
@@ -40,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .mesh import EXPERT, experts_by_mark
+from .mesh import EXPERT, PLAN_CHOICES, experts_by_mark
 from .placements import describe as describe_placements
 from .placements import normalize_placements, strategy_placements
 
@@ -200,7 +201,14 @@ def _expert_params(module: nn.Module, expert_mesh: Optional[DeviceMesh], plan_fn
     plan_fn = experts_by_mark if plan_fn is None else plan_fn
     if not callable(plan_fn):
         return ()  # fully_shard names the bad argument itself
-    return tuple(n for n, p in module.named_parameters(remove_duplicate=False) if plan_fn(n, p) == EXPERT)
+    experts = []
+    for name, param in module.named_parameters(remove_duplicate=False):
+        choice = plan_fn(name, param)
+        if not isinstance(choice, str) or choice not in PLAN_CHOICES:
+            raise ValueError(f"plan_fn returned {choice!r} for parameter {name!r}; it must return one of {list(PLAN_CHOICES)}")
+        if choice == EXPERT:
+            experts.append(name)
+    return tuple(experts)
 
 
 def describe(
@@ -479,6 +487,12 @@ def check_rank_consistency(
         data_axes = None if resolved is None else list(resolved)
         problem = _local_problem(module, mesh, expert_mesh, tp_axis, ep_axis, me, world, data_axes,
                                  description["expert_params"])
+        if problem is None and expert_mesh is not None and not description["expert_params"] and (
+                plan_fn is None or callable(plan_fn)):
+            problem = (
+                "an expert_mesh was given, but plan_fn puts no parameter on it (the default, experts_by_mark, "
+                "takes the parameters marked allreduce=False); pass plan_fn=... to say which are experts"
+            )
         peers = tuple(sorted(_mesh_ranks(mesh, world)))
     except Exception as err:  # noqa: BLE001 - reported on every rank below
         problem = f"rank {me} could not describe its model and arguments: {type(err).__name__}: {err}"

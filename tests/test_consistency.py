@@ -163,6 +163,10 @@ def gpt_marked_tp_at_size_one():  # GPT marks TP slices even without a TP group:
     _check(GPT(GPTConfig(vocab_size=16, dim=16, n_layers=1, n_heads=2)), unit_modules=None)
 
 
+def expert_mesh_without_expert_params():  # e.g. experts that carry neither the mark nor a plan_fn
+    _check(Net(), expert_mesh=_mesh("ep2"))
+
+
 def experts_on_their_expert_mesh():
     _check(_moe(ep_group=dist.group.WORLD), expert_mesh=_mesh("ep2"), unit_modules=None)
 
@@ -236,6 +240,7 @@ CASES = {
     same_everywhere: None,
     tp_slices_on_a_tp_mesh: None,
     gpt_marked_tp_at_size_one: None,
+    expert_mesh_without_expert_params: "an expert_mesh was given, but plan_fn puts no parameter on it",
     experts_on_their_expert_mesh: None,
     megatron_dp_cp_of_one_rank: "pg_collection.dp_cp has 1 rank(s) [0] on rank 0, but a world of 2 ranks with "
     "tp=1 x pp=1 needs 2 data-parallel ranks per group",
