@@ -18,10 +18,12 @@ share one compiled graph (parameters are graph inputs).
 
 from __future__ import annotations
 
-from typing import Iterable, Union, Type
+from typing import Iterable, Type, Union
 
 import torch
 import torch.nn as nn
+
+from .engine import is_sharded, sharded_state
 
 __all__ = ["compile_units"]
 
@@ -42,12 +44,11 @@ def compile_units(
     Call it after ``fully_shard``; the root's own forward stays eager.
     Returns the names of the units compiled.
     """
-    state = getattr(module, "sharded_state", None)
-    if state is None:
+    if not is_sharded(module):
         raise ValueError(
             f"{type(module).__name__} is not sharded by shardwise.fully_shard; call fully_shard(...) first"
         )
-    units = state.units
+    units = sharded_state(module).units
     nested = {
         id(u) for u in units
         if any(o is not u and any(m is o.module for m in u.module.modules()) for o in units)

@@ -115,36 +115,66 @@ def test_repeats_average_and_compare_per_repeat(tmp_path):
 # ------------------------------------------------------------------ options
 def test_options_per_size_steps_and_errors(capsys):
     opts, _ = cli.parse_options(["--device", "cpu", "--steps", "7,tiny=2", "--warmup", "0", "--size", "tiny"])
+    assert opts.compile == "off" and "none" in opts.wrappers
+    assert cli.parse_options(["--device", "cpu", "--compile"])[0].compile == "on"
+    assert cli.parse_options(["--device", "cpu", "--compile", "both"])[0].compile == "both"
     size = runner.SIZES["tiny"]
     assert opts.steps_for(size) == 2 and opts.warmup_for(size) == 0 and opts.sizes == ["tiny"]
     assert opts.steps_for(runner.SIZES["8b"]) == 7 and opts.warmup_for(runner.SIZES["8b"]) == 0
     for argv, message in ((["--sizes", "3b"], "unknown size '3b'"),
                           (["--wrappers", "fsdp2,zero"], "unknown wrapper 'zero'"),
                           (["--steps", "8b=x"], "is not an integer"),
-                          (["--strategy", "zero9"], "--strategy zero9")):
+                          (["--strategy", "zero9"], "--strategy zero9"),
+                          (["--compile", "--compile-backend", "nope"], "--compile-backend nope: unknown backend")):
         assert cli.main(["--device", "cpu", *argv]) == 2
         assert message in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ end to end on 2 processes
-def _bench_tiny(out: str):
-    opts = runner.BenchOptions(sizes=["tiny"], wrappers=["shardwise", "fsdp2", "ddp"], device=device().type,
-                               steps={"*": 2}, warmup={"*": 1}, profile_steps=1)
+def _bench_tiny(out: str, compile: str = "off", wrappers=("shardwise", "fsdp2", "ddp", "none")):
+    opts = runner.BenchOptions(sizes=["tiny"], wrappers=list(wrappers), device=device().type,
+                               steps={"*": 2}, warmup={"*": 1}, profile_steps=1, compile=compile,
+                               compile_backend="aot_eager")
     return cli.worker(opts, out, "test")
 
 
 def test_tiny_benchmark_on_two_processes(tmp_path):
     runs = run_distributed(_bench_tiny, 2, str(tmp_path))[0]
-    assert [r["wrapper"] for r in runs] == ["shardwise", "fsdp2", "ddp"]
+    assert [r["wrapper"] for r in runs] == ["shardwise", "fsdp2", "ddp", "none"]
     assert all(r["status"] == "ok" for r in runs), runs
     ref = next(r for r in runs if r["wrapper"] == "fsdp2")
+    ceiling = next(r for r in runs if r["wrapper"] == "none")
     for r in runs:
-        assert r["tokens_per_s_per_gpu"] > 0 and r["world_size"] == 2
+        assert r["tokens_per_s_per_gpu"] > 0 and r["world_size"] == 2 and r["compiled"] is False
         assert abs(r["loss_first"] - ref["loss_first"]) / ref["loss_first"] < 1e-2  # same weights, same data
         assert r["loss_ok"] is True
+        assert r["ceiling_ratio"] == pytest.approx(r["tokens_per_s_per_gpu"] / ceiling["tokens_per_s_per_gpu"])
     summary = json.loads((tmp_path / "bench.json").read_text())["summary"]
-    assert {r["wrapper"] for r in summary} == {"shardwise", "fsdp2", "ddp"}
-    assert (tmp_path / "bench.png").exists() and "| shardwise |" in (tmp_path / "bench.md").read_text()
+    assert {r["wrapper"] for r in summary} == {"shardwise", "fsdp2", "ddp", "none"}
+    md = (tmp_path / "bench.md").read_text()
+    assert (tmp_path / "bench.png").exists() and "| shardwise |" in md and "| none |" in md
+
+
+def test_tiny_benchmark_compiled_and_eager_interleaved(tmp_path):
+    runs = run_distributed(_bench_tiny, 2, str(tmp_path), "both", ("shardwise", "fsdp2", "none"))[0]
+    # repeat 0: eager runs, then compiled ones, in --wrappers order
+    assert [(r["wrapper"], r["compiled"]) for r in runs] == [
+        ("shardwise", False), ("fsdp2", False), ("none", False),
+        ("shardwise", True), ("fsdp2", True), ("none", True)]
+    assert all(r["status"] == "ok" for r in runs), runs
+    for r in runs:
+        if r["compiled"]:  # every layer's forward whole in one graph, compiled once
+            assert r["graph_breaks"] == 0 and r["frames_compiled_timed"] == 0, r
+            assert r["first_step_s"] > 0
+        else:
+            assert r["graph_breaks"] is None
+        assert r["loss_ok"] is True
+    rows = {(r["wrapper"], r["compiled"]): r for r in json.loads((tmp_path / "bench.json").read_text())["summary"]}
+    assert len(rows) == 6 and all(r["tokens_ratio"] is not None for r in rows.values())
+    for compiled in (False, True):  # each mode is compared with FSDP2 and the ceiling of its own mode
+        assert rows[("fsdp2", compiled)]["tokens_ratio"] == 1.0 and rows[("none", compiled)]["ceiling_ratio"] == 1.0
+    md = (tmp_path / "bench.md").read_text()
+    assert "| shardwise +compile |" in md and "| none +compile |" in md and "| shardwise |" in md
 
 
 def _profile_tiny():

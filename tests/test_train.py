@@ -29,7 +29,7 @@ def test_smoke_run_writes_metrics_and_plot(tmp_path):
     cmd = [sys.executable, "-m", "shardwise", "train", "--preset", "tiny", "--steps", "4", "--nproc", "2",
            "--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1", "--ffn-hidden", "64",
            "--seq-len", "32", "--micro-batch-size", "2", "--grad-accum", "2", "--strategy", "3",
-           "--out-dir", str(out)]
+           "--compile", "aot_eager", "--out-dir", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -42,6 +42,7 @@ def test_smoke_run_writes_metrics_and_plot(tmp_path):
     assert summary["steps"] == 4 and summary["world_size"] == 2
     config = json.loads((out / "config.json").read_text())
     assert config["model"]["dim"] == 32 and config["train"]["strategy"] == "optim_grads_params"
+    assert config["train"]["compile"] == "aot_eager"  # each layer's forward compiled
     assert "loss" in proc.stdout and str(out) in proc.stdout
 
 
@@ -68,6 +69,17 @@ def test_bad_flags_name_flag_and_value(argv, message, capsys, tmp_path):
     assert main(argv + ["--out-dir", str(tmp_path / "x")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_compile_flag_alone_means_inductor_and_unknown_backends_are_refused(capsys, tmp_path):
+    assert resolve_config(["--compile"])[0].compile == "inductor"
+    assert resolve_config(["--compile", "aot_eager"])[0].compile == "aot_eager"
+    assert resolve_config(["--compile", "--no-compile"])[0].compile == ""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"compile": True}))
+    assert resolve_config(["--config", str(path)])[0].compile == "inductor"
+    assert main(["--compile", "nope", "--out-dir", str(tmp_path / "x")]) == 2
+    assert "--compile nope: unknown torch.compile backend" in capsys.readouterr().err
 
 
 def test_argparse_type_errors_name_the_flag(capsys):

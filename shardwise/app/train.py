@@ -89,6 +89,9 @@ class TrainConfig:
         "outer axis: no_shard (HSDP) or optim (HFSDP); needs --outer-dp"))
     outer_dp: int = field(default=0, metadata=_help("size of the outer data-parallel axis"))
     precision: str = field(default="fp32", metadata=_help("compute dtype: fp32 or bf16 (main weights stay fp32)"))
+    compile: str = field(default="", metadata=_help(
+        "torch.compile each layer's forward with this backend (shardwise.compile_units; the sharding hooks "
+        "stay eager): --compile alone means inductor"))
     seed: int = field(default=0, metadata=_help("seed for init and data order"))
     data: str = field(default="", metadata=_help(
         "text file, folder of text files, or .bin token file (default: Python stdlib sources as bytes)"))
@@ -161,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    help=text.replace("(default: '')", "(default: no)"))
                 group.add_argument("--no-resume", dest=name, action="store_const", const="",
                                    help="start a new run (the default)")
+            elif name == "compile":
+                group.add_argument(flag, dest=name, nargs="?", const="inductor", metavar="BACKEND",
+                                   help=text.replace("(default: '')", "(default: eager)"))
+                group.add_argument("--no-compile", dest=name, action="store_const", const="",
+                                   help="run eagerly (the default)")
             elif kind is bool:
                 group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=text)
             else:
@@ -174,6 +182,8 @@ def _coerce(name: str, value, source: str):
     shown = f"{name}={json.dumps(value)}"
     if name == "resume" and isinstance(value, bool):
         return "auto" if value else ""
+    if name == "compile" and isinstance(value, bool):
+        return "inductor" if value else ""
     if kind is bool:
         if not isinstance(value, bool):
             raise ConfigError(source, shown, "needs true or false")
@@ -254,6 +264,12 @@ def _validate(cfg: TrainConfig, model: GPTConfig) -> None:
             raise ConfigError(name, getattr(cfg, name), "must be in [0, 1)")
     if not cfg.timeout > 0:
         raise ConfigError("timeout", cfg.timeout, "must be a positive number of seconds")
+    if cfg.compile:
+        from torch import _dynamo
+
+        backends = _dynamo.list_backends(exclude_tags=())
+        if cfg.compile not in backends:
+            raise ConfigError("compile", cfg.compile, f"unknown torch.compile backend; choose from {', '.join(backends)}")
     if cfg.resume == "never":
         cfg.resume = ""
     if cfg.resume not in RESUME_MODES:
@@ -698,6 +714,8 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
         init_fn=init_fn)
     if init_fn is not None:
         init_fn.finish()
+    if cfg.compile:  # each layer's forward; compiled at the first step
+        shardwise.compile_units(model, modules=unit_modules, backend=cfg.compile)
     _limit_collective_waits(model, cfg.timeout)
     optimizer = torch.optim.AdamW(_param_groups(model, matrices, cfg.weight_decay),
                                   lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))

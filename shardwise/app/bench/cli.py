@@ -3,6 +3,7 @@
     shardwise bench --size tiny --device cpu --nproc 2              # CPU, gloo, a minute
     shardwise bench --sizes 0.9b,2.8b,8b --out runs/bench           # one process per GPU
     shardwise bench --sizes 0.9b --repeats 2 --steps 20 --wrappers fsdp2,shardwise
+    shardwise bench --sizes 0.9b,2.8b,8b --wrappers fsdp2,shardwise,none --compile both
     torchrun --nproc-per-node 2 -m shardwise bench --sizes 8b --steps 8b=6
 
 Started directly it spawns ``--nproc`` local workers (default: one per GPU, or 2
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 from ..launch import launch_local, under_launcher
 from .report import format_run, write_reports
-from .runner import BenchOptions, run_benchmark
+from .runner import COMPILE_MODES, BenchOptions, run_benchmark
 from .sizes import SIZES
 from .wrappers import DEFAULT_ORDER, WRAPPERS, wrapper_version
 
@@ -48,7 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", "--size", dest="sizes", default=None,
                    help=f"comma list of {', '.join(SIZES)} (default: tiny on CPU, {GPU_SIZES} on CUDA)")
     p.add_argument("--wrappers", default=",".join(DEFAULT_ORDER),
-                   help=f"comma list, run in this order: {', '.join(WRAPPERS)}")
+                   help=f"comma list, run in this order: {', '.join(WRAPPERS)} (none: the compute-only "
+                        "ceiling, bf16 weights, each rank its own replica, no communication)")
+    p.add_argument("--compile", nargs="?", const="on", default="off", choices=tuple(COMPILE_MODES),
+                   help="torch.compile each layer's forward under every wrapper that supports it "
+                        "(--compile = on; both = eager and compiled runs interleaved in one job)")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--nproc", type=int, default=0, help="local workers (0 = one per GPU, or 2 on CPU)")
     p.add_argument("--steps", default="", help="timed steps: N for every size, or SIZE=N,... (default: 10)")
@@ -107,6 +113,13 @@ def parse_options(argv) -> tuple[BenchOptions, argparse.Namespace]:
         strategy = shardwise.resolve_strategy(args.strategy)
     except ValueError:
         raise UsageError(f"--strategy {args.strategy}: unknown strategy") from None
+    if args.compile != "off":
+        from torch import _dynamo
+
+        backends = _dynamo.list_backends(exclude_tags=())
+        if args.compile_backend not in backends:
+            raise UsageError(f"--compile-backend {args.compile_backend}: unknown backend; "
+                             f"choose from {', '.join(backends)}")
     for flag in ("repeats", "nproc", "profile_steps", "micro_batch", "seq_len"):
         value = getattr(args, flag)
         if value < (1 if flag == "repeats" else 0):
@@ -115,7 +128,8 @@ def parse_options(argv) -> tuple[BenchOptions, argparse.Namespace]:
         sizes=sizes, wrappers=wrappers, device=device, steps=_per_size(args.steps, "--steps"),
         warmup=_per_size(args.warmup, "--warmup"), profile_steps=args.profile_steps, repeats=args.repeats,
         strategy=strategy, seed=args.seed, micro_batch=args.micro_batch, seq_len=args.seq_len,
-        loss_rtol=args.loss_rtol, trace_dir=str(Path(args.out) / "traces") if args.save_traces else "")
+        loss_rtol=args.loss_rtol, trace_dir=str(Path(args.out) / "traces") if args.save_traces else "",
+        compile=args.compile, compile_backend=args.compile_backend)
     return opts, args
 
 
@@ -132,7 +146,7 @@ def _meta(opts: BenchOptions, out: str, command: str) -> dict:
         "world_size": dist.get_world_size(), "device": opts.device,
         "device_name": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__, "nccl": nccl, "python": sys.version.split()[0],
-        "versions": {w: wrapper_version(w) for w in opts.wrappers if w != "fsdp2" and w != "ddp"},
+        "versions": {w: wrapper_version(w) for w in opts.wrappers if w not in ("fsdp2", "ddp", "none")},
         "loss_rtol": opts.loss_rtol,
         "options": {k: v for k, v in vars(opts).items()},
         "sizes": {s: {"seq_len": opts.shape_for(SIZES[s])[1], "micro_batch": opts.shape_for(SIZES[s])[0],

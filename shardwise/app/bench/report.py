@@ -2,10 +2,12 @@
 
 A *run* is one wrapper trained once on one size (the dicts
 :func:`shardwise.app.bench.runner.run_one` returns). A *row* summarizes the runs of
-one (size, wrapper) over the repeats: mean tokens/s, the largest peak memory
-and exposed communication, and the comparison against FSDP2 of the same size
-(ratios of the means; the loss check per repeat against FSDP2's run of that
-repeat, which trained on the same data from the same weights).
+one (size, wrapper, mode) over the repeats: mean tokens/s, the largest peak
+memory and exposed communication, and the comparison against FSDP2 of the same
+size and mode (ratios of the means; the loss check per repeat against FSDP2's
+run of that repeat, which trained on the same data from the same weights) and
+against the compute-only ceiling (``none``) of the same size and mode. The mode
+is eager or compiled (each layer's forward compiled; "+compile" after the name).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["REFERENCE", "annotate", "summarize", "markdown_table", "markdown_report", "write_json",
+__all__ = ["REFERENCE", "CEILING", "label", "annotate", "summarize", "markdown_table", "markdown_report", "write_json",
            "plot", "write_reports", "format_run"]
 
 REFERENCE = "fsdp2"
+CEILING = "none"
 
 
 def _ok(run: dict) -> bool:
@@ -38,11 +41,25 @@ def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
+def _compiled(run: dict) -> bool:
+    return bool(run.get("compiled", False))
+
+
+def label(run: dict) -> str:
+    """The wrapper's name, with "+compile" for a compiled run or row."""
+    return run["wrapper"] + (" +compile" if _compiled(run) else "")
+
+
 def annotate(runs: list[dict], loss_rtol: float) -> list[dict]:
-    """Add each run's comparison with FSDP2's run of the same size and repeat (in place)."""
-    refs = {(r["size"], r["repeat"]): r for r in runs if r["wrapper"] == REFERENCE and _ok(r)}
+    """Add each run's comparison with FSDP2's and the ceiling's runs of the same size, repeat and mode
+    (in place)."""
+    refs = {(r["size"], r["repeat"], _compiled(r)): r for r in runs if r["wrapper"] == REFERENCE and _ok(r)}
+    ceilings = {(r["size"], r["repeat"], _compiled(r)): r for r in runs if r["wrapper"] == CEILING and _ok(r)}
     for run in runs:
-        ref = refs.get((run["size"], run["repeat"]))
+        key = (run["size"], run["repeat"], _compiled(run))
+        ref, ceiling = refs.get(key), ceilings.get(key)
+        run["ceiling_ratio"] = (_ratio(run["tokens_per_s_per_gpu"], ceiling["tokens_per_s_per_gpu"])
+                                if _ok(run) and ceiling is not None else None)
         if not _ok(run) or ref is None:
             run.update(loss_rel_diff=None, loss_ok=None, tokens_ratio=None, mem_ratio=None)
             continue
@@ -54,15 +71,16 @@ def annotate(runs: list[dict], loss_rtol: float) -> list[dict]:
 
 
 def summarize(runs: list[dict], loss_rtol: float) -> list[dict]:
-    """One row per (size, wrapper), in the order they first ran."""
+    """One row per (size, wrapper, mode), in the order they first ran."""
     annotate(runs, loss_rtol)
-    keys = list(dict.fromkeys((r["size"], r["wrapper"]) for r in runs))
+    keys = list(dict.fromkeys((r["size"], r["wrapper"], _compiled(r)) for r in runs))
     rows = []
-    for size, wrapper in keys:
-        mine = [r for r in runs if r["size"] == size and r["wrapper"] == wrapper]
+    for size, wrapper, compiled in keys:
+        mine = [r for r in runs if r["size"] == size and r["wrapper"] == wrapper and _compiled(r) == compiled]
         ok = [r for r in mine if _ok(r)]
-        row = {"size": size, "wrapper": wrapper, "params": mine[0]["params"], "device": mine[0]["device"],
-               "world_size": mine[0]["world_size"], "runs": len(mine), "ok_runs": len(ok)}
+        row = {"size": size, "wrapper": wrapper, "compiled": compiled, "params": mine[0]["params"],
+               "device": mine[0]["device"], "world_size": mine[0]["world_size"], "runs": len(mine),
+               "ok_runs": len(ok)}
         if not ok:
             row.update(status=mine[0]["status"], reason=mine[0].get("reason", ""))
             rows.append(row)
@@ -79,12 +97,18 @@ def summarize(runs: list[dict], loss_rtol: float) -> list[dict]:
             loss_first=ok[0]["loss_first"], loss_last=ok[0]["loss_last"],
             loss_rel_diff=_max([r["loss_rel_diff"] for r in ok]),
             loss_ok=None if any(r["loss_ok"] is None for r in ok) else all(r["loss_ok"] for r in ok),
+            graph_breaks=_max([r.get("graph_breaks") for r in ok]),
+            frames_compiled_timed=_max([r.get("frames_compiled_timed") for r in ok]),
         )
         rows.append(row)
-    refs = {r["size"]: r for r in rows if r["wrapper"] == REFERENCE and r["status"] == "ok"}
+    refs = {(r["size"], r["compiled"]): r for r in rows if r["wrapper"] == REFERENCE and r["status"] == "ok"}
+    ceilings = {(r["size"], r["compiled"]): r for r in rows if r["wrapper"] == CEILING and r["status"] == "ok"}
     for row in rows:
-        ref = refs.get(row["size"])
-        if row["status"] != "ok" or ref is None:
+        ref, ceiling = refs.get((row["size"], row["compiled"])), ceilings.get((row["size"], row["compiled"]))
+        ok = row["status"] == "ok"
+        row["ceiling_ratio"] = (_ratio(row["tokens_per_s_per_gpu"], ceiling["tokens_per_s_per_gpu"])
+                                if ok and ceiling is not None else None)
+        if not ok or ref is None:
             row.update(tokens_ratio=None, mem_ratio=None)
             continue
         row["tokens_ratio"] = _ratio(row["tokens_per_s_per_gpu"], ref["tokens_per_s_per_gpu"])
@@ -106,14 +130,14 @@ def _params(n: int) -> str:
 def markdown_table(rows: list[dict]) -> str:
     cpu = all(r["device"] == "cpu" for r in rows)
     mem = "peak RSS GiB (host)" if cpu else "peak alloc GiB"
-    head = (f"| size | wrapper | tokens/s/GPU | vs FSDP2 | MFU | {mem} | vs FSDP2 | peak reserved GiB "
-            "| exposed comm | loss first -> last | loss vs FSDP2 | check |")
+    head = (f"| size | wrapper | tokens/s/GPU | vs FSDP2 | vs ceiling | MFU | {mem} | vs FSDP2 "
+            "| peak reserved GiB | exposed comm | loss first -> last | loss vs FSDP2 | check |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         name = f"{r['size']} ({_params(r['params'])})"
         if r["status"] != "ok":
-            lines.append(f"| {name} | {r['wrapper']} | {r['status']}: {r.get('reason', '')} "
-                         "| | | | | | | | | |")
+            lines.append(f"| {name} | {label(r)} | {r['status']}: {r.get('reason', '')} "
+                         "| | | | | | | | | | |")
             continue
         per_repeat = r["tokens_per_s_per_repeat"]
         speed = f"{r['tokens_per_s_per_gpu']:,.0f}"
@@ -124,8 +148,8 @@ def markdown_table(rows: list[dict]) -> str:
         check = {None: "n/a", True: "pass", False: "FAIL"}[r["loss_ok"]]
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         lines.append(
-            f"| {name} | {r['wrapper']} | {speed} | {_f(r['tokens_ratio'], '.3f')}x "
-            f"| {mfu} "
+            f"| {name} | {label(r)} | {speed} | {_f(r['tokens_ratio'], '.3f')}x "
+            f"| {_f(r.get('ceiling_ratio'), '.3f')}x | {mfu} "
             f"| {_f(r['peak_alloc_gib'], '.2f')} | {_f(r['mem_ratio'], '.3f')}x "
             f"| {_f(r['peak_reserved_gib'], '.2f')} | {exposed} "
             f"| {r['loss_first']:.4f} -> {r['loss_last']:.4f} | {_f(r['loss_rel_diff'], '.2e')} | {check} |")
@@ -164,12 +188,17 @@ def _notes(meta: dict) -> list[str]:
         "warm-up step and the last timed step; check = last-step loss within "
         f"{_f(rtol, '.2e')} relative of FSDP2's on the same data. Ratios are against FSDP2 in the same job.",
         "",
+        "vs ceiling = tokens/s over those of `none` in the same job and mode: the same model, bf16 "
+        "weights, each rank its own replica, no communication (its loss differs from FSDP2's by the bf16 "
+        "rounding of its weight updates). +compile = each layer's forward compiled with torch.compile "
+        "(shardwise.compile_units; the others torch.compile(layer) before wrapping, as torchtitan does).",
+        "",
     ]
 
 
 def format_run(run: dict) -> str:
     """One line for a finished run, printed as soon as it ends."""
-    head = f"[{run['size']} r{run['repeat']}] {run['wrapper']:14s}"
+    head = f"[{run['size']} r{run['repeat']}] {label(run):22s}"
     if run["status"] != "ok":
         return f"{head} {run['status']}: {run.get('reason', '')}"
     mem = "peak RSS" if run["device"] == "cpu" else "peak alloc"
@@ -177,9 +206,14 @@ def format_run(run: dict) -> str:
     exposed = ("" if run.get("exposed_comm_frac") is None
                else f" exposed comm {100 * run['exposed_comm_frac']:.1f}%")
     reserved = ("" if run.get("peak_reserved_gib") is None else f" reserved {run['peak_reserved_gib']:.2f} GiB")
+    compiled = ""
+    if run.get("graph_breaks") is not None:
+        first = "" if run.get("first_step_s") is None else f", first step {run['first_step_s']:.1f}s"
+        compiled = (f"{first}, {run['graph_breaks']} graph breaks, "
+                    f"{run['frames_compiled_timed']} recompiles while timed")
     return (f"{head} {run['tokens_per_s_per_gpu']:,.0f} tok/s/GPU{mfu} {mem} {run['peak_alloc_gib']:.2f} GiB"
             f"{reserved}{exposed} loss {run['loss_first']:.4f} -> {run['loss_last']:.4f} "
-            f"(wrap {run['wrap_s']:.1f}s, step {1000 * run['step_s']:.0f} ms)")
+            f"(wrap {run['wrap_s']:.1f}s, step {1000 * run['step_s']:.0f} ms{compiled})")
 
 
 # ------------------------------------------------------------------ files
@@ -197,10 +231,10 @@ def plot(path: Path, rows: list[dict]) -> None:
     sizes = list(dict.fromkeys(r["size"] for r in rows))
     fig, axes = plt.subplots(2, len(sizes), figsize=(4.2 * len(sizes), 6.5), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    wrappers = list(dict.fromkeys(r["wrapper"] for r in rows))
+    wrappers = list(dict.fromkeys(label(r) for r in rows))
     for col, size in enumerate(sizes):
         mine = [r for r in rows if r["size"] == size]
-        labels = [r["wrapper"] for r in mine]
+        labels = [label(r) for r in mine]
         color = [colors[wrappers.index(w) % len(colors)] for w in labels]
         cpu = mine[0]["device"] == "cpu"
         for ax, key, title in ((axes[0][col], "tokens_per_s_per_gpu", "tokens/s per GPU"),

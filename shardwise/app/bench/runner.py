@@ -18,7 +18,15 @@ fixed ``torch.Generator`` per rank) for ``warmup`` + ``steps`` steps, then
 * exposed communication (CUDA only): over the profiled steps on every rank, the
   time during which a NCCL kernel runs on the GPU while no other kernel, memcpy
   or memset does (union of intervals), divided by the wall time of those steps;
-  the largest rank is reported.
+  the largest rank is reported;
+* with ``compile`` (each layer's forward compiled, see ``wrappers``): dynamo's
+  graph breaks over the run and the frames it compiled during the timed steps
+  (0 unless something recompiles every step); the first warm-up step, which
+  compiles, is timed on its own (``first_step_s``).
+
+``compile="both"`` runs every wrapper eager and compiled in the same job,
+interleaved: each run is compared with FSDP2 and with the ceiling (``none``)
+of its own mode.
 
 Everything between runs is freed (``gc.collect``, ``empty_cache``); the allocated
 memory left at the start of a run is reported too (``base_alloc_gib``).
@@ -41,11 +49,12 @@ from .sizes import SIZES, BenchSize, ddp_bytes_estimate, model_config
 from .wrappers import DEFAULT_ORDER, WRAPPERS, unavailable_reason
 
 __all__ = ["BenchOptions", "run_benchmark", "run_one", "merge_intervals", "interval_length",
-           "exposed_length", "kernel_intervals", "PEAK_FLOPS_PER_GPU"]
+           "exposed_length", "kernel_intervals", "PEAK_FLOPS_PER_GPU", "COMPILE_MODES"]
 
 PEAK_FLOPS_PER_GPU = 989e12  # H100/H200 dense bf16
 GIB = 2**30
 DDP_FIT_MARGIN = 0.9  # skip DDP when its estimate passes this fraction of free memory
+COMPILE_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
 @dataclass
@@ -63,6 +72,12 @@ class BenchOptions:
     seq_len: int = 0  # 0: the size's
     loss_rtol: float = 1.6e-2  # torch.testing's default bf16 rtol
     trace_dir: str = ""  # where rank 0 writes a chrome trace per run ("" = none)
+    compile: str = "off"  # "off" (eager), "on" (each layer's forward compiled) or "both", interleaved
+    compile_backend: str = "inductor"
+
+    def compile_kwargs(self) -> dict:
+        """What every wrapper passes to torch.compile: whole layers, static shapes (as torchtitan)."""
+        return {"backend": self.compile_backend, "fullgraph": True, "dynamic": False}
 
     def steps_for(self, size: BenchSize) -> int:
         return int(self.steps.get(size.name, self.steps.get("*", size.steps)))
@@ -199,8 +214,8 @@ def _reduce(values: list[float], device: torch.device, op) -> list[float]:
 
 
 def _skip_reason(name: str, size: BenchSize, config, n_params: int, micro_batch: int, seq_len: int,
-                 device: torch.device) -> str | None:
-    why = unavailable_reason(name, device)
+                 device: torch.device, compiled: bool = False) -> str | None:
+    why = unavailable_reason(name, device, compiled)
     if why or name != "ddp" or device.type != "cuda":
         return why
     need = ddp_bytes_estimate(config, n_params, seq_len, micro_batch)
@@ -213,8 +228,9 @@ def _skip_reason(name: str, size: BenchSize, config, n_params: int, micro_batch:
 
 # ------------------------------------------------------------------ one run
 def run_one(name: str, size: BenchSize, opts: BenchOptions, device: torch.device, batches,
-            repeat: int = 0) -> dict:
-    """Wrap a fresh model with wrapper ``name``, train and measure it; every rank returns the result."""
+            repeat: int = 0, compiled: bool = False) -> dict:
+    """Wrap a fresh model with wrapper ``name`` (layers compiled when ``compiled``), train and measure it;
+    every rank returns the result."""
     rank, world = dist.get_rank(), dist.get_world_size()
     micro_batch, seq_len = opts.shape_for(size)
     steps, warmup = opts.steps_for(size), opts.warmup_for(size)
@@ -227,13 +243,15 @@ def run_one(name: str, size: BenchSize, opts: BenchOptions, device: torch.device
     result = {"size": size.name, "wrapper": name, "repeat": repeat, "world_size": world,
               "device": device.type, "params": n_params, "micro_batch": micro_batch, "seq_len": seq_len,
               "activation_checkpointing": config.activation_checkpointing, "steps": steps, "warmup": warmup,
-              "tokens_per_step_per_gpu": micro_batch * seq_len}
-    why = _skip_reason(name, size, config, n_params, micro_batch, seq_len, device)
+              "tokens_per_step_per_gpu": micro_batch * seq_len, "compiled": compiled,
+              "compile_backend": opts.compile_backend if compiled else None}
+    why = _skip_reason(name, size, config, n_params, micro_batch, seq_len, device, compiled)
     if why:
         return {**result, "status": "skipped", "reason": why}
     try:
+        tag = f"{size.name}-{name}{'-compiled' if compiled else ''}-r{repeat}"
         result.update(_measure(name, config, opts, device, batches, steps, warmup, flops_per_token,
-                               micro_batch * seq_len, f"{size.name}-{name}-r{repeat}"))
+                               micro_batch * seq_len, tag, compiled))
         result["status"] = "ok"
     except torch.cuda.OutOfMemoryError:
         result.update(status="failed", reason="out of memory")
@@ -245,17 +263,34 @@ def run_one(name: str, size: BenchSize, opts: BenchOptions, device: torch.device
     return result
 
 
+def _dynamo_counts() -> tuple[int, int]:
+    """(graph breaks, frames compiled) so far in this process (0, 0 before anything compiled)."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return 0, 0
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values()), counters["frames"]["ok"]
+
+
 def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token, tokens_per_step,
-             tag) -> dict:
+             tag, compiled=False) -> dict:
     cuda = device.type == "cuda"
     world = dist.get_world_size()
     base_alloc = torch.cuda.memory_allocated(device) if cuda else 0
+    if compiled:  # every compiled run compiles from scratch, as a fresh process would
+        from torch import _dynamo
+
+        _dynamo.reset()
     torch.manual_seed(opts.seed)
     t0 = time.perf_counter()
     with torch.device(device):
         model = GPT(config)
     t1 = time.perf_counter()
     extra = {"strategy": opts.strategy} if name.startswith("shardwise") else {}
+    if compiled:
+        extra["compile"] = opts.compile_kwargs()
     model, optimizer = WRAPPERS[name](model, device, **extra)
     model.train()
     _sync(device)
@@ -269,13 +304,23 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
         _reset_host_peak()
         after_wrap = 0
 
-    losses = [_train_step(model, optimizer, batches[i]) for i in range(warmup)]
+    breaks_before, _ = _dynamo_counts()
+    losses = []
+    first_step_s = None
+    for i in range(warmup):
+        step_start = time.perf_counter()
+        losses.append(_train_step(model, optimizer, batches[i]))
+        if i == 0:  # compiles, when compiled
+            _sync(device)
+            first_step_s = time.perf_counter() - step_start
     _sync(device)
+    _, frames_warm = _dynamo_counts()
     start = time.perf_counter()
     for i in range(warmup, warmup + steps):
         losses.append(_train_step(model, optimizer, batches[i]))
     _sync(device)
     elapsed = time.perf_counter() - start
+    breaks_after, frames_after = _dynamo_counts()
     if cuda:
         peak_alloc, peak_reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
     else:
@@ -304,7 +349,9 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
         "memory_measured": ("CUDA allocator peak, reset after wrap + optimizer, over warm-up and timed steps, "
                             "minus what was still allocated when the run started, max over ranks") if cuda else
                            ("host peak RSS of the whole process over warm-up and timed steps, max over ranks"),
-        "loss_first": first_loss, "loss_last": last_loss,
+        "loss_first": first_loss, "loss_last": last_loss, "first_step_s": first_step_s,
+        "graph_breaks": breaks_after - breaks_before if compiled else None,
+        "frames_compiled_timed": frames_after - frames_warm if compiled else None,
     }
     out.update(exposed or {"exposed_comm_frac": None, "exposed_comm_ms_per_step": None,
                            "comm_ms_per_step": None, "gpu_idle_frac": None})
@@ -365,10 +412,12 @@ def run_benchmark(opts: BenchOptions, on_result: Callable[[dict], None] | None =
         total = opts.warmup_for(size) + opts.steps_for(size) + (opts.profile_steps if device.type == "cuda" else 0)
         batches = _make_batches(size.model["vocab_size"], micro_batch, seq_len, total, opts.seed, rank, device)
         for repeat in range(opts.repeats):
-            order = list(opts.wrappers) if repeat % 2 == 0 else list(reversed(opts.wrappers))
-            for name in order:
+            order = [(compiled, name) for compiled in COMPILE_MODES[opts.compile] for name in opts.wrappers]
+            if repeat % 2:
+                order.reverse()
+            for compiled, name in order:
                 _release(device)
-                result = run_one(name, size, opts, device, batches, repeat)
+                result = run_one(name, size, opts, device, batches, repeat, compiled)
                 _release(device)
                 results.append(result)
                 if rank == 0 and on_result is not None:

@@ -6,6 +6,15 @@ and returns ``(model, optimizer)``: a module whose ``model(inputs, targets)``
 is the loss in bf16 compute, and an AdamW over whatever parameters the wrapper
 exposes. Every wrapper keeps fp32 main weights, reduces gradients in fp32 and
 computes in bf16; the optimizer settings are the same for all (:func:`make_optimizer`).
+The exception is ``none``, the compute-only ceiling: bf16 weights, each rank
+training its own replica, no communication at all.
+
+``compile=<torch.compile kwargs>`` compiles each transformer layer's forward,
+the same layers under every wrapper that supports it: shardwise through
+``shardwise.compile_units`` (after ``fully_shard``; its hooks stay outside the
+graphs), the others torchtitan's way, ``torch.compile(layer)`` put back in its
+parent before the wrapper is applied (FSDP2 then shards the compiled layer, so
+its hooks are outside the graph too).
 
 megatron-fsdp is a benchmark peer only: it is imported when installed and never
 vendored; :func:`unavailable_reason` says why a wrapper cannot run here.
@@ -20,14 +29,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["WRAPPERS", "DEFAULT_ORDER", "LR", "make_optimizer", "unavailable_reason", "wrapper_version",
-           "wrap_shardwise", "wrap_shardwise_optimizer_in_backward", "wrap_fsdp2", "wrap_ddp", "wrap_megatron_fsdp"]
+__all__ = ["WRAPPERS", "DEFAULT_ORDER", "CEILING", "COMPILES", "LR", "make_optimizer", "unavailable_reason",
+           "wrapper_version", "compile_layers", "wrap_shardwise", "wrap_shardwise_optimizer_in_backward",
+           "wrap_fsdp2", "wrap_ddp", "wrap_none", "wrap_megatron_fsdp"]
 
 LR = 1e-4
 # No weight decay: megatron-fsdp's fully_shard_optimizer takes one step on zero
 # gradients to create the optimizer state; without decay that step moves nothing.
 WEIGHT_DECAY = 0.0
-DEFAULT_ORDER = ("fsdp2", "shardwise", "ddp", "megatron-fsdp")
+DEFAULT_ORDER = ("fsdp2", "shardwise", "ddp", "megatron-fsdp", "none")
+CEILING = "none"  # the compute-only ceiling every other wrapper is also compared with
 
 
 def make_optimizer(params, device: torch.device) -> torch.optim.Optimizer:
@@ -42,8 +53,26 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, UNIT_MODULES)]
 
 
+def compile_layers(model: nn.Module, compile: dict) -> list[nn.Module]:
+    """``torch.compile(layer, **compile)`` in place of each layer in its parent (torchtitan's way).
+
+    Returns the compiled layers (``OptimizedModule``): a wrapper applied to them
+    afterwards puts its hooks around the compiled call, never inside it.
+    """
+    targets = {id(m) for m in _layers(model)}
+    compiled = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in targets:
+                wrapped = torch.compile(child, **compile)
+                parent.register_module(name, wrapped)
+                compiled.append(wrapped)
+    return compiled
+
+
 # ------------------------------------------------------------------ shardwise
-def wrap_shardwise(model: nn.Module, device: torch.device, strategy: str = "optim_grads_params"):
+def wrap_shardwise(model: nn.Module, device: torch.device, strategy: str = "optim_grads_params",
+                   compile: dict | None = None):
     """shardwise.fully_shard: each layer, the embedding and the output head are units."""
     import shardwise
 
@@ -52,20 +81,23 @@ def wrap_shardwise(model: nn.Module, device: torch.device, strategy: str = "opti
     model = shardwise.fully_shard(
         model, strategy=strategy, unit_modules=units,
         mixed_precision=shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    if compile is not None:  # the layers, as for the other wrappers (not the embedding or head)
+        shardwise.compile_units(model, modules=unit_types, **compile)
     return model, make_optimizer(model.parameters(), device)
 
 
-def wrap_shardwise_optimizer_in_backward(model: nn.Module, device: torch.device, strategy: str = "optim_grads_params"):
+def wrap_shardwise_optimizer_in_backward(model: nn.Module, device: torch.device, strategy: str = "optim_grads_params",
+                                         compile: dict | None = None):
     """As wrap_shardwise, with AdamW stepped per group inside backward (gradients freed at once)."""
     import shardwise
 
-    model, _ = wrap_shardwise(model, device, strategy)
+    model, _ = wrap_shardwise(model, device, strategy, compile)
     impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return model, shardwise.BackwardOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, **impl)
 
 
 # ------------------------------------------------------------------ PyTorch FSDP2
-def wrap_fsdp2(model: nn.Module, device: torch.device):
+def wrap_fsdp2(model: nn.Module, device: torch.device, compile: dict | None = None):
     """torch.distributed.fsdp.fully_shard on each layer, then the root; bf16 params, fp32 reduce."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -73,7 +105,7 @@ def wrap_fsdp2(model: nn.Module, device: torch.device):
     # not re-applied when activation checkpointing recomputes a layer (dtype mismatch error);
     # shardwise does not cast inputs either, so both compute alike.
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    for layer in _layers(model):
+    for layer in (_layers(model) if compile is None else compile_layers(model, compile)):
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model, make_optimizer(model.parameters(), device)
@@ -93,23 +125,42 @@ class AutocastForward(nn.Module):
             return self.module(*args, **kwargs)
 
 
-def wrap_ddp(model: nn.Module, device: torch.device):
+def wrap_ddp(model: nn.Module, device: torch.device, compile: dict | None = None):
     """DistributedDataParallel over fp32 weights, forward under bf16 autocast."""
     from torch.nn.parallel import DistributedDataParallel
 
+    if compile is not None:
+        compile_layers(model, compile)
     ddp = DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True)
     return AutocastForward(ddp, device.type), make_optimizer(ddp.parameters(), device)
 
 
-# ------------------------------------------------------------------ megatron-fsdp
 def _bf16_parameters(model: nn.Module) -> None:
     """Cast parameters (not buffers: the RoPE tables stay fp32) to bf16 in place."""
     with torch.no_grad():
         for p in model.parameters():
             if p.is_floating_point():
                 p.data = p.data.to(torch.bfloat16)
+
+
+# ------------------------------------------------------------------ the ceiling
+def wrap_none(model: nn.Module, device: torch.device, compile: dict | None = None):
+    """The compute-only ceiling: bf16 weights, gradients and AdamW state, each rank its own replica.
+
+    No communication and no fp32 main weights: the same forward and backward as
+    every other wrapper (bf16 compute, the same layers compiled or not) with the
+    cheapest optimizer step, so no data-parallel wrapper can be faster. Its loss
+    differs from FSDP2's by the bf16 rounding of the weight updates.
+    """
+    _bf16_parameters(model)
+    if compile is not None:
+        compile_layers(model, compile)
+    return model, make_optimizer(model.parameters(), device)
+
+
+# ------------------------------------------------------------------ megatron-fsdp
 
 
 def wrap_megatron_fsdp(model: nn.Module, device: torch.device):
@@ -148,13 +199,17 @@ WRAPPERS: dict[str, Callable] = {
     "shardwise-obo": wrap_shardwise_optimizer_in_backward,
     "ddp": wrap_ddp,
     "megatron-fsdp": wrap_megatron_fsdp,
+    "none": wrap_none,
 }
+COMPILES = ("fsdp2", "shardwise", "shardwise-obo", "ddp", "none")  # the wrappers that take compile=
 
 
-def unavailable_reason(name: str, device: torch.device) -> str | None:
-    """Why wrapper ``name`` cannot run on ``device`` (``None`` when it can)."""
+def unavailable_reason(name: str, device: torch.device, compiled: bool = False) -> str | None:
+    """Why wrapper ``name`` cannot run on ``device`` (compiled, when asked; ``None`` when it can)."""
     if name not in WRAPPERS:
         return f"unknown wrapper (choose from {', '.join(WRAPPERS)})"
+    if compiled and name not in COMPILES:
+        return "no compiled variant in the benchmark"
     if name == "megatron-fsdp":
         if importlib.util.find_spec("megatron_fsdp") is None:
             return "not installed (pip install megatron-fsdp)"
