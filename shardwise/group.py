@@ -369,7 +369,9 @@ class ParamGroup:
         event = self.streams.record(self.streams.reduce)
         if self.offloaded and self._pending_install:
             self._host_ready = event  # the CPU may read the host grads once this has passed
-        return InFlight(event, keepalive=self._released, staged=tuple(staged), pool=self.streams.pool)
+        flight = InFlight(event, keepalive=self._released, staged=tuple(staged), pool=self.streams.pool)
+        self._released = ()  # only the flight keeps them now: they go as soon as it is waited on
+        return flight
 
     def finalize_without_new_grads(self) -> InFlight | None:
         """End an accumulation window whose last micro-batch brought no grads to this group."""

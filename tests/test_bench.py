@@ -196,3 +196,20 @@ def test_profile_gathers_every_rank():
     assert out[0] == out[1]
     assert out[0]["exposed_comm_frac"] == 0.0 and len(out[0]["exposed_comm_frac_per_rank"]) == 2
     assert out[0]["profiled_steps"] == 2
+
+
+def _bench_tiny_offloaded(out: str):
+    opts = runner.BenchOptions(sizes=["tiny"], wrappers=["shardwise", "fsdp2"], device=device().type,
+                               steps={"*": 2}, warmup={"*": 1}, profile_steps=0, offload=0.5)
+    return cli.worker(opts, out, "test")
+
+
+def test_tiny_benchmark_offloaded(tmp_path):
+    runs = run_distributed(_bench_tiny_offloaded, 2, str(tmp_path))[0]
+    ours = next(r for r in runs if r["wrapper"] == "shardwise")
+    assert ours["status"] == "ok" and ours["tokens_per_s_per_gpu"] > 0 and ours["host_peak_gib"] > 0
+    fsdp2 = next(r for r in runs if r["wrapper"] == "fsdp2")
+    if device().type == "cpu":  # FSDP2's CPUOffloadPolicy needs an accelerator to offload from
+        assert fsdp2["status"] == "skipped" and "accelerator" in fsdp2["reason"]
+    else:
+        assert fsdp2["status"] == "ok"

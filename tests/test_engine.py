@@ -519,3 +519,24 @@ def test_an_update_that_moves_no_version_counter_still_reaches_the_next_forward(
     for losses in run_distributed(_update_without_version_bump, 2, strategy):
         for ours, ref in losses:
             assert ours == pytest.approx(ref, rel=1e-5)
+
+
+def _buffers_held_after_step(strategy: str, offload: bool):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    config = TinyConfig()
+    model = shardwise.fully_shard(
+        TinyLM(config).to(device()), strategy=strategy, unit_modules=[Block],
+        offload_policy=shardwise.OffloadPolicy() if offload else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens, targets = (t.to(device()) for t in batch(0, world, config))
+    model(tokens[rank : rank + 1], targets[rank : rank + 1]).backward()
+    opt.step()
+    opt.zero_grad()
+    # Buffers a reduction read (ZeRO-1's accumulation buffer, an offloaded group's device grads)
+    # belong to its in-flight record only: once that is waited on, nothing may keep them.
+    return sum(len(g._released) for g in model.sharded_state.groups)
+
+
+@pytest.mark.parametrize("strategy,offload", [("optim", False), ("optim_grads_params", True)])
+def test_no_reduction_buffer_outlives_its_step(strategy, offload):
+    assert run_distributed(_buffers_held_after_step, 2, strategy, offload) == [0, 0]

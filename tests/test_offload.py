@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise
-from distributed import device, run_distributed
+from distributed import BACKEND, device, run_distributed
 from tiny_model import Block, TinyConfig, TinyLM, batch
 
 STEPS = 4
@@ -53,14 +53,22 @@ def _compare(strategy, outer, offload, clip=True, accumulate=1):
     return plain, off
 
 
+def _same(a, b) -> bool:
+    """Bit-identical on gloo, where both runs step on the CPU; over NCCL the device run's optimizer
+    runs CUDA kernels and the offloaded one CPU kernels, which round differently."""
+    if BACKEND == "gloo":
+        return torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    return torch.allclose(torch.as_tensor(a), torch.as_tensor(b), rtol=1e-5, atol=1e-6)
+
+
 def _assert_identical(results):
     for (losses, weights, moments, _), (o_losses, o_weights, o_moments, _) in results:
-        assert losses == o_losses
+        assert _same(losses, o_losses), (losses, o_losses)
         for name in weights:
-            assert torch.equal(weights[name], o_weights[name]), name
+            assert _same(weights[name], o_weights[name]), name
         assert moments.keys() == o_moments.keys() and moments
         for name in moments:
-            assert torch.equal(moments[name], o_moments[name]), name
+            assert _same(moments[name], o_moments[name]), name
 
 
 @pytest.mark.parametrize(
@@ -150,7 +158,7 @@ def _resume_across(save_offloaded: bool, folder: str):
 @pytest.mark.parametrize("save_offloaded", [False, True], ids=["device_to_host", "host_to_device"])
 def test_checkpoints_move_between_offloaded_and_device_runs(save_offloaded, tmp_path):
     for straight, resumed in run_distributed(_resume_across, 2, save_offloaded, str(tmp_path)):
-        assert straight == resumed
+        assert _same(straight, resumed)
 
 
 def _backward_optimizer(offloaded: bool):
@@ -178,5 +186,5 @@ def _backward_optimizer_both():
 
 def test_a_backward_optimizer_steps_offloaded_groups_on_the_host_identically():
     for (losses, weights), (o_losses, o_weights) in run_distributed(_backward_optimizer_both, 2):
-        assert losses == o_losses
-        assert all(torch.equal(weights[n], o_weights[n]) for n in weights)
+        assert _same(losses, o_losses)
+        assert all(_same(weights[n], o_weights[n]) for n in weights)

@@ -71,6 +71,14 @@ def test_bad_flags_name_flag_and_value(argv, message, capsys, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_offload_flags(capsys, tmp_path):
+    cfg = resolve_config(["--offload", "--offload-fraction", "0.5"])[0]
+    assert cfg.offload is True and cfg.offload_fraction == 0.5
+    assert resolve_config([])[0].offload is False
+    assert main(["--offload", "--offload-fraction", "1.5", "--out-dir", str(tmp_path / "x")]) == 2
+    assert "--offload-fraction 1.5: must be a fraction in [0, 1]" in capsys.readouterr().err
+
+
 def test_compile_flag_alone_means_inductor_and_unknown_backends_are_refused(capsys, tmp_path):
     assert resolve_config(["--compile"])[0].compile == "inductor"
     assert resolve_config(["--compile", "aot_eager"])[0].compile == "aot_eager"

@@ -92,6 +92,10 @@ class TrainConfig:
     compile: str = field(default="", metadata=_help(
         "torch.compile each layer's forward with this backend (shardwise.compile_units; the sharding hooks "
         "stay eager): --compile alone means inductor"))
+    offload: bool = field(default=False, metadata=_help(
+        "keep fp32 main weights, grads and AdamW state in host memory; the optimizer steps on the CPU"))
+    offload_fraction: float = field(default=1.0, metadata=_help(
+        "with --offload: the share of the parameters offloaded, unit by unit from the first layer"))
     seed: int = field(default=0, metadata=_help("seed for init and data order"))
     data: str = field(default="", metadata=_help(
         "text file, folder of text files, or .bin token file (default: Python stdlib sources as bytes)"))
@@ -264,6 +268,8 @@ def _validate(cfg: TrainConfig, model: GPTConfig) -> None:
             raise ConfigError(name, getattr(cfg, name), "must be in [0, 1)")
     if not cfg.timeout > 0:
         raise ConfigError("timeout", cfg.timeout, "must be a positive number of seconds")
+    if not 0 <= cfg.offload_fraction <= 1:
+        raise ConfigError("offload_fraction", cfg.offload_fraction, "must be a fraction in [0, 1]")
     if cfg.compile:
         from torch import _dynamo
 
@@ -711,7 +717,8 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     model = shardwise.fully_shard(
         model, mesh=mesh, strategy=cfg.strategy, outer_dp_sharding_strategy=cfg.outer_strategy or None,
         unit_modules=unit_modules, mixed_precision=policy,
-        init_fn=init_fn)
+        init_fn=init_fn,
+        offload_policy=shardwise.OffloadPolicy(fraction=cfg.offload_fraction) if cfg.offload else None)
     if init_fn is not None:
         init_fn.finish()
     if cfg.compile:  # each layer's forward; compiled at the first step

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile each layer's forward under every wrapper that supports it "
                         "(--compile = on; both = eager and compiled runs interleaved in one job)")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
+    p.add_argument("--offload", nargs="?", type=float, const=1.0, default=0.0, metavar="FRACTION",
+                   help="main weights and optimizer state on the host: shardwise offloads FRACTION of the "
+                        "parameters (--offload = all), FSDP2 (CPUOffloadPolicy) all of them")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--nproc", type=int, default=0, help="local workers (0 = one per GPU, or 2 on CPU)")
     p.add_argument("--steps", default="", help="timed steps: N for every size, or SIZE=N,... (default: 10)")
@@ -120,6 +123,8 @@ def parse_options(argv) -> tuple[BenchOptions, argparse.Namespace]:
         if args.compile_backend not in backends:
             raise UsageError(f"--compile-backend {args.compile_backend}: unknown backend; "
                              f"choose from {', '.join(backends)}")
+    if not 0.0 <= args.offload <= 1.0:
+        raise UsageError(f"--offload {args.offload}: must be a fraction in [0, 1]")
     for flag in ("repeats", "nproc", "profile_steps", "micro_batch", "seq_len"):
         value = getattr(args, flag)
         if value < (1 if flag == "repeats" else 0):
@@ -129,7 +134,7 @@ def parse_options(argv) -> tuple[BenchOptions, argparse.Namespace]:
         warmup=_per_size(args.warmup, "--warmup"), profile_steps=args.profile_steps, repeats=args.repeats,
         strategy=strategy, seed=args.seed, micro_batch=args.micro_batch, seq_len=args.seq_len,
         loss_rtol=args.loss_rtol, trace_dir=str(Path(args.out) / "traces") if args.save_traces else "",
-        compile=args.compile, compile_backend=args.compile_backend)
+        compile=args.compile, compile_backend=args.compile_backend, offload=args.offload)
     return opts, args
 
 

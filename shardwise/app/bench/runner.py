@@ -54,6 +54,8 @@ __all__ = ["BenchOptions", "run_benchmark", "run_one", "merge_intervals", "inter
 PEAK_FLOPS_PER_GPU = 989e12  # H100/H200 dense bf16
 GIB = 2**30
 DDP_FIT_MARGIN = 0.9  # skip DDP when its estimate passes this fraction of free memory
+HOST_BYTES_PER_PARAM = 16  # offloaded: fp32 main weights, fp32 grads, two fp32 AdamW moments
+HOST_FIT_MARGIN = 0.85  # skip an offloaded run whose host state passes this fraction of available memory
 COMPILE_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
@@ -74,6 +76,7 @@ class BenchOptions:
     trace_dir: str = ""  # where rank 0 writes a chrome trace per run ("" = none)
     compile: str = "off"  # "off" (eager), "on" (each layer's forward compiled) or "both", interleaved
     compile_backend: str = "inductor"
+    offload: float = 0.0  # share of parameters with main weights and optimizer state on the host (shardwise, fsdp2)
 
     def compile_kwargs(self) -> dict:
         """What every wrapper passes to torch.compile: whole layers, static shapes (as torchtitan)."""
@@ -213,11 +216,30 @@ def _reduce(values: list[float], device: torch.device, op) -> list[float]:
     return t.tolist()
 
 
+def _host_available_bytes() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    return float("inf")
+
+
 def _skip_reason(name: str, size: BenchSize, config, n_params: int, micro_batch: int, seq_len: int,
-                 device: torch.device, compiled: bool = False) -> str | None:
+                 device: torch.device, compiled: bool = False, offload: float = 0.0) -> str | None:
     why = unavailable_reason(name, device, compiled)
-    if why or name != "ddp" or device.type != "cuda":
+    if why:
         return why
+    offloaded = (offload if name.startswith("shardwise") else 1.0 if name == "fsdp2" else 0.0) if offload else 0.0
+    if offloaded and name == "fsdp2" and device.type != "cuda":
+        return "FSDP2's CPUOffloadPolicy offloads from an accelerator; there is none here"
+    if offloaded and device.type == "cuda":  # every local rank's host state shares this host's memory
+        need = HOST_BYTES_PER_PARAM * n_params * offloaded
+        free = _host_available_bytes()
+        if need > HOST_FIT_MARGIN * free:
+            return (f"does not fit in host memory: offloading {offloaded:.0%} of {n_params / 1e9:.1f}B parameters "
+                    f"needs ~{need / GIB:.0f} GiB (fp32 weights, grads, AdamW moments), {free / GIB:.0f} GiB available")
+    if name != "ddp" or device.type != "cuda":
+        return None
     need = ddp_bytes_estimate(config, n_params, seq_len, micro_batch)
     free = _reduce([torch.cuda.mem_get_info(device)[0]], device, dist.ReduceOp.MIN)[0]
     if need > DDP_FIT_MARGIN * free:
@@ -245,7 +267,7 @@ def run_one(name: str, size: BenchSize, opts: BenchOptions, device: torch.device
               "activation_checkpointing": config.activation_checkpointing, "steps": steps, "warmup": warmup,
               "tokens_per_step_per_gpu": micro_batch * seq_len, "compiled": compiled,
               "compile_backend": opts.compile_backend if compiled else None}
-    why = _skip_reason(name, size, config, n_params, micro_batch, seq_len, device, compiled)
+    why = _skip_reason(name, size, config, n_params, micro_batch, seq_len, device, compiled, opts.offload)
     if why:
         return {**result, "status": "skipped", "reason": why}
     try:
@@ -289,6 +311,8 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
         model = GPT(config)
     t1 = time.perf_counter()
     extra = {"strategy": opts.strategy} if name.startswith("shardwise") else {}
+    if opts.offload and (name.startswith("shardwise") or name == "fsdp2"):
+        extra["offload"] = opts.offload
     if compiled:
         extra["compile"] = opts.compile_kwargs()
     model, optimizer = WRAPPERS[name](model, device, **extra)
@@ -300,6 +324,7 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         after_wrap = torch.cuda.memory_allocated(device)
+        _reset_host_peak()  # host memory matters too when state is offloaded
     else:
         _reset_host_peak()
         after_wrap = 0
@@ -326,6 +351,7 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
     else:
         peak_alloc, peak_reserved = _host_peak_bytes(), float("nan")
     first_loss, last_loss = (float(x) for x in torch.stack([losses[0], losses[-1]]).float().cpu())
+    host_peak = _host_peak_bytes()
 
     exposed = _profile(model, optimizer, batches[warmup + steps:], device, opts, tag) if cuda else None
     del model, optimizer, losses
@@ -337,6 +363,7 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
     elapsed, peak_alloc, peak_alloc_raw, peak_reserved, base_alloc, after_wrap = _reduce(
         [elapsed, peak_alloc, peak_alloc_raw, peak_reserved, base_alloc, after_wrap], device, dist.ReduceOp.MAX)
     first_loss, last_loss = (x / world for x in _reduce([first_loss, last_loss], device, dist.ReduceOp.SUM))
+    host_peak_max, = _reduce([host_peak], device, dist.ReduceOp.MAX)
     tokens_per_s = steps * tokens_per_step / elapsed
     out = {
         "build_s": t1 - t0, "wrap_s": wrap_s, "timed_s": elapsed, "step_s": elapsed / steps,
@@ -346,6 +373,7 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
         "peak_alloc_gib": peak_alloc / GIB, "peak_alloc_raw_gib": peak_alloc_raw / GIB,
         "peak_reserved_gib": peak_reserved / GIB if cuda else None,
         "base_alloc_gib": base_alloc / GIB, "after_wrap_alloc_gib": after_wrap / GIB,
+        "host_peak_gib": host_peak_max / GIB,  # peak resident host memory of one rank's process (max over ranks)
         "memory_measured": ("CUDA allocator peak, reset after wrap + optimizer, over warm-up and timed steps, "
                             "minus what was still allocated when the run started, max over ranks") if cuda else
                            ("host peak RSS of the whole process over warm-up and timed steps, max over ranks"),

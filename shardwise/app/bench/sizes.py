@@ -50,6 +50,13 @@ SIZES: dict[str, BenchSize] = {
         seq_len=4096, micro_batch=1),
     "8b": BenchSize(
         "8b", {**_shape("8b"), "activation_checkpointing": True}, seq_len=4096, micro_batch=1),
+    # Larger members of the 8B family, for CPU offload (--offload): 14.5B and 20.3B parameters.
+    "14b": BenchSize(
+        "14b", {**_shape("8b"), "dim": 5120, "n_layers": 48, "n_heads": 40, "ffn_hidden": 13824,
+                "activation_checkpointing": True}, seq_len=4096, micro_batch=1),
+    "20b": BenchSize(
+        "20b", {**_shape("8b"), "dim": 6144, "n_layers": 48, "n_heads": 48, "ffn_hidden": 16384,
+                "activation_checkpointing": True}, seq_len=4096, micro_batch=1),
 }
 
 

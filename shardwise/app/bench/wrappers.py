@@ -72,42 +72,50 @@ def compile_layers(model: nn.Module, compile: dict) -> list[nn.Module]:
 
 # ------------------------------------------------------------------ shardwise
 def wrap_shardwise(model: nn.Module, device: torch.device, strategy: str = "optim_grads_params",
-                   compile: dict | None = None):
-    """shardwise.fully_shard: each layer, the embedding and the output head are units."""
+                   compile: dict | None = None, offload: float = 0.0):
+    """shardwise.fully_shard: each layer, the embedding and the output head are units.
+
+    ``offload``: the share of the parameters whose main weights and optimizer state live on the host.
+    """
     import shardwise
 
     unit_types = list(dict.fromkeys(type(m) for m in _layers(model)))
     units = unit_types + [m for m in (model.embed, model.output) if m is not None]
     model = shardwise.fully_shard(
         model, strategy=strategy, unit_modules=units,
-        mixed_precision=shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        mixed_precision=shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+        offload_policy=shardwise.OffloadPolicy(fraction=offload) if offload else None)
     if compile is not None:  # the layers, as for the other wrappers (not the embedding or head)
         shardwise.compile_units(model, modules=unit_types, **compile)
     return model, make_optimizer(model.parameters(), device)
 
 
 def wrap_shardwise_optimizer_in_backward(model: nn.Module, device: torch.device, strategy: str = "optim_grads_params",
-                                         compile: dict | None = None):
+                                         compile: dict | None = None, offload: float = 0.0):
     """As wrap_shardwise, with AdamW stepped per group inside backward (gradients freed at once)."""
     import shardwise
 
-    model, _ = wrap_shardwise(model, device, strategy, compile)
+    model, _ = wrap_shardwise(model, device, strategy, compile, offload)
     impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return model, shardwise.BackwardOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, **impl)
 
 
 # ------------------------------------------------------------------ PyTorch FSDP2
-def wrap_fsdp2(model: nn.Module, device: torch.device, compile: dict | None = None):
-    """torch.distributed.fsdp.fully_shard on each layer, then the root; bf16 params, fp32 reduce."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def wrap_fsdp2(model: nn.Module, device: torch.device, compile: dict | None = None, offload: float = 0.0):
+    """torch.distributed.fsdp.fully_shard on each layer, then the root; bf16 params, fp32 reduce.
+
+    ``offload`` > 0: ``CPUOffloadPolicy`` (FSDP2 offloads all or nothing: any fraction offloads all).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     # cast_forward_inputs=False: the layers take fp32 RoPE tables, and FSDP2's input cast is
     # not re-applied when activation checkpointing recomputes a layer (dtype mismatch error);
     # shardwise does not cast inputs either, so both compute alike.
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    where = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
     for layer in (_layers(model) if compile is None else compile_layers(model, compile)):
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy, offload_policy=where)
+    fully_shard(model, mp_policy=policy, offload_policy=where)
     return model, make_optimizer(model.parameters(), device)
 
 
