@@ -1,0 +1,415 @@
+"""Memory of a training run of the reference GPT, estimated before launch (issue 13 item 5).
+
+``estimate_for_run`` adds the model's activations (:func:`activation_bytes`)
+to the engine's buffers (:mod:`shardwise.memory`) at the moments of one step
+where the GPU peak can be, and takes the largest:
+
+* **loss backward** (start of backward): every activation forward saved, the
+  three fp32 ``[tokens, vocab]`` tensors of the cross-entropy backward (saved
+  log-softmax output, the NLL gradient, the log-softmax gradient), the output
+  head gathered. Here without activation checkpointing (0.9b in the benchmark),
+  and with it when the gradients are freed inside backward (``BackwardOptimizer``);
+* **first layer backward** (the last layer backward reaches): the gradient
+  shards of every unit reduced before it, that layer's activations (recomputed
+  under checkpointing) with the gradients of its MLP hidden activations, the
+  previous layer's reduction still staged, the layer and its prefetched
+  neighbour gathered;
+* **end of backward**: every gradient shard, the first unit's (embedding's)
+  reduction staged. Here with checkpointing (2.8b, 8b): 16 bytes per
+  parameter over the shard degree is most of it;
+* **optimizer step**: every gradient shard plus the optimizer's temporaries
+  (one state-sized tensor for torch's foreach AdamW, none for fused).
+
+Activations are counted tensor by tensor from what autograd saves in
+``TransformerLayer`` (``tests/test_memory_estimate.py`` checks the count
+against a real forward): per layer and token, two RMSNorms keep their fp32
+input and normalized output (16 x dim bytes), attention keeps its input, the
+rotated queries and keys, the values and its output, the MLP its input and
+four hidden-width tensors (gate, up, SiLU(gate), product). Checkpointing keeps
+only each layer's input. MoE and Mamba layers are counted roughly (not
+calibrated against a measurement); the estimate says so in its notes.
+
+``check_fits`` compares an estimate with free memory and raises
+:class:`DoesNotFit`, naming the numbers and the changes that would fit.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..memory import GIB, BufferSizes, MemoryEstimate, combine, host_parts, offloaded_units
+from ..models import GPT, GPTConfig
+from ..placements import resolve_strategy
+
+__all__ = ["Activations", "activation_bytes", "gpt_units", "estimate_for_run", "check_fits", "DoesNotFit",
+           "host_available_bytes", "OPTIMIZER_TEMPS"]
+
+#: state-sized temporaries an AdamW implementation allocates during ``step()`` (foreach: ``sqrt(exp_avg_sq)``
+#: for a whole parameter group at once; fused and the per-tensor loop: none worth counting)
+OPTIMIZER_TEMPS = {"fused": 0, "foreach": 1, "for-loop": 0}
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Activation bytes of one micro-batch on one GPU (see :func:`activation_bytes`)."""
+
+    tokens: int
+    layer_saved: tuple[int, ...]  # what each layer's forward saves for its backward (no checkpointing)
+    layer_kept: tuple[int, ...]  # what stays per layer until its backward (its input under checkpointing)
+    layer_backward: tuple[int, ...]  # a layer's backward working set: its activations + gradient temporaries
+    head: int  # final norm, output-head input, token ids
+    loss_backward: int  # the cross-entropy backward's three fp32 [tokens, vocab] tensors
+    checkpointing: bool
+    rough: bool  # MoE/Mamba layers: counted roughly
+
+    @property
+    def saved_at_loss(self) -> int:
+        """Everything forward leaves for backward."""
+        return sum(self.layer_kept) + self.head
+
+
+def _norm(t: int, d: int, c: int) -> int:
+    # x.float() and x * rsqrt(...): fp32 input and normalized output; rsqrt per token; weight.float()
+    return 8 * t * d + 4 * t + (4 * d if c != 4 else 0)
+
+
+def _attention(cfg: GPTConfig, t: int, c: int) -> int:
+    q = cfg.n_heads * cfg.head_dim
+    kv = cfg.n_kv_heads * cfg.head_dim
+    # input (shared by wq/wk/wv), rotated q and k, v, output (= wo's input), log-sum-exp per head
+    return _norm(t, cfg.dim, c) + c * t * cfg.dim + c * t * (2 * q + 2 * kv) + 4 * t * cfg.n_heads
+
+
+def _layer_saved(kind: str, cfg: GPTConfig, t: int, c: int) -> tuple[int, int]:
+    """(bytes saved by one layer's forward, hidden width whose gradients its backward holds)."""
+    d = cfg.dim
+    if kind == "A":
+        f = cfg.ffn_hidden
+        return _attention(cfg, t, c) + _norm(t, d, c) + c * t * d + 4 * c * t * f, f
+    if kind == "E":  # router probs (fp32), routed copies in and out, each routed token through a SwiGLU
+        k, f, e = cfg.moe_top_k, cfg.moe_ffn_hidden, cfg.moe_num_experts
+        moe = c * t * d + 4 * t * e + 2 * c * t * k * d + 4 * c * t * k * f + 3 * 8 * t * k
+        return _attention(cfg, t, c) + _norm(t, d, c) + moe, k * f
+    # "M": in_proj output, conv in/out, the chunked scan's [chunk x chunk x heads] decays, gates, out_proj input
+    inner = cfg.mamba_expand * d
+    heads = inner // cfg.mamba_head_dim
+    proj = 2 * inner + 2 * cfg.mamba_d_state + heads
+    scan = 3 * c * t * cfg.mamba_chunk_size * heads
+    conv = 2 * c * t * (inner + 2 * cfg.mamba_d_state)
+    return _norm(t, d, c) + c * t * d + c * t * proj + conv + scan + 6 * c * t * inner, inner
+
+
+def activation_bytes(config: GPTConfig, seq_len: int, micro_batch: int, *, checkpointing: bool | None = None,
+                     compute_dtype: torch.dtype | None = torch.bfloat16) -> Activations:
+    """Activation bytes of :class:`shardwise.models.GPT` for one micro-batch (no tensor parallelism, dropout 0).
+
+    checkpointing: ``None`` takes ``config.activation_checkpointing``. compute_dtype ``None`` is fp32.
+    """
+    c = torch.empty((), dtype=compute_dtype or torch.float32).element_size()
+    ckpt = config.activation_checkpointing if checkpointing is None else checkpointing
+    t, d, v = seq_len * micro_batch, config.dim, config.vocab_size
+    saved, kept, working = [], [], []
+    for kind in config.layer_kinds:
+        layer, hidden = _layer_saved(kind, config, t, c)
+        saved.append(layer)
+        kept.append(c * t * d if ckpt else layer)
+        # its activations, the gradients of two hidden-width tensors, the first weight gradient, the output grad
+        working.append(layer + 2 * c * t * hidden + c * hidden * d + c * t * d)
+    head = _norm(t, d, c) + c * t * d + 8 * t
+    return Activations(t, tuple(saved), tuple(kept), tuple(working), head, 3 * 4 * t * v, ckpt,
+                       rough=any(k != "A" for k in config.layer_kinds))
+
+
+def gpt_units(config: GPTConfig, vocab_units: bool = True) -> tuple[list[tuple[str, int]], dict]:
+    """Parameter counts of the units ``fully_shard`` builds for GPT, in ``unit_modules`` order, the root last.
+
+    vocab_units: the embedding and the output head are units of their own (``shardwise bench``);
+    otherwise only the layers are (``shardwise train``) and the root holds them. Tied embeddings
+    stay in the root. Also returns the sizes the phases need: ``embed``, ``head``, ``layer`` (largest).
+    """
+    key = (json.dumps(config.to_dict(), sort_keys=True), vocab_units)
+    if key not in _UNITS_CACHE:
+        _UNITS_CACHE[key] = _count_units(replace(config, tp_group=None, ep_group=None), vocab_units)
+    units, sizes = _UNITS_CACHE[key]
+    return list(units), dict(sizes)
+
+
+_UNITS_CACHE: dict[tuple, tuple] = {}
+
+
+def _count_units(cfg: GPTConfig, vocab_units: bool) -> tuple[list[tuple[str, int]], dict]:
+    with torch.device("meta"):  # exact counts for every layer kind, no memory
+        model = GPT(cfg)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    layers = [(f"layers.{i}", count(layer)) for i, layer in enumerate(model.layers)]
+    embed = count(model.embed)
+    head = count(model.output) if model.output is not None else 0
+    total = count(model)
+    separate = vocab_units and model.output is not None
+    units = ([("embed", embed)] if separate else []) + layers + ([("output", head)] if separate else [])
+    root = total - sum(n for _, n in units)
+    units.append(("<root>", root))
+    return units, {"embed": embed, "head": head, "layer": max((n for _, n in layers), default=0),
+                   "separate": separate, "total": total}
+
+
+def estimate_for_run(
+    config: GPTConfig,
+    seq_len: int,
+    micro_batch: int,
+    world: int,
+    strategy: str | int = "optim_grads_params",
+    offload_fraction: float = 0.0,
+    *,
+    outer: int | None = None,
+    outer_strategy: str = "no_shard",
+    precision: str = "bf16",
+    activation_checkpointing: bool | None = None,
+    vocab_units: bool = True,
+    grad_accum: int = 1,
+    optimizer: str = "fused",
+    backward_optimizer: bool = False,
+    ranks_per_host: int | None = None,
+    pin_memory: bool = True,
+    build_on_device: bool = False,
+) -> MemoryEstimate:
+    """Peak bytes per GPU and per host of training ``config`` with AdamW (fp32 main weights and gradients).
+
+    precision: compute dtype, ``bf16`` or ``fp32``. optimizer: how AdamW steps, ``fused``, ``foreach``,
+    ``for-loop`` or ``default`` (``torch.optim.AdamW(params)``: foreach when every parameter is on the GPU,
+    DTensors included, else the for-loop); foreach is counted as one temporary the size of all the
+    optimizer state's tensors of one kind (an upper bound: it is per parameter group).
+    vocab_units: see :func:`gpt_units`. grad_accum > 1: gradients accumulate under ``no_sync``.
+    backward_optimizer: ``shardwise.BackwardOptimizer`` (each group steps inside backward).
+    ``ranks_per_host`` defaults to ``world`` (one host). build_on_device: the whole fp32 model is built on
+    each GPU before ``fully_shard`` (``--no-meta-init``; the benchmark), a moment of its own.
+    """
+    if precision not in _DTYPES:
+        raise ValueError(f"precision={precision!r} must be one of {sorted(_DTYPES)}")
+    if optimizer == "default":  # torch picks foreach only when every parameter is on the GPU
+        optimizer = "foreach" if offload_fraction == 0 else "for-loop"
+    if optimizer not in OPTIMIZER_TEMPS:
+        raise ValueError(f"optimizer={optimizer!r} must be one of {sorted(OPTIMIZER_TEMPS) + ['default']}")
+    inputs = dict(config=config, seq_len=seq_len, micro_batch=micro_batch, world=world, strategy=strategy,
+                  offload_fraction=offload_fraction, outer=outer, outer_strategy=outer_strategy, precision=precision,
+                  activation_checkpointing=activation_checkpointing, vocab_units=vocab_units, grad_accum=grad_accum,
+                  optimizer=optimizer, backward_optimizer=backward_optimizer, ranks_per_host=ranks_per_host,
+                  pin_memory=pin_memory, build_on_device=build_on_device)
+    param_dtype = _DTYPES[precision]
+    acts = activation_bytes(config, seq_len, micro_batch, checkpointing=activation_checkpointing,
+                            compute_dtype=param_dtype)
+    kw = dict(world=world, strategy=strategy, outer=outer, outer_strategy=outer_strategy, param_dtype=param_dtype)
+    on, off = BufferSizes(**kw), BufferSizes(**kw, offload=True)
+    units, sizes = gpt_units(config, vocab_units)
+    counts = [n for _, n in units]
+    is_off = offloaded_units(counts, offload_fraction)
+    sz = [off if o else on for o in is_off]
+    accumulate = grad_accum > 1
+    temps = OPTIMIZER_TEMPS[optimizer]
+
+    def total(fn, which=None) -> float:
+        """``fn(sizes, n)`` summed over the units (those in ``which``)."""
+        idx = range(len(units)) if which is None else which
+        return sum(fn(sz[i], counts[i]) for i in idx)
+
+    names = [name for name, _ in units]
+    root = len(units) - 1
+    layers = [i for i, name in enumerate(names) if name.startswith("layers.")]
+    first_layer, second_layer = layers[0], (layers[1] if len(layers) > 1 else None)
+    embed_i = names.index("embed") if "embed" in names else None
+    head_i = names.index("output") if "output" in names else None
+
+    rest = {
+        "main": total(lambda s, n: 0.0 if s.offload else s.main(n)),
+        "weights": total(lambda s, n: s.weights(n)),
+        "optimizer": total(lambda s, n: 0.0 if s.offload else s.optimizer(n)),
+    }
+    # Accumulated over no_sync micro-batches, on the device (offloaded groups too, until the last one):
+    # the gradient shards themselves, or Partial buffers at the gradient level (ZeRO-1, HFSDP)
+    shards_accumulate = on.kg == on.m
+    accumulated = {"grad accumulation": total(lambda s, n: s.grads(n) if shards_accumulate
+                                              else s.grad_accumulation(n))} if accumulate else {}
+    grad_of = lambda i: 0.0 if sz[i].offload else sz[i].grads(counts[i])  # noqa: E731
+
+    def grads(reduced: list[int]) -> float:
+        """Gradient shards on the GPU once the units ``reduced`` (in backward order) have reduced."""
+        if backward_optimizer:  # a group's shard is freed once its step ran, at the next unit's reduction
+            return grad_of(reduced[-1]) if reduced else 0.0
+        return sum(grad_of(i) for i in reduced)
+
+    def reduction(i: int) -> float:
+        """Unit ``i``'s reduction at its flat copy: autograd's grads and the flat buffer, or the reduce outputs."""
+        s, n = sz[i], counts[i]
+        flat = s.at(0, n, s.comm_b)
+        return flat + max(s.unit_grads(n), s.reduce_staging(n) - flat)
+
+    phases: dict[str, dict[str, float]] = {}
+    # -- loss backward: the output head (or the root holding it) gathered, every saved activation
+    head_unit = head_i if head_i is not None else root
+    gathered = sz[head_unit].gathered(counts[head_unit]) + (sz[root].gathered(counts[root]) if head_unit != root else 0)
+    phases["loss backward"] = {
+        **rest,
+        **accumulated,
+        "gathered units": gathered,
+        "gather staging": sz[head_unit].gather_staging(counts[head_unit]),
+        "activations": acts.saved_at_loss,
+        "loss buffers": acts.loss_backward,
+    }
+    # -- the first layer's backward (the last layer backward reaches)
+    before = [i for i in range(root - 1, first_layer, -1)]  # reduced already, in backward order
+    neighbour = first_layer - 1 if first_layer > 0 else None  # prefetched (the embedding)
+    # a head in the root: its gradients wait, unreduced, for the root's reduction at the end
+    root_held = sz[root].unit_grads(sizes["head"] or sizes["embed"]) if head_i is None else 0.0
+    staged = sz[second_layer].reduce_staging(counts[second_layer], accumulate) if second_layer is not None else 0.0
+    phases["first layer backward"] = {
+        **rest,
+        **accumulated,
+        "grads": 0.0 if accumulate and shards_accumulate else grads(before),
+        "gathered units": sz[first_layer].gathered(counts[first_layer]) + sz[root].gathered(counts[root])
+        + (sz[neighbour].gathered(counts[neighbour]) if neighbour is not None else 0.0),
+        "gather staging": sz[neighbour if neighbour is not None else first_layer].gather_staging(
+            counts[neighbour if neighbour is not None else first_layer]),
+        "unit grads": root_held,
+        "reduce staging": staged,
+        "activations": acts.layer_backward[0] + (acts.layer_kept[0] if acts.checkpointing else 0),
+    }
+    # -- end of backward: the unit reduced last (embedding unit, else the root)
+    last = embed_i if embed_i is not None else root
+    order = [i for i in range(root - 1, -1, -1) if i != last] + [last]  # backward order, ``last`` reducing
+    phases["end of backward"] = {
+        **rest,
+        "grads": grads(order) if not backward_optimizer else grad_of(last),
+        "gathered units": sz[last].gathered(counts[last]) + (sz[root].gathered(counts[root]) if last != root else 0.0),
+        "reduce staging": reduction(last),
+    }
+    # -- optimizer step
+    if not backward_optimizer:
+        phases["optimizer step"] = {
+            **rest,
+            "grads": total(lambda s, n: 0.0 if s.offload else s.grads(n)),
+            "optimizer temporaries": temps * total(lambda s, n: 0.0 if s.offload else s.at(s.m, n, s.main_b)),
+        }
+    if build_on_device:  # the unsharded fp32 model beside the sharded buffers made from it
+        phases["model build"] = {"main": rest["main"], "weights": rest["weights"],  # no optimizer state yet
+                                 "unsharded model": sum(counts) * on.main_b}
+    off_units = [n for n, o in zip(counts, is_off) if o]
+    hosts = ranks_per_host or world
+    host = host_parts(off, off_units, sum(off_units), pin_memory, hosts)
+    if temps and off_units:
+        host["optimizer temporaries"] = int(temps * sum(off.at(off.m, n, off.main_b) for n in off_units) * hosts)
+    notes = ["MoE/Mamba layers: activations counted roughly (not calibrated)"] if acts.rough else []
+    estimate = combine(phases, host, hosts, notes, inputs)
+    return estimate
+
+
+# ---------------------------------------------------------------------------------------------- fit check
+def host_available_bytes() -> int | None:
+    """The host's available memory (``MemAvailable`` of ``/proc/meminfo``); ``None`` where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class DoesNotFit(RuntimeError):
+    """The estimated peak passes the free GPU or host memory; the message names the numbers and what would fit."""
+
+    one_line = True
+    exit_code = 2
+
+
+def _fits(est: MemoryEstimate, gpu_free: float, host_free: float | None) -> bool:
+    return est.gpu_bytes <= gpu_free and (host_free is None or est.host_bytes <= host_free)
+
+
+def _suggestions(est: MemoryEstimate, gpu_free: float, host_free: float | None) -> list[str]:
+    """Changes that make the estimate fit, each with its numbers (needs an estimate_for_run estimate)."""
+    inputs = est.inputs
+    if "config" not in inputs:
+        return []
+    out = []
+
+    def again(**changes) -> MemoryEstimate:
+        return estimate_for_run(**{**inputs, **changes})
+
+    def numbers(e: MemoryEstimate) -> str:
+        host = f", per host {e.host_bytes / GIB:.1f} GiB" if e.host_bytes else ""
+        return f"per GPU {e.gpu_bytes / GIB:.1f} GiB{host}"
+
+    fraction = inputs["offload_fraction"]
+    if est.gpu_bytes > gpu_free:
+        for f in [x / 10 for x in range(1, 11)]:
+            e = again(offload_fraction=f) if f > fraction else None
+            if e is not None and _fits(e, gpu_free, host_free):
+                out.append(f"offloading more, --offload --offload-fraction {f:g} ({numbers(e)})")
+                break
+        config = inputs["config"]
+        ckpt = inputs["activation_checkpointing"]
+        ckpt = config.activation_checkpointing if ckpt is None else ckpt
+        if not ckpt:
+            e = again(activation_checkpointing=True)
+            out.append(f"activation checkpointing, --activation-checkpointing ({numbers(e)})")
+        if inputs["micro_batch"] > 1:
+            mb = inputs["micro_batch"] // 2
+            while mb >= 1:
+                e = again(micro_batch=mb)
+                if _fits(e, gpu_free, host_free) or mb == 1:
+                    out.append(f"a smaller --micro-batch-size {mb} ({numbers(e)})")
+                    break
+                mb //= 2
+        world, outer = inputs["world"], inputs["outer"]
+        for factor in (2, 4, 8, 16):
+            e = again(world=world * factor, outer=outer * factor if outer else None,
+                      ranks_per_host=inputs["ranks_per_host"])
+            if _fits(e, gpu_free, host_free):
+                out.append(f"more GPUs: {world * factor} ({numbers(e)})")
+                break
+        if resolve_strategy(inputs["strategy"]) != "optim_grads_params":
+            e = again(strategy="optim_grads_params")
+            out.append(f"--strategy optim_grads_params ({numbers(e)})")
+    if host_free is not None and est.host_bytes > host_free and fraction > 0:
+        for f in [x / 10 for x in range(9, -1, -1)]:
+            if f < fraction:
+                e = again(offload_fraction=f)
+                if _fits(e, gpu_free, host_free):
+                    out.append(f"a smaller --offload-fraction {f:g} ({numbers(e)})")
+                    break
+        hosts = inputs["ranks_per_host"] or inputs["world"]
+        if hosts > 1:
+            e = again(ranks_per_host=max(1, hosts // 2))
+            out.append(f"fewer ranks per host ({hosts // 2}: {numbers(e)})")
+    return out
+
+
+def check_fits(estimate: MemoryEstimate, gpu_free_bytes: float, host_free_bytes: float | None = None,
+               *, warn_within: float = 0.10) -> str:
+    """Raise :class:`DoesNotFit` when ``estimate`` passes the free memory of a GPU or of the host.
+
+    Returns a warning line when it fits with less than ``warn_within`` of the free memory to spare
+    (the allocator's fragmentation takes a few percent more than the allocated peak), else ``""``.
+    """
+    over = []
+    if estimate.gpu_bytes > gpu_free_bytes:
+        over.append(f"{estimate.gpu_bytes / GIB:.1f} GiB per GPU needed, {gpu_free_bytes / GIB:.1f} GiB free")
+    if host_free_bytes is not None and estimate.host_bytes > host_free_bytes:
+        over.append(f"{estimate.host_bytes / GIB:.1f} GiB of host memory needed, {host_free_bytes / GIB:.1f} GiB free")
+    if over:
+        tips = _suggestions(estimate, gpu_free_bytes, host_free_bytes)
+        message = ("this configuration does not fit: " + "; ".join(over) + f". Estimate: {estimate.describe()}."
+                   + (" Would fit or help: " + "; ".join(tips) + "." if tips else ""))
+        raise DoesNotFit(message)
+    tight = []
+    if estimate.gpu_bytes > (1 - warn_within) * gpu_free_bytes:
+        tight.append(f"per GPU {estimate.gpu_bytes / GIB:.1f} of {gpu_free_bytes / GIB:.1f} GiB free")
+    if host_free_bytes is not None and estimate.host_bytes > (1 - warn_within) * host_free_bytes:
+        tight.append(f"per host {estimate.host_bytes / GIB:.1f} of {host_free_bytes / GIB:.1f} GiB free")
+    return ("memory is tight (" + ", ".join(tight) + "): the allocator may need a few percent more") if tight else ""
