@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from .buffers import InFlight, StreamSet, all_reduce_chain, gather_pieces, reduce_scatter_pieces
 from .layout import LevelLayout
 from .mesh import ShardingPlan
-from .offload import host_empty
+from .offload import HostMemory
 from .param import ParamRef, ShardedParam
 from .precision import MixedPrecisionPolicy
 
@@ -66,7 +66,8 @@ class ParamGroup:
         self.comm_dtype = policy.comm_dtype
         # Offloaded: main weights (so the optimizer state) and the finished grads live on the host.
         self.offloaded = offload
-        self._pin = pin_memory
+        self._host = HostMemory(pin_memory) if offload else None
+        self._host_grad: torch.Tensor | None = None  # reused step after step unless the user kept the last grads
         self._host_ready: "torch.cuda.Event | None" = None  # the grads' copy to the host
         self._upload_pending = False  # updated host weights not yet copied into the model shard
         self._host_kept = None  # grads the user kept across steps, added to at install
@@ -97,7 +98,7 @@ class ParamGroup:
                 self.main = None
                 self._main_views = [p.own_piece(v, m) for p, v in zip(self.params, self._model_views)]
             elif offload:
-                self.main = host_empty(self.layouts[m].total, self.main_dtype, pin_memory).zero_()
+                self.main = self._host.empty(self.layouts[m].total, self.main_dtype).zero_()
                 self._main_views = self.layouts[m].views(self.main)
                 self._fill(self._main_views, m)
             else:
@@ -401,7 +402,11 @@ class ParamGroup:
         self._window_open = False
         self._pending_install = True
         if self.offloaded:  # stream the finished shard to the host right behind its reduction
-            host = host_empty(self.main_grad.numel(), self.main_grad.dtype, self._pin)
+            if self._host_grad is None:
+                self._host_grad = self._host.empty(self.main_grad.numel(), self.main_grad.dtype)
+            host = self._host_grad
+            if self._host_kept is not None:  # the user kept last step's grads there: add to them at install
+                host = torch.empty(self.main_grad.numel(), dtype=self.main_grad.dtype)
             host.copy_(self.main_grad, non_blocking=True)
             self._released = self._released + (self.main_grad,)
             self.main_grad = host

@@ -36,6 +36,39 @@ def opaque_to_compiler(fn: Callable) -> Callable:
     return torch.compiler.disable(fn, recursive=True, reason="shardwise hooks run eagerly, outside compiled graphs")
 
 
+def _step_group(group: ParamGroup, optimizer: torch.optim.Optimizer) -> None:
+    """A backward optimizer's step of one group: install its grads, step, free them."""
+    group.install_grads()
+    optimizer.step()
+    group.discard_grads()  # the fp32 grad shard is freed right here
+
+
+class HostSteps:
+    """Backward-optimizer steps of offloaded groups, run on the CPU by one worker thread.
+
+    The step of a group waits for its gradients' copy to the host and runs
+    while the autograd thread goes on launching the rest of the backward on
+    the GPU (the CPU kernels release the GIL); one worker keeps the steps in
+    reduction order. ``wait()`` at the end of backward re-raises a step's error.
+    """
+
+    def __init__(self):
+        self._pool = None
+        self._pending: list = []
+
+    def submit(self, group: ParamGroup, optimizer: torch.optim.Optimizer) -> None:
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-host-step")
+        self._pending.append(self._pool.submit(_step_group, group, optimizer))
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -72,6 +105,7 @@ class ShardedState:
         # id(group) -> optimizer stepped as soon as the group's grads are final (see
         # shardwise.optim.BackwardOptimizer); empty for the usual optimizer.step() loop.
         self.backward_optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.host_steps = HostSteps()
         self.grad_forward = False
         # Every hook is opaque to torch.compile, made once: a compiled region that reaches one
         # (the module's forward hooks, autograd's callbacks under a compiled backward) runs it
@@ -207,9 +241,10 @@ class ShardedState:
             flight.wait()
             optimizer = self.backward_optimizers.get(id(group))
             if optimizer is not None and self.sync_grads:
-                group.install_grads()
-                optimizer.step()
-                group.discard_grads()  # the fp32 grad shard is freed right here
+                if group.offloaded:  # on the host, beside the rest of the backward
+                    self.host_steps.submit(group, optimizer)
+                else:
+                    _step_group(group, optimizer)
         self.in_flight = []
 
     # ------------------------------------------------------- end of backward
@@ -226,6 +261,7 @@ class ShardedState:
             elif not unit.ran_with_grad and self.sync_grads:
                 self.in_flight.extend(unit.finalize_idle_groups())
         self._land_in_flight()
+        self.host_steps.wait()  # every group is stepped before anything reads weights or grads again
         late = [u.name for u in self.all_units if any(g.has_unsharded_grads() for g in u.groups)]
         if late:
             raise RuntimeError(

@@ -39,14 +39,14 @@ shard reduced, the largest unit's reduction in flight) and at the optimizer
 step; ``shardwise.app.memory`` adds a model's activations and walks the
 moments of one step. Offloaded groups (``OffloadPolicy``) keep the main
 weights, the optimizer state and the finished gradient shard in pinned host
-memory; the GPU keeps their compute-dtype shard. torch's pinned-memory
-allocator rounds every block up to a power of two, so host buffers are counted
-that way when the unit sizes are known.
+memory; the GPU keeps their compute-dtype shard. The host buffers are
+ordinary allocations registered with CUDA in place (``offload.HostMemory``),
+so they take exactly their size (torch's pinned allocator would round each up
+to a power of two).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -55,7 +55,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .placements import resolve_strategy, strategy_placements
 
-__all__ = ["GIB", "MemoryEstimate", "BufferSizes", "estimate_state_bytes", "pinned_bytes", "offloaded_units",
+__all__ = ["GIB", "MemoryEstimate", "BufferSizes", "estimate_state_bytes", "offloaded_units",
            "host_parts", "combine"]
 
 GIB = 2**30
@@ -63,12 +63,6 @@ GIB = 2**30
 
 def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def pinned_bytes(nbytes: float) -> int:
-    """What torch's pinned host allocator takes for a block of ``nbytes``: the next power of two."""
-    nbytes = int(math.ceil(nbytes))
-    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
 
 
 def _amount(nbytes: float, unit: int) -> str:
@@ -235,14 +229,13 @@ class BufferSizes:
 
     # ----------------------------------------------------------------- host
     def host(self, units: Sequence[float], pinned: bool = True) -> dict[str, float]:
-        """Host bytes of offloaded groups of ``units`` parameters each (one rank): pinned main weights and
-        gradient shard (each block rounded up to a power of two), pageable optimizer state."""
+        """Host bytes of offloaded groups of ``units`` parameters each (one rank): main weights and gradient
+        shard (page-locked in place when ``pinned``, at their own size either way), optimizer state."""
         if not self.offload:
             return {"main": 0.0, "grads": 0.0, "optimizer": 0.0}
-        rounding = pinned_bytes if pinned else (lambda b: b)
         return {
-            "main": sum(rounding(self.at(self.m, n, self.main_b)) for n in units),
-            "grads": sum(rounding(self.at(self.m, n, self.grad_b)) for n in units),
+            "main": sum(self.at(self.m, n, self.main_b) for n in units),
+            "grads": sum(self.at(self.m, n, self.grad_b) for n in units),
             "optimizer": sum(self.optimizer(n) for n in units),
         }
 

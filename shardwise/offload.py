@@ -9,13 +9,14 @@ updated shard streams back before the group's next gather.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn as nn
 
-__all__ = ["OffloadPolicy", "host_empty", "choose_offloaded"]
+__all__ = ["OffloadPolicy", "HostMemory", "choose_offloaded"]
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,34 @@ class OffloadPolicy:
             raise TypeError(f"OffloadPolicy.units={self.units!r} must be a list of unit modules or their names")
 
 
-def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A flat host buffer; page-locked when a GPU is there to copy from it asynchronously."""
-    return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin and torch.cuda.is_available())
+class HostMemory:
+    """The host buffers of one offloaded group, page-locked in place while the group lives.
+
+    torch's pinned allocator rounds every allocation up to a power of two (a
+    1.1 GB buffer takes 2 GB: +50% host memory measured at 2.8B parameters),
+    so buffers are ordinary allocations registered with CUDA instead. They are
+    held here until the group goes, and unregistered before they are freed.
+    """
+
+    def __init__(self, pin: bool):
+        self.pin = pin and torch.cuda.is_available()
+        self._held: list[torch.Tensor] = []
+        self._pointers: list[int] = []
+        weakref.finalize(self, _unpin, self._pointers)
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buffer = torch.empty(numel, dtype=dtype, device="cpu")
+        if self.pin and numel:
+            status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), numel * buffer.element_size(), 0)
+            if int(status) == 0:  # else it stays pageable: copies are only slower
+                self._pointers.append(buffer.data_ptr())
+                self._held.append(buffer)
+        return buffer
+
+
+def _unpin(pointers: list[int]) -> None:
+    for ptr in pointers:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 def choose_offloaded(policy: OffloadPolicy | None, units: list[tuple[str, nn.Module, int]]) -> set[int]:

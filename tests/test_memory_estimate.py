@@ -7,7 +7,7 @@ import torch
 
 from shardwise.app.bench.sizes import SIZES, model_config
 from shardwise.app.memory import DoesNotFit, activation_bytes, check_fits, estimate_for_run, gpt_units
-from shardwise.memory import GIB, BufferSizes, estimate_state_bytes, offloaded_units, pinned_bytes
+from shardwise.memory import GIB, BufferSizes, estimate_state_bytes, offloaded_units
 from shardwise.models import GPT, GPTConfig
 
 # Peak allocated memory measured by `shardwise bench` on 2 x H200 (torch 2.11, NCCL 2.28.9): ZeRO-3, bf16
@@ -92,14 +92,13 @@ def test_offload_moves_main_weights_grads_and_optimizer_state_to_the_host():
     # nothing offloaded: 16 bytes per parameter over the shard degree on the GPU, nothing on the host
     assert none.host_bytes == 0
     assert none.parts["main"] + none.parts["optimizer"] + none.parts["grads"] == 16 * p // world
-    # everything: the GPU keeps the bf16 shard (2 bytes/param/N); the host main, grads (pinned: rounded up
-    # to powers of two) and AdamW's two moments, for both ranks of the host
+    # everything: the GPU keeps the bf16 shard (2 bytes/param/N); the host main, grads (registered in
+    # place: their own size) and AdamW's two moments, for both ranks of the host
     assert "main" not in full.parts and "optimizer" not in full.parts and "grads" not in full.parts
     assert full.parts["weights"] == 2 * p // world
     assert full.host_parts["optimizer"] == 8 * p // world * world
-    assert 4 * p <= full.host_parts["main"] < 8 * p and full.host_parts["grads"] == full.host_parts["main"]
-    unrounded = estimate_state_bytes(units=counts, world=world, offload_fraction=1.0, pin_memory=False)
-    assert unrounded.host_bytes == 16 * p // world * world
+    assert full.host_parts["main"] == full.host_parts["grads"] == 4 * p // world * world
+    assert full.host_bytes == 16 * p // world * world
     # half: the units OffloadPolicy(fraction=0.5) picks (the embedding and the first layers)
     chosen = offloaded_units(counts, 0.5)
     n_off = sum(n for n, c in zip(counts, chosen) if c)
@@ -114,8 +113,6 @@ def test_offload_moves_main_weights_grads_and_optimizer_state_to_the_host():
     assert runs[0].host_bytes == 0 < runs[1].host_bytes < runs[2].host_bytes == full.host_bytes
 
 
-def test_pinned_blocks_round_up_to_powers_of_two():
-    assert [pinned_bytes(b) for b in (0, 1, 3, 4, 5, 1000)] == [0, 1, 4, 4, 8, 1024]
 
 
 @pytest.mark.parametrize("accumulate", [False, True])

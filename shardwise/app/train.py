@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import CheckpointManager
+from ..device import device_for
 from .data import DATA_DTYPES, TokenLoader, check_data_path, load_tokens
 from ..models import GPT, GPTConfig
 from .launch import (EXIT_INTERRUPTED, WorkerError, describe_collective_error, launch_local, one_line_warnings,
@@ -596,9 +597,7 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = Non
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
     else:
-        device = torch.device("cpu")
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     owns_group = not dist.is_initialized()
@@ -614,6 +613,7 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = Non
         # RENDEZVOUS_S; the collectives get --timeout (set on the groups below).
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=max(cfg.timeout, RENDEZVOUS_S)))
+    device = device_for()  # the group's backend decides: NCCL -> this rank's GPU, gloo -> the CPU
     _limit_collective_waits(None, cfg.timeout)
     phase = _Phase()
     try:
@@ -689,6 +689,21 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     rank, world = dist.get_rank(), dist.get_world_size()
     out_dir = Path(cfg.out_dir)
     phase("model setup (fully_shard)")
+    if not (cfg.hf_config or cfg.init_from):  # what it will take, before anything is built
+        from .memory import check_fits, estimate_for_run, host_available_bytes
+
+        estimate = estimate_for_run(
+            model_cfg, cfg.seq_len, cfg.micro_batch_size, world, cfg.strategy,
+            cfg.offload_fraction if cfg.offload else 0.0, outer=cfg.outer_dp or None,
+            outer_strategy=cfg.outer_strategy or "no_shard", precision=cfg.precision, vocab_units=False,
+            grad_accum=cfg.grad_accum, optimizer="fused" if cfg.offload else "default",
+            build_on_device=not cfg.meta_init, ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        if rank == 0:
+            _say(f"memory estimate: {estimate.describe()}")
+        if device.type == "cuda":  # on every rank, before any rank allocates: a clear error, not an OOM
+            note = check_fits(estimate, torch.cuda.mem_get_info(device)[0], host_available_bytes())
+            if note and rank == 0:
+                _say(note)
     torch.manual_seed(cfg.seed)
     if cfg.hf_config or cfg.init_from:  # init_fn.finish() reads the --init-from rows
         from .hf_train import build_model
@@ -724,8 +739,10 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     if cfg.compile:  # each layer's forward; compiled at the first step
         shardwise.compile_units(model, modules=unit_modules, backend=cfg.compile)
     _limit_collective_waits(model, cfg.timeout)
+    # Offloaded: torch's default CPU AdamW is a per-tensor loop; the fused kernel is 3.4x faster
+    # (python -m shardwise.app.bench.cpu_adam, docs/performance.md).
     optimizer = torch.optim.AdamW(_param_groups(model, matrices, cfg.weight_decay),
-                                  lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+                                  lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **({"fused": True} if cfg.offload else {}))
     check_optimizer_params(model, optimizer)
     torch.manual_seed(cfg.seed + 1 + rank)  # dropout differs per rank
     loader = TokenLoader(load_tokens(cfg.data or None, cfg.data_dtype), cfg.seq_len,

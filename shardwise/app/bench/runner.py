@@ -44,6 +44,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from ...device import device_for
 from ...models import GPT
 from .sizes import SIZES, BenchSize, ddp_bytes_estimate, model_config
 from .wrappers import DEFAULT_ORDER, WRAPPERS, unavailable_reason
@@ -270,6 +271,19 @@ def run_one(name: str, size: BenchSize, opts: BenchOptions, device: torch.device
     why = _skip_reason(name, size, config, n_params, micro_batch, seq_len, device, compiled, opts.offload)
     if why:
         return {**result, "status": "skipped", "reason": why}
+    if name.startswith("shardwise") and device.type == "cuda":  # the estimate train prints, checked here
+        from ..memory import DoesNotFit, check_fits, estimate_for_run
+
+        est = estimate_for_run(config, seq_len, micro_batch, world, opts.strategy, opts.offload,
+                               backward_optimizer=name == "shardwise-obo", ranks_per_host=torch.cuda.device_count())
+        result.update(estimate_gib=est.gpu_bytes / GIB, estimate_host_gib=est.host_bytes / GIB)
+        if rank == 0:
+            print(f"{size.name} {name}: memory estimate {est.describe()}", flush=True)
+        free = _reduce([torch.cuda.mem_get_info(device)[0]], device, dist.ReduceOp.MIN)[0]
+        try:
+            check_fits(est, free, _host_available_bytes())
+        except DoesNotFit as e:
+            return {**result, "status": "skipped", "reason": str(e)}
     try:
         tag = f"{size.name}-{name}{'-compiled' if compiled else ''}-r{repeat}"
         result.update(_measure(name, config, opts, device, batches, steps, warmup, flops_per_token,
@@ -430,8 +444,7 @@ def _profile(model, optimizer, batches, device, opts, tag) -> dict | None:
 # ------------------------------------------------------------------ the whole job
 def run_benchmark(opts: BenchOptions, on_result: Callable[[dict], None] | None = None) -> list[dict]:
     """Run every size x repeat x wrapper in this process group; ``on_result`` is called on rank 0."""
-    device = (torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda"
-              else torch.device("cpu"))
+    device = device_for()  # the process group's backend decides: NCCL -> this rank's GPU, gloo -> the CPU
     rank = dist.get_rank()
     results = []
     for size_name in opts.sizes:
