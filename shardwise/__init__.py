@@ -1,6 +1,7 @@
 """shardwise: Fully Sharded Data Parallel training for PyTorch."""
 
 from .compile import compile_units
+from .device import device_for
 from .engine import (
     broadcast_from_first_replica,
     install_grads,
@@ -40,6 +41,7 @@ __all__ = [
     "STRATEGY_PLACEMENTS",
     "strategy_placements",
     "resolve_strategy",
+    "device_for",
     "build_dp_mesh",
     "build_expert_mesh",
     "check_mesh_ranks_and_group_ranks_are_consistent",

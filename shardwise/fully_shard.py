@@ -1,7 +1,8 @@
 """``fully_shard``: validate the arguments, build the parameter groups, attach the hooks.
 
-Units are built deepest first, one at a time (materializing meta parameters
-just before), so the unsharded model never has to exist all at once; the
+``fully_shard`` is the recipe; its steps live in ``construct``. Units are
+built deepest first, one at a time (materializing meta parameters just
+before), so the unsharded model never has to exist all at once; the
 scheduling itself lives in ``hooks``.
 """
 
@@ -16,19 +17,29 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .buffers import StreamSet
 from .consistency import check_rank_consistency
-from .group import ParamGroup, ParamRef
+from .construct import (
+    GroupBuilder,
+    Ownership,
+    build_plans,
+    build_units,
+    check_bucket_size,
+    check_module,
+    check_options,
+    check_parameters,
+    move_buffers,
+    register_hooks,
+    resolve_units,
+)
+from .device import device_for
 from .hooks import ShardedState
-from .mesh import EXPERT, PLAN_CHOICES, ShardingPlan, build_dp_mesh, experts_by_mark
 from .offload import OffloadPolicy, choose_offloaded
-from .placements import AxisPlacements, normalize_placements, strategy_placements
+from .placements import AxisPlacements
 from .precision import MixedPrecisionPolicy
-from .unit import Unit
 
 __all__ = ["fully_shard", "ShardedModule", "ShardedState"]
 
 UnitSpec = Union[Type[nn.Module], nn.Module]
 _STATE_ATTR = "_shardwise_state"
-_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class ShardedModule(nn.Module):
@@ -83,189 +94,6 @@ class ShardedModule(nn.Module):
         return total
 
 
-# ---------------------------------------------------------------- building
-def _resolve_placements(mesh, placements, strategy, outer_dp_sharding_strategy) -> tuple[DeviceMesh, dict]:
-    if placements is not None and (strategy is not None or outer_dp_sharding_strategy is not None):
-        raise ValueError("pass either placements=... or strategy=/outer_dp_sharding_strategy=, not both")
-    if placements is None:
-        outer = outer_dp_sharding_strategy
-        if mesh is None and outer is not None:
-            raise ValueError(
-                f"outer_dp_sharding_strategy={outer!r} needs a 2-D mesh with axes ('dp_outer', 'dp_shard'); "
-                "pass mesh=shardwise.build_dp_mesh(outer=N)"
-            )
-        names = mesh.mesh_dim_names if mesh is not None else None
-        if outer is None and names is not None and len(names) == 1:
-            placements = strategy_placements(strategy if strategy is not None else 3, inner_axis=names[0])
-        else:
-            placements = strategy_placements(strategy if strategy is not None else 3, outer)
-    elif isinstance(placements, (str, int)):
-        placements = strategy_placements(placements, inner_axis=mesh.mesh_dim_names[-1] if mesh else "dp_shard")
-    elif isinstance(placements, Mapping):
-        placements = normalize_placements(placements)
-    else:
-        raise TypeError(f"placements={placements!r} must be a strategy name or a dict of axis -> AxisPlacements")
-    if mesh is None:
-        if list(placements) != ["dp_shard"]:
-            raise ValueError(f"placements name axes {list(placements)}; pass a mesh that has them")
-        mesh = build_dp_mesh()
-    return mesh, placements
-
-
-def _resolve_units(root: nn.Module, unit_modules) -> list[nn.Module]:
-    if unit_modules is None:
-        return []
-    if isinstance(unit_modules, type) or isinstance(unit_modules, nn.Module):
-        unit_modules = [unit_modules]
-    all_modules = list(root.modules())
-    ids = {id(m) for m in all_modules}
-    chosen: dict[int, nn.Module] = {}
-    for spec in unit_modules:
-        if isinstance(spec, type):
-            if not issubclass(spec, nn.Module):
-                raise TypeError(f"unit_modules entry {spec!r} is not an nn.Module class")
-            found = [m for m in all_modules if isinstance(m, spec) and m is not root]
-            if not found:
-                raise ValueError(
-                    f"unit_modules names {spec.__name__}, but {type(root).__name__} contains no "
-                    f"{spec.__name__} module"
-                )
-        elif isinstance(spec, nn.Module):
-            if id(spec) not in ids or spec is root:
-                raise ValueError(f"unit_modules entry {type(spec).__name__} is not a submodule of the model")
-            found = [spec]
-        else:
-            raise TypeError(f"unit_modules entry {spec!r} must be an nn.Module class or instance")
-        for m in found:
-            chosen[id(m)] = m
-    return [m for m in all_modules if id(m) in chosen]  # module order
-
-
-def _owners(root: nn.Module, units: list[nn.Module]) -> tuple[dict, dict]:
-    """Map each (module, attr) holding a parameter to its owning unit module (root when shared)."""
-    unit_ids = {id(u) for u in units}
-    holder_owner: dict[tuple[int, str], nn.Module] = {}
-    holder_obj: dict[tuple[int, str], tuple[nn.Module, str, str]] = {}
-    param_owners: dict[int, set[int]] = {}
-
-    def visit(module: nn.Module, prefix: str, owner: nn.Module, stack: tuple) -> None:
-        if id(module) in stack:
-            return
-        for attr, p in module._parameters.items():
-            if p is None:
-                continue
-            key = (id(module), attr)
-            holder_obj.setdefault(key, (module, attr, f"{prefix}{attr}"))
-            previous = holder_owner.get(key)
-            holder_owner[key] = owner if previous is None or previous is owner else root
-            param_owners.setdefault(id(p), set()).add(id(holder_owner[key]))
-        for name, child in module.named_children():
-            visit(child, f"{prefix}{name}.", child if id(child) in unit_ids else owner, stack + (id(module),))
-
-    visit(root, "", root, ())
-    for key, (module, attr, _) in holder_obj.items():
-        p = module._parameters[attr]
-        if len(param_owners[id(p)]) > 1:  # tied across units: the root gathers it for the whole step
-            holder_owner[key] = root
-    return holder_owner, holder_obj
-
-
-def _expert_plan(plan, placements, expert_mesh, expert_placements, ep_axis) -> ShardingPlan | None:
-    if expert_mesh is None:
-        return None
-    names = expert_mesh.mesh_dim_names or ()
-    if ep_axis not in names:
-        raise ValueError(f"expert_mesh axes {list(names)} have no expert-parallel axis ep_axis={ep_axis!r}")
-    if expert_placements is None:
-        missing = [n for n in names if n != ep_axis and n not in placements]
-        if missing:
-            raise ValueError(
-                f"expert_mesh axes {missing} have no placements; pass expert_placements= for them"
-            )
-        expert_placements = {n: placements[n] for n in names if n != ep_axis}
-    else:
-        expert_placements = normalize_placements(expert_placements)
-    expert = ShardingPlan(expert_mesh, expert_placements, model_parallel_axes=[ep_axis])
-    # Every expert replica sees only its expert-data-parallel peers' tokens through the
-    # all-to-all; averaging over them and scaling by edp/dp averages over the global batch.
-    expert.grad_scale = expert.dp_size / plan.dp_size
-    return expert
-
-
-def _plan_choice(plan_fn: Callable, fqn: str, param: torch.Tensor) -> str:
-    """``plan_fn(fqn, param)``, checked to be one of ``PLAN_CHOICES``."""
-    choice = plan_fn(fqn, param)
-    if not isinstance(choice, str) or choice not in PLAN_CHOICES:
-        raise ValueError(f"plan_fn returned {choice!r} for parameter {fqn!r}; it must return one of {list(PLAN_CHOICES)}")
-    return choice
-
-
-def _place_model_parallel(
-    ref: ParamRef, plan: ShardingPlan, expert_plan, tp_axis: str, ep_axis: str, plan_fn: Callable = experts_by_mark
-) -> ShardingPlan:
-    """Choose the plan a parameter is sharded by (``plan_fn``, with an expert plan) and record its
-    model-parallel dimensions."""
-    is_expert = expert_plan is not None and _plan_choice(plan_fn, ref.fqn, ref.param) == EXPERT
-    target = expert_plan if is_expert else plan
-    if target is expert_plan:
-        ref.model_parallel_dims[ep_axis] = 0  # experts are stacked along dim 0
-    if getattr(ref.param, "tensor_model_parallel", False):
-        if tp_axis in target.model_parallel:
-            dim = int(getattr(ref.param, "partition_dim", 0))
-            ref.model_parallel_dims[tp_axis] = dim
-        elif is_expert:
-            raise ValueError(
-                f"parameter {ref.fqn!r} is tensor-parallel inside experts; expert tensor parallelism "
-                "is not built yet"
-            )
-    return target
-
-
-def _split(refs: list[ParamRef], limit: int) -> list[list[ParamRef]]:
-    """Consecutive runs of parameters with at most ``limit`` elements each (a bigger one alone)."""
-    chunks, current, size = [], [], 0
-    for ref in refs:
-        n = ref.param.numel()
-        if current and size + n > limit:
-            chunks.append(current)
-            current, size = [], 0
-        current.append(ref)
-        size += n
-    if current:
-        chunks.append(current)
-    return chunks
-
-
-def _sync_from_first_rank(param: torch.Tensor, group, device: torch.device) -> None:
-    """Make a TP-replicated parameter identical across its TP group (rank 0's values)."""
-    import torch.distributed as dist
-
-    with torch.no_grad():
-        value = param.detach().to(device)
-        dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
-        param.copy_(value.to(param.device))
-
-
-def _check_argument_types(**arguments) -> None:
-    """Refuse values of the wrong type (``reshard_after_forward="no"`` is truthy)."""
-    for name, (value, kind) in arguments.items():
-        if not isinstance(value, kind):
-            raise TypeError(f"{name}={value!r} must be a {kind.__name__}")
-
-
-def _check_parameters(root: nn.Module) -> None:
-    for name, p in root.named_parameters():
-        if p.dtype not in _FLOATING:
-            raise ValueError(
-                f"parameter {name!r} has dtype {p.dtype}, which shardwise cannot shard; "
-                f"supported parameter dtypes are {[str(d) for d in _FLOATING]}"
-            )
-        if p.dim() == 0:
-            raise ValueError(
-                f"parameter {name!r} is 0-dimensional; shardwise shards along dim 0, so store it with shape (1,)"
-            )
-
-
 def fully_shard(
     module: nn.Module,
     mesh: DeviceMesh | None = None,
@@ -303,15 +131,7 @@ def fully_shard(
     grads of some or all units in host memory (the optimizer steps on the CPU).
     Returns ``module`` itself, whose parameters are now DTensors.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-    for name, m in module.named_modules():
-        if hasattr(m, _STATE_ATTR):
-            where = f"submodule {name!r}" if name else "module"
-            raise ValueError(f"{where} ({type(m).__name__}) is already sharded by shardwise.fully_shard")
-    policy = mixed_precision or MixedPrecisionPolicy()
-    if not isinstance(policy, MixedPrecisionPolicy):
-        raise TypeError(f"mixed_precision must be a MixedPrecisionPolicy, got {type(policy).__name__}")
+    policy = check_module(module, mixed_precision, _STATE_ATTR)
     check_rank_consistency(  # one small collective; ranks that disagree fail here, never hang later
         module, mesh=mesh, placements=placements, strategy=strategy,
         outer_dp_sharding_strategy=outer_dp_sharding_strategy, unit_modules=unit_modules,
@@ -320,118 +140,31 @@ def fully_shard(
         options=dict(mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
                      prefetch=prefetch, gradient_reduction=gradient_reduction, bucket_size=bucket_size),
     )
-    _check_argument_types(
-        reshard_after_forward=(reshard_after_forward, bool),
-        prefetch=(prefetch, bool),
-        gradient_reduction=(gradient_reduction, str),
-        tp_axis=(tp_axis, str),
-        ep_axis=(ep_axis, str),
+    plan_fn = check_options(
+        reshard_after_forward, prefetch, gradient_reduction, tp_axis, ep_axis, offload_policy, init_fn, plan_fn
     )
-    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(f"offload_policy must be a shardwise.OffloadPolicy or None, got {type(offload_policy).__name__}")
-    if init_fn is not None and not callable(init_fn):
-        raise TypeError(f"init_fn={init_fn!r} must be a callable (module, device) or None")
-    if plan_fn is not None and not callable(plan_fn):
-        raise TypeError(f"plan_fn={plan_fn!r} must be a callable (fqn, param) -> {' or '.join(map(repr, PLAN_CHOICES))}")
-    plan_fn = plan_fn or experts_by_mark
-    mesh, placements = _resolve_placements(mesh, placements, strategy, outer_dp_sharding_strategy)
-    names = mesh.mesh_dim_names or ()
-    plan = ShardingPlan(mesh, placements, model_parallel_axes=[tp_axis] if tp_axis in names else [])
-    expert_plan = _expert_plan(plan, placements, expert_mesh, expert_placements, ep_axis)
-    if gradient_reduction not in ("mean", "sum"):
-        raise ValueError(f"gradient_reduction={gradient_reduction!r} must be 'mean' or 'sum'")
-    if gradient_reduction == "sum":  # e.g. per-token losses normalized after the reduction
-        for p in (plan, expert_plan):
-            if p is not None:
-                p.grad_scale *= plan.dp_size
-    if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1):
-        raise ValueError(f"bucket_size={bucket_size!r} must be a positive number of elements")
-    unit_list = _resolve_units(module, unit_modules)
-    _check_parameters(module)
-    meta = [n for n, p in module.named_parameters() if p.is_meta]
-    if meta and init_fn is None:
-        raise ValueError(
-            f"parameters {meta[:4]}{'...' if len(meta) > 4 else ''} are on the meta device; "
-            "pass init_fn=shardwise.MetaInitializer(model) (or shardwise.materialize_owned_meta_modules) "
-            "to materialize them unit by unit"
-        )
+    plan, expert_plan = build_plans(
+        mesh, placements, strategy, outer_dp_sharding_strategy, tp_axis, expert_mesh, expert_placements, ep_axis,
+        gradient_reduction,
+    )
+    check_bucket_size(bucket_size)
+    unit_list = resolve_units(module, unit_modules)
+    check_parameters(module, init_fn)
 
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
-    )
+    # Checked on every rank; now shard, deepest unit first (meta parameters materialized just before).
+    device = device_for(plan.mesh)
     streams = StreamSet(device)
-    holder_owner, holder_obj = _owners(module, unit_list)
-    module_names = {id(m): n for n, m in module.named_modules()}
-    owned = {id(m): 0 for m in unit_list + [module]}
-    for key, (holder, attr, _) in holder_obj.items():
-        owned[id(holder_owner[key])] += holder._parameters[attr].numel()
-    offloaded = choose_offloaded(
-        offload_policy, [(module_names[id(m)], m, owned[id(m)]) for m in unit_list + [module]]
+    ownership = Ownership(module, unit_list)
+    builder = GroupBuilder(
+        ownership, plan, expert_plan, policy, device, streams, init_fn, plan_fn, tp_axis, ep_axis, bucket_size,
+        offloaded=choose_offloaded(offload_policy, ownership.sizes()),
+        pin_memory=offload_policy is None or offload_policy.pin_memory,
     )
-
-    def build(owner: nn.Module) -> list[ParamGroup]:
-        if init_fn is not None and any(p.is_meta for p in owner.parameters()):
-            init_fn(owner, device)
-        refs: dict[int, ParamRef] = {}
-        for key, (holder, attr, fqn) in holder_obj.items():
-            if holder_owner[key] is not owner:
-                continue
-            p = holder._parameters[attr]
-            if p.is_meta:
-                raise ValueError(f"init_fn left parameter {fqn!r} on the meta device")
-            ref = refs.get(id(p))
-            if ref is None:
-                refs[id(p)] = ParamRef(fqn, p, [(holder, attr)])
-            else:
-                ref.holders.append((holder, attr))
-        buckets: dict[tuple, list[ParamRef]] = {}
-        for ref in refs.values():
-            ref_plan = _place_model_parallel(ref, plan, expert_plan, tp_axis, ep_axis, plan_fn)
-            sequence_parallel = bool(getattr(ref.param, "sequence_parallel", False)) and tp_axis in ref_plan.model_parallel
-            key = (id(ref_plan), ref.param.dtype, ref.param.requires_grad, sequence_parallel)
-            buckets.setdefault(key, []).append(ref)
-            if tp_axis in ref_plan.model_parallel and tp_axis not in ref.model_parallel_dims:
-                _sync_from_first_rank(ref.param, ref_plan.model_parallel[tp_axis].group, device)
-        if owner is module and bucket_size is not None:  # split what no unit owns into buckets
-            buckets = {
-                key + (i,): chunk for key, bucket in buckets.items() for i, chunk in enumerate(_split(bucket, bucket_size))
-            }
-        groups = []
-        for (plan_id, dtype, rg, sequence_parallel, *_), bucket in buckets.items():
-            ref_plan = expert_plan if expert_plan is not None and plan_id == id(expert_plan) else plan
-            kind = ("" if rg else ",frozen") + (",experts" if ref_plan is not plan else "")
-            label = f"{module_names.get(id(owner), '') or '<root>'}[{str(dtype).replace('torch.', '')}{kind}]"
-            sum_axes = [ref_plan.model_parallel[tp_axis]] if sequence_parallel else []
-            group = ParamGroup(
-                label, bucket, ref_plan, policy, device, streams, sum_over_axes=sum_axes,
-                offload=id(owner) in offloaded, pin_memory=offload_policy is None or offload_policy.pin_memory,
-            )
-            group.install_sharded_params()  # the modules now hold DTensors; the full tensors can go
-            groups.append(group)
-        return groups
-
-    # Deepest units first, so an outer unit (and the root) only sees what inner ones left.
-    depth = {id(m): n.count(".") + 1 for n, m in module.named_modules()}
-    units_built = {}
-    for u in sorted(unit_list, key=lambda m: -depth[id(m)]):
-        units_built[id(u)] = Unit(module_names[id(u)], u, build(u), reshard_after_forward)
-    units = [units_built[id(u)] for u in unit_list]
-    root_unit = Unit("", module, build(module), reshard_after_forward=False)
-    for m in module.modules():
-        for key, buf in m._buffers.items():
-            if buf is not None and buf.device != device and not buf.is_meta:
-                m._buffers[key] = buf.to(device)
-
+    units, root_unit = build_units(module, unit_list, builder.build_groups, reshard_after_forward)
+    move_buffers(module, device)
     state = ShardedState(root_unit, units, plan, streams, prefetch)
     setattr(module, _STATE_ATTR, state)
-    module.register_forward_pre_hook(state.root_pre_forward, with_kwargs=True, prepend=True)
-    module.register_forward_hook(state.root_post_forward)
-    for unit in units:
-        unit.module.register_forward_pre_hook(
-            lambda m, a, k, unit=unit: state.unit_pre_forward(unit, m, a, k), with_kwargs=True, prepend=True
-        )
-        unit.module.register_forward_hook(lambda m, a, o, unit=unit: state.unit_post_forward(unit, m, a, o))
-    module.register_load_state_dict_post_hook(lambda m, keys: state.mark_weights_modified())
+    register_hooks(module, state, units)
     cls = module.__class__
     module.__class__ = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
     return module

@@ -35,6 +35,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from .device import device_for
 from .rng import set_torch_generator_states, torch_generator_states
 
 __all__ = [
@@ -49,10 +50,10 @@ __all__ = [
 
 
 def default_device() -> torch.device:
-    """The current CUDA device where CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where the default process group's collectives run (``device_for()``): the current CUDA device
+    under NCCL, the CPU under gloo (even on a CUDA host), and with no process group the current CUDA
+    device where CUDA is available, else the CPU. The same device ``fully_shard`` builds on."""
+    return device_for()
 
 
 def meta_tensor_names(module: nn.Module) -> tuple[list[str], list[str]]:

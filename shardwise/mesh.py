@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
+from .device import device_for
 from .placements import AxisPlacements
 
 __all__ = [
@@ -36,12 +37,9 @@ __all__ = [
 
 
 def default_device_type() -> str:
-    """``cuda`` when the default process group runs NCCL on GPUs, else ``cpu``."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return "cuda"
-    if not dist.is_initialized() and torch.cuda.is_available():
-        return "cuda"
-    return "cpu"
+    """The device type of the default process group's backend (``device_for()``: ``cuda`` for NCCL,
+    ``cpu`` for gloo even on a CUDA host; with no process group, ``cuda`` where CUDA is available)."""
+    return device_for().type
 
 
 def build_dp_mesh(

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .device import device_for
+
 __all__ = [
     "RNGStatesTracker",
     "get_rng_tracker",
@@ -44,7 +46,7 @@ __all__ = [
 def _device_type(device_type: Optional[str]) -> str:
     if device_type is not None:
         return device_type
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return device_for().type
 
 
 def _get_state(device_type: str) -> torch.Tensor:
