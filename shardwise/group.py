@@ -66,7 +66,8 @@ class ParamGroup:
         self.comm_dtype = policy.comm_dtype
         # Offloaded: main weights (so the optimizer state) and the finished grads live on the host.
         self.offloaded = offload
-        self._host = HostMemory(pin_memory) if offload else None
+        # page-locked only where a GPU copies from it (a gloo run on a CUDA host makes no CUDA context)
+        self._host = HostMemory(pin_memory and device.type == "cuda") if offload else None
         self._host_grad: torch.Tensor | None = None  # reused step after step unless the user kept the last grads
         self._host_ready: "torch.cuda.Event | None" = None  # the grads' copy to the host
         self._upload_pending = False  # updated host weights not yet copied into the model shard

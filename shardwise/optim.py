@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from .device import device_for
 from .engine import sharded_state
 
 __all__ = ["clip_grad_norm_", "grad_norm"]
@@ -25,10 +26,10 @@ def _shard_groups(param: torch.Tensor) -> tuple:
 
 
 def _comm_device(parameters: list) -> torch.device | None:
-    """Where the collectives of these DTensors' meshes run (their mesh's device type)."""
+    """Where the collectives of these DTensors' meshes run."""
     for p in parameters:
-        if isinstance(p, DTensor) and p.device_mesh.device_type == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
+        if isinstance(p, DTensor):
+            return device_for(p.device_mesh)
     return None
 
 
