@@ -459,8 +459,11 @@ class ParamGroup:
             for was_cleared, p, old, new in zip(
                 cleared, self.params, self.layouts[m].views(existing), self.layouts[m].views(self.main_grad)
             ):
-                target = p.local(old, m)
-                target.copy_(p.local(new, m)) if was_cleared else target.add_(p.local(new, m))
+                target, fresh = p.local(old, m), p.local(new, m)
+                if was_cleared:
+                    target.copy_(fresh)
+                else:
+                    target.add_(fresh)
             self.main_grad = existing
         self._host_kept = None
         if kept is None or any(p.grad is None for p in self.sharded_params):
