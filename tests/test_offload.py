@@ -188,3 +188,28 @@ def test_a_backward_optimizer_steps_offloaded_groups_on_the_host_identically():
     for (losses, weights), (o_losses, o_weights) in run_distributed(_backward_optimizer_both, 2):
         assert _same(losses, o_losses)
         assert all(_same(weights[n], o_weights[n]) for n in weights)
+
+
+def _kept_grads(offloaded: bool):
+    """Two backwards with no zero_grad between: the second adds onto the grads the first installed."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    config = TinyConfig()
+    torch.manual_seed(0)
+    model = shardwise.fully_shard(
+        TinyLM(config).to(device()), unit_modules=[Block],
+        offload_policy=shardwise.OffloadPolicy() if offloaded else None,
+    )
+    for step in range(2):
+        tokens, targets = (t.to(device()) for t in batch(step, world, config))
+        model(tokens[rank : rank + 1], targets[rank : rank + 1]).backward()
+    return {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _kept_grads_both():
+    return _kept_grads(False), _kept_grads(True)
+
+
+def test_grads_kept_across_backwards_accumulate_as_on_the_device():
+    for plain, off in run_distributed(_kept_grads_both, 2):
+        assert plain.keys() == off.keys() and plain
+        assert all(_same(plain[n], off[n]) for n in plain)
