@@ -46,12 +46,14 @@ def _error(fn, *args, **kwargs) -> tuple[str, str]:
     return "none", ""
 
 
-def _tensor_range(step_dir: Path, key: str, file: str) -> tuple[int, int]:
+def _tensor_range(step_dir: Path, key: str) -> tuple[str, int, int]:
+    """(file, offset, length) of the largest stored chunk of ``key`` (DCP's file names vary by torch version)."""
     md = dcp.FileSystemReader(str(step_dir)).read_metadata()
-    for index, info in md.storage_data.items():
-        if index.fqn == key and info.relative_path == file and info.length > 1000:
-            return info.offset, info.length
-    raise AssertionError(f"no chunk of {key} in {file}")
+    chunks = [info for index, info in md.storage_data.items() if index.fqn == key and info.length > 1000]
+    if not chunks:
+        raise AssertionError(f"no chunk of {key} in {step_dir}")
+    info = max(chunks, key=lambda i: i.length)
+    return info.relative_path, info.offset, info.length
 
 
 # ------------------------------------------------------------------ damaged files, found at load
@@ -75,11 +77,13 @@ def _damage_body(root: str):
         for name, data in pristine.items():
             (path / name).write_bytes(data)
 
+    file, offset, length = _tensor_range(path, "optim/embed.weight/exp_avg_sq")
+    results["flipped_file"] = file
+
     def flip():  # one byte in the middle of a tensor's bytes: same size, other values
-        offset, length = _tensor_range(path, "optim/embed.weight/exp_avg_sq", "__1_0.distcp")
-        data = bytearray(pristine["__1_0.distcp"])
+        data = bytearray(pristine[file])
         data[offset + length // 2] ^= 0x40
-        (path / "__1_0.distcp").write_bytes(bytes(data))
+        (path / file).write_bytes(bytes(data))
 
     cases = {
         "flipped": flip,
@@ -113,7 +117,7 @@ def test_damaged_checkpoint_files_are_named_on_every_rank(tmp_path, capsys):
     assert r["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert r["complete"].startswith("step 1\nshardwise.json sha256 ")
     kind, message = r["flipped"]
-    assert kind == "CheckpointCorruptError" and f"{step / '__1_0.distcp'} holds other bytes" in message
+    assert kind == "CheckpointCorruptError" and f"{step / r['flipped_file']} holds other bytes" in message
     assert "previous checkpoint" in message
     kind, message = r["truncated_metadata"]
     assert kind == "CheckpointCorruptError" and f"{step / '.metadata'} is truncated: 200 bytes" in message

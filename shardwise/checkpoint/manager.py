@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .dcp_state import describe_model, describe_optimizer, load_state, save_state
@@ -287,6 +288,8 @@ class CheckpointManager:
 
     def _hash(self, tmp: Path, written) -> dict[str, dict]:
         """``{file: {"bytes", "sha256"}}`` of the DCP files, each rank hashing its share (a collective)."""
+        if not written.storage_data:  # torch 2.11's dcp.save returns metadata without the storage index
+            written = FileSystemReader(str(tmp)).read_metadata()
         names = sorted({info.relative_path for info in (written.storage_data or {}).values()} | {".metadata"})
         problem, mine = None, {}
         try:
