@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from .buffers import InFlight, StreamSet
 from .group import ParamGroup
 from .mesh import ShardingPlan
+from .offload import HostSteps, step_group
 from .unit import Unit
 
 __all__ = ["ShardedState", "opaque_to_compiler"]
@@ -34,39 +35,6 @@ def opaque_to_compiler(fn: Callable) -> Callable:
     around the compiled code, never inside it.
     """
     return torch.compiler.disable(fn, recursive=True, reason="shardwise hooks run eagerly, outside compiled graphs")
-
-
-def _step_group(group: ParamGroup, optimizer: torch.optim.Optimizer) -> None:
-    """A backward optimizer's step of one group: install its grads, step, free them."""
-    group.install_grads()
-    optimizer.step()
-    group.discard_grads()  # the fp32 grad shard is freed right here
-
-
-class HostSteps:
-    """Backward-optimizer steps of offloaded groups, run on the CPU by one worker thread.
-
-    The step of a group waits for its gradients' copy to the host and runs
-    while the autograd thread goes on launching the rest of the backward on
-    the GPU (the CPU kernels release the GIL); one worker keeps the steps in
-    reduction order. ``wait()`` at the end of backward re-raises a step's error.
-    """
-
-    def __init__(self):
-        self._pool = None
-        self._pending: list = []
-
-    def submit(self, group: ParamGroup, optimizer: torch.optim.Optimizer) -> None:
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-host-step")
-        self._pending.append(self._pool.submit(_step_group, group, optimizer))
-
-    def wait(self) -> None:
-        pending, self._pending = self._pending, []
-        for future in pending:
-            future.result()
 
 
 def _in_backward() -> bool:
@@ -244,7 +212,7 @@ class ShardedState:
                 if group.offloaded:  # on the host, beside the rest of the backward
                     self.host_steps.submit(group, optimizer)
                 else:
-                    _step_group(group, optimizer)
+                    step_group(group, optimizer)
         self.in_flight = []
 
     # ------------------------------------------------------- end of backward
