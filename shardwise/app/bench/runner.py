@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from ...device import device_for
 from ...models import GPT
+from ..memory import DoesNotFit, check_fits, estimate_for_run, host_available_bytes
 from .sizes import SIZES, BenchSize, ddp_bytes_estimate, model_config
 from .wrappers import DEFAULT_ORDER, WRAPPERS, unavailable_reason
 
@@ -222,14 +223,6 @@ def _reduce(values: list[float], device: torch.device, op) -> list[float]:
     return t.tolist()
 
 
-def _host_available_bytes() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024
-    return float("inf")
-
-
 def _skip_reason(name: str, size: BenchSize, config, n_params: int, micro_batch: int, seq_len: int,
                  device: torch.device, compiled: bool = False, offload: float = 0.0) -> str | None:
     why = unavailable_reason(name, device, compiled)
@@ -240,7 +233,7 @@ def _skip_reason(name: str, size: BenchSize, config, n_params: int, micro_batch:
         return "FSDP2's CPUOffloadPolicy offloads from an accelerator; there is none here"
     if offloaded and device.type == "cuda":  # every local rank's host state shares this host's memory
         need = HOST_BYTES_PER_PARAM * n_params * offloaded
-        free = _host_available_bytes()
+        free = host_available_bytes() or float("inf")  # unknown: let the run try
         if need > HOST_FIT_MARGIN * free:
             return (f"does not fit in host memory: offloading {offloaded:.0%} of {n_params / 1e9:.1f}B parameters "
                     f"needs ~{need / GIB:.0f} GiB (fp32 weights, grads, AdamW moments), {free / GIB:.0f} GiB available")
@@ -277,8 +270,6 @@ def run_one(name: str, size: BenchSize, opts: BenchOptions, device: torch.device
     if why:
         return {**result, "status": "skipped", "reason": why}
     if name.startswith("shardwise") and device.type == "cuda":  # the estimate train prints, checked here
-        from ..memory import DoesNotFit, check_fits, estimate_for_run
-
         est = estimate_for_run(config, seq_len, micro_batch, world, opts.strategy, opts.offload,
                                backward_optimizer=name == "shardwise-obo", ranks_per_host=torch.cuda.device_count())
         result.update(estimate_gib=est.gpu_bytes / GIB, estimate_host_gib=est.host_bytes / GIB)
@@ -286,7 +277,7 @@ def run_one(name: str, size: BenchSize, opts: BenchOptions, device: torch.device
             print(f"{size.name} {name}: memory estimate {est.describe()}", flush=True)
         free = _reduce([torch.cuda.mem_get_info(device)[0]], device, dist.ReduceOp.MIN)[0]
         try:
-            check_fits(est, free, _host_available_bytes())
+            check_fits(est, free, host_available_bytes())
         except DoesNotFit as e:
             return {**result, "status": "skipped", "reason": str(e)}
     try:
