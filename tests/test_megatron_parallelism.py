@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from distributed import run_distributed
 from shardwise import rng
@@ -26,6 +27,7 @@ from shardwise.megatron.mcore_fsdp_adapter import (
     _get_rng_state_dict,
     _load_rng_state_dict,
 )
+from shardwise.megatron.base import _check_strategies, _placements
 from shardwise.megatron.config import DistributedDataParallelConfig, TransformerConfig
 from shardwise.megatron.meshes import _build_dense_mesh, _get_edp_ep_mesh
 from shardwise.megatron.parallelism import mark_tensor_parallel
@@ -174,15 +176,41 @@ def test_rank_layout_rejects_sizes_that_do_not_divide(sizes, field):
         rank_layout(8, **sizes)
 
 
+R, S, P = Replicate(), Shard(0), Partial("avg")
+
+
 def test_placement_table_is_zero_0_to_3():
-    assert _DATA_PARALLEL_PLACEMENTS["optim"] == _AxisPlacements(*_DATA_PARALLEL_PLACEMENTS["optim"])
-    shards = {k: [type(p).__name__ for p in v] for k, v in _DATA_PARALLEL_PLACEMENTS.items()}
-    assert shards == {
-        "no_shard": ["Replicate", "Partial", "Replicate"],
-        "optim": ["Replicate", "Partial", "Shard"],
-        "optim_grads": ["Replicate", "Shard", "Shard"],
-        "optim_grads_params": ["Shard", "Shard", "Shard"],
+    """Each strategy's (parameter, gradient, optimizer) placement on its axis: the README's table."""
+    assert _DATA_PARALLEL_PLACEMENTS == {
+        "no_shard": _AxisPlacements(parameter=R, gradient=P, optimizer=R),  # ZeRO-0 (DDP)
+        "optim": _AxisPlacements(parameter=R, gradient=P, optimizer=S),  # ZeRO-1
+        "optim_grads": _AxisPlacements(parameter=R, gradient=S, optimizer=S),  # ZeRO-2
+        "optim_grads_params": _AxisPlacements(parameter=S, gradient=S, optimizer=S),  # ZeRO-3
     }
+    for row in _DATA_PARALLEL_PLACEMENTS.values():  # Shard is dim 0, Partial averages
+        assert all(p.dim == 0 for p in row if isinstance(p, Shard))
+        assert all(p.reduce_op == "avg" for p in row if isinstance(p, Partial))
+
+
+@pytest.mark.parametrize(
+    "strategy,outer,instances,expected",
+    [
+        ("optim", "no_shard", 1, {"dp_shard": (R, P, S)}),  # not hybrid: the inner axis only
+        ("optim_grads_params", "no_shard", 2, {"dp_outer": (R, P, R), "dp_shard": (S, S, S)}),  # HSDP
+        ("optim_grads_params", "optim", 2, {"dp_outer": (R, P, S), "dp_shard": (S, S, S)}),  # HFSDP
+        ("optim_grads", "no_shard", 2, {"dp_outer": (R, P, R), "dp_shard": (R, S, S)}),
+    ],
+    ids=["flat", "hsdp", "hfsdp", "hsdp_over_zero2"],
+)
+def test_hybrid_placements_per_axis(strategy, outer, instances, expected):
+    ddp = DistributedDataParallelConfig(
+        data_parallel_sharding_strategy=strategy, outer_dp_sharding_strategy=outer,
+        num_distributed_optimizer_instances=instances,
+    )
+    _check_strategies(ddp, "test")
+    placements = _placements(ddp, hybrid=instances > 1)
+    assert list(placements) == list(expected)  # outer axis first, as on the mesh
+    assert placements == {axis: _AxisPlacements(*p) for axis, p in expected.items()}
 
 
 # ------------------------------------------------------------------ RNG

@@ -143,53 +143,118 @@ def test_communication_sizing_options(field, value):
 
 
 # ------------------------------------------- rules that need real process groups
-def _group_rules():
+# Each rule runs on a 2-rank gloo group (the pool of workers is shared, so a test costs little).
+_MOE = dict(vocab_size=16, dim=16, n_layers=1, n_heads=2, layer_pattern="E", moe_num_experts=2)
+_EP2 = dict(expert_model_parallel_size=2, num_moe_experts=2)
+
+
+def _pg(*names, **extra):
+    """A collection whose ``dp_cp`` and each named group are the 2-rank world."""
     world = dist.group.WORLD
-    # pipeline / context parallel groups of more than one rank
-    for name in ("pp", "cp"):
-        with pytest.raises(ValueError, match=re.escape(f"pg_collection.{name}")):
-            _validate(pg=ProcessGroupCollection(dp_cp=world, **{name: world}))
-    # tp / expt_tp groups whose size is not the config's
-    with pytest.raises(ValueError, match=re.escape("tensor_model_parallel_size=1 needs pg_collection.tp")):
-        _validate(pg=ProcessGroupCollection(dp_cp=world, tp=world))
-    with pytest.raises(ValueError, match=re.escape("expert_tensor_parallel_size=1 needs pg_collection.expt_tp")):
-        _validate(config=TransformerConfig(expert_tensor_parallel_size=1), pg=ProcessGroupCollection(dp_cp=world, expt_tp=world))
+    return ProcessGroupCollection(dp_cp=world, **{n: world for n in names}, **extra)
+
+
+def _rejects_on_groups(match, groups, config=None, moe=False):
+    with pytest.raises(ValueError, match=match):
+        _validate(config=TransformerConfig(**(config or {})), module=GPT(GPTConfig(**_MOE)) if moe else None,
+                  pg=_pg(*groups))
+
+
+def _passes_on_groups(groups, config=None):
+    _validate(config=TransformerConfig(**(config or {})), pg=_pg(*groups))
+
+
+@pytest.mark.parametrize("name", ["pp", "cp"])
+def test_pipeline_or_context_parallel_group_of_more_than_one_rank(name):
+    run_distributed(_rejects_on_groups, 2, re.escape(f"pg_collection.{name}"), [name])
+
+
+def test_tp_group_whose_size_is_not_the_configs():
+    run_distributed(_rejects_on_groups, 2, re.escape("tensor_model_parallel_size=1 needs pg_collection.tp"), ["tp"])
+
+
+def test_expt_tp_group_whose_size_is_not_the_configs():
+    run_distributed(_rejects_on_groups, 2, re.escape("expert_tensor_parallel_size=1 needs pg_collection.expt_tp"),
+                    ["expt_tp"], dict(expert_tensor_parallel_size=1))
+
+
+def test_unset_expert_tp_follows_the_expt_tp_group():
     # expert TP only matters with experts: unset, it follows the expt_tp group (Megatron's default: TP's size)
-    _validate(pg=ProcessGroupCollection(dp_cp=world, expt_tp=world))
-    _validate(config=TransformerConfig(tensor_model_parallel_size=2), pg=ProcessGroupCollection(dp_cp=world, tp=world))
-    ep2 = TransformerConfig(expert_model_parallel_size=2, num_moe_experts=2)
-    moe_model = GPT(GPTConfig(vocab_size=16, dim=16, n_layers=1, n_heads=2, layer_pattern="E", moe_num_experts=2))
-    # combinations not composed yet: TP with EP, expert TP with EP, experts with TP but another expert TP size
-    with pytest.raises(ValueError, match="expert_model_parallel_size=2.*tensor_model_parallel_size=2"):
-        _validate(config=TransformerConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2),
-                  module=moe_model, pg=ProcessGroupCollection(dp_cp=world, tp=world, ep=world, expt_dp=world))
-    with pytest.raises(ValueError, match=re.escape("expert_tensor_parallel_size=2")):
-        _validate(config=TransformerConfig(expert_model_parallel_size=2, expert_tensor_parallel_size=2),
-                  module=moe_model, pg=ProcessGroupCollection(dp_cp=world, ep=world, expt_tp=world, expt_dp=world))
-    with pytest.raises(ValueError, match=re.escape("expert_tensor_parallel_size=1")):
-        _validate(config=TransformerConfig(tensor_model_parallel_size=2, expert_tensor_parallel_size=1),
-                  module=moe_model, pg=ProcessGroupCollection(dp_cp=world, tp=world))
-    # an EP group whose size is not expert_model_parallel_size
-    with pytest.raises(ValueError, match="expert_model_parallel_size=4.*pg_collection.ep"):
-        _validate(config=TransformerConfig(expert_model_parallel_size=4), pg=ProcessGroupCollection(dp_cp=world, ep=world))
-    # EP without the expert-data-parallel group
-    with pytest.raises(ValueError, match=re.escape("pg_collection.expt_dp")):
-        _validate(config=ep2, module=moe_model, pg=ProcessGroupCollection(dp_cp=world, ep=world))
-    pg = build_process_groups(expert_model_parallel_size=2)
-    # EP on a model without MoE layers
+    run_distributed(_passes_on_groups, 2, ["expt_tp"])
+
+
+def test_tp_group_of_the_configs_size_passes():
+    run_distributed(_passes_on_groups, 2, ["tp"], dict(tensor_model_parallel_size=2))
+
+
+@pytest.mark.parametrize(
+    "config,groups,match",
+    [  # combinations not composed yet: TP with EP, expert TP with EP, experts with TP but another expert TP size
+        (dict(tensor_model_parallel_size=2, expert_model_parallel_size=2), ["tp", "ep", "expt_dp"],
+         "expert_model_parallel_size=2.*tensor_model_parallel_size=2"),
+        (dict(expert_model_parallel_size=2, expert_tensor_parallel_size=2), ["ep", "expt_tp", "expt_dp"],
+         re.escape("expert_tensor_parallel_size=2")),
+        (dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1), ["tp"],
+         re.escape("expert_tensor_parallel_size=1")),
+    ],
+    ids=["tp_with_ep", "expert_tp_with_ep", "experts_with_tp_and_another_expert_tp"],
+)
+def test_combinations_not_composed_yet(config, groups, match):
+    run_distributed(_rejects_on_groups, 2, match, groups, config, True)
+
+
+def test_ep_group_whose_size_is_not_expert_model_parallel_size():
+    run_distributed(_rejects_on_groups, 2, "expert_model_parallel_size=4.*pg_collection.ep", ["ep"],
+                    dict(expert_model_parallel_size=4))
+
+
+def test_ep_without_the_expert_data_parallel_group():
+    run_distributed(_rejects_on_groups, 2, re.escape("pg_collection.expt_dp"), ["ep"], _EP2, True)
+
+
+def _ep_on_a_model_without_moe_layers():
     with pytest.raises(ValueError, match="no MoE layers"):
-        _validate(config=ep2, module=nn.Linear(2, 2), pg=pg)
-    # a valid EP setup passes validation, but the model must be built with pg_collection.ep
-    _validate(config=ep2, module=moe_model, pg=pg)
+        _validate(config=TransformerConfig(**_EP2), module=nn.Linear(2, 2),
+                  pg=build_process_groups(expert_model_parallel_size=2))
+
+
+def test_ep_on_a_model_without_moe_layers():
+    run_distributed(_ep_on_a_model_without_moe_layers, 2)
+
+
+def _valid_ep_setup():
+    _validate(config=TransformerConfig(**_EP2), module=GPT(GPTConfig(**_MOE)),
+              pg=build_process_groups(expert_model_parallel_size=2))
+
+
+def test_a_valid_ep_setup_passes_validation():
+    run_distributed(_valid_ep_setup, 2)
+
+
+def _moe_model_not_built_with_the_ep_group():
+    pg = build_process_groups(expert_model_parallel_size=2)
     with pytest.raises(ValueError, match=r"expert-parallel ranks \[\d\] \(its 'ep_group'\).*\[0, 1\]"):
-        V2(ep2, _ddp(), moe_model, device=device(), pg_collection=pg)
-    config = GPTConfig(vocab_size=16, dim=16, n_layers=1, n_heads=2, layer_pattern="E", moe_num_experts=2, ep_group=pg.ep)
-    wrapped = V2(ep2, _ddp(), GPT(config), device=device(), pg_collection=pg)
+        V2(TransformerConfig(**_EP2), _ddp(), GPT(GPTConfig(**_MOE)), device=device(), pg_collection=pg)
+
+
+def test_the_moe_model_must_be_built_with_the_ep_group():
+    run_distributed(_moe_model_not_built_with_the_ep_group, 2)
+
+
+def _moe_model_built_with_the_ep_group():
+    pg = build_process_groups(expert_model_parallel_size=2)
+    wrapped = V2(TransformerConfig(**_EP2), _ddp(), GPT(GPTConfig(**_MOE, ep_group=pg.ep)), device=device(), pg_collection=pg)
     assert wrapped.moe_mesh.mesh_dim_names == ("expert_dp", "ep") and wrapped.mesh.mesh_dim_names == ("dp_shard",)
-    # validation runs in the constructor too
+
+
+def test_a_moe_model_built_with_the_ep_group_wraps_on_an_expert_mesh():
+    run_distributed(_moe_model_built_with_the_ep_group, 2)
+
+
+def _constructor_validates():
     with pytest.raises(ValueError, match="calculate_per_token_loss"):
         V2(TransformerConfig(calculate_per_token_loss=True), _ddp(), nn.Linear(2, 2), pg_collection=build_process_groups())
 
 
-def test_rules_on_real_process_groups():
-    run_distributed(_group_rules, 2)
+def test_validation_runs_in_the_constructor_too():
+    run_distributed(_constructor_validates, 2)
