@@ -1,5 +1,6 @@
 """shardwise: Fully Sharded Data Parallel training for PyTorch."""
 
+from .buffers import Collectives
 from .compile import compile_units
 from .device import device_for
 from .engine import (
@@ -37,6 +38,7 @@ __all__ = [
     "materialize_owned_meta_modules",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "Collectives",
     "AxisPlacements",
     "STRATEGY_PLACEMENTS",
     "strategy_placements",

@@ -27,7 +27,8 @@ from torch.distributed.distributed_c10d import _coalescing_manager
 
 from .mesh import AxisGroup
 
-__all__ = ["StagingPool", "StreamSet", "gather_pieces", "reduce_scatter_pieces", "all_reduce_chain", "InFlight"]
+__all__ = ["StagingPool", "StreamSet", "Collectives", "gather_pieces", "reduce_scatter_pieces", "all_reduce_chain",
+           "InFlight"]
 
 
 class StagingPool:
@@ -186,3 +187,25 @@ def all_reduce_chain(t: torch.Tensor, axes: Sequence[AxisGroup], average: bool =
         dist.all_reduce(t, op=dist.ReduceOp.AVG if native else dist.ReduceOp.SUM, group=axis.group)
         if average and not native:
             t.div_(axis.size)
+
+
+class Collectives:
+    """How a group's buffers move between placements: the three transitions, one mesh axis at a time.
+
+    Groups call only these, so a subclass changes how the bytes travel (a quantized
+    gather, a reduction in another dtype) without touching the groups; pass one to
+    ``fully_shard(collectives=...)``. The default is the coalesced per-parameter
+    collectives above.
+    """
+
+    def gather(self, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], axis: AxisGroup) -> None:
+        """All-gather each ``ins[i]`` over ``axis`` into ``outs[i]`` (rank-major)."""
+        gather_pieces(outs, ins, axis)
+
+    def reduce_scatter(self, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], axis: AxisGroup) -> None:
+        """Average each ``ins[i]`` over ``axis``, keeping this rank's piece in ``outs[i]``."""
+        reduce_scatter_pieces(outs, ins, axis)
+
+    def all_reduce(self, t: torch.Tensor, axes: Sequence[AxisGroup], average: bool = True) -> None:
+        """Average (or sum) ``t`` in place over each of ``axes``."""
+        all_reduce_chain(t, axes, average)

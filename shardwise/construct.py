@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .buffers import StreamSet
+from .buffers import Collectives, StreamSet
 from .group import ParamGroup, ParamRef
 from .hooks import ShardedState
 from .mesh import EXPERT, PLAN_CHOICES, ShardingPlan, build_dp_mesh, experts_by_mark
@@ -68,7 +68,8 @@ def _check_argument_types(**arguments) -> None:
 
 
 def check_options(
-    reshard_after_forward, prefetch, gradient_reduction, tp_axis, ep_axis, offload_policy, init_fn, plan_fn
+    reshard_after_forward, prefetch, gradient_reduction, tp_axis, ep_axis, offload_policy, init_fn, plan_fn,
+    collectives=None,
 ) -> Callable:
     """Refuse options of the wrong type; the ``plan_fn`` to use (``experts_by_mark`` by default)."""
     _check_argument_types(
@@ -80,6 +81,8 @@ def check_options(
     )
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be a shardwise.OffloadPolicy or None, got {type(offload_policy).__name__}")
+    if collectives is not None and not isinstance(collectives, Collectives):
+        raise TypeError(f"collectives must be a shardwise.Collectives or None, got {type(collectives).__name__}")
     if init_fn is not None and not callable(init_fn):
         raise TypeError(f"init_fn={init_fn!r} must be a callable (module, device) or None")
     if plan_fn is not None and not callable(plan_fn):
@@ -348,6 +351,7 @@ class GroupBuilder:
     bucket_size: int | None
     offloaded: set[int]
     pin_memory: bool
+    collectives: Collectives | None = None
 
     def build_groups(self, owner: nn.Module) -> list[ParamGroup]:
         """Materialize ``owner``'s meta parameters, then shard what it owns: one group per plan, dtype,
@@ -383,7 +387,7 @@ class GroupBuilder:
         sum_axes = [ref_plan.model_parallel[self.tp_axis]] if sequence_parallel else []
         group = ParamGroup(
             label, bucket, ref_plan, self.policy, self.device, self.streams, sum_over_axes=sum_axes,
-            offload=id(owner) in self.offloaded, pin_memory=self.pin_memory,
+            offload=id(owner) in self.offloaded, pin_memory=self.pin_memory, collectives=self.collectives,
         )
         group.install_sharded_params()  # the modules now hold DTensors; the full tensors can go
         return group

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .buffers import StreamSet
+from .buffers import Collectives, StreamSet
 from .consistency import check_rank_consistency
 from .construct import (
     GroupBuilder,
@@ -114,6 +114,7 @@ def fully_shard(
     bucket_size: int | None = None,
     plan_fn: Callable[[str, nn.Parameter], str] | None = None,
     offload_policy: OffloadPolicy | None = None,
+    collectives: Collectives | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters, gradients and optimizer state over ``mesh``.
 
@@ -129,6 +130,8 @@ def fully_shard(
     ``allreduce=False`` (Megatron's mark for experts) is an expert.
     ``offload_policy`` keeps the main weights, optimizer state and finished
     grads of some or all units in host memory (the optimizer steps on the CPU).
+    ``collectives`` (a ``shardwise.Collectives``) replaces how buffers travel
+    between placements (gather, reduce-scatter, all-reduce).
     Returns ``module`` itself, whose parameters are now DTensors.
     """
     policy = check_module(module, mixed_precision, _STATE_ATTR)
@@ -141,7 +144,8 @@ def fully_shard(
                      prefetch=prefetch, gradient_reduction=gradient_reduction, bucket_size=bucket_size),
     )
     plan_fn = check_options(
-        reshard_after_forward, prefetch, gradient_reduction, tp_axis, ep_axis, offload_policy, init_fn, plan_fn
+        reshard_after_forward, prefetch, gradient_reduction, tp_axis, ep_axis, offload_policy, init_fn, plan_fn,
+        collectives,
     )
     plan, expert_plan = build_plans(
         mesh, placements, strategy, outer_dp_sharding_strategy, tp_axis, expert_mesh, expert_placements, ep_axis,
@@ -158,7 +162,7 @@ def fully_shard(
     builder = GroupBuilder(
         ownership, plan, expert_plan, policy, device, streams, init_fn, plan_fn, tp_axis, ep_axis, bucket_size,
         offloaded=choose_offloaded(offload_policy, ownership.sizes()),
-        pin_memory=offload_policy is None or offload_policy.pin_memory,
+        pin_memory=offload_policy is None or offload_policy.pin_memory, collectives=collectives,
     )
     units, root_unit = build_units(module, unit_list, builder.build_groups, reshard_after_forward)
     move_buffers(module, device)

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .buffers import InFlight, StreamSet, all_reduce_chain, gather_pieces, reduce_scatter_pieces
+from .buffers import Collectives, InFlight, StreamSet
 from .layout import LevelLayout
 from .mesh import ShardingPlan
 from .offload import HostMemory
@@ -49,6 +49,7 @@ class ParamGroup:
         sum_over_axes: Sequence = (),
         offload: bool = False,
         pin_memory: bool = True,
+        collectives: Collectives | None = None,
     ):
         self.name = name
         self.refs = list(refs)
@@ -56,6 +57,7 @@ class ParamGroup:
         self.params = [ShardedParam(r, plan) for r in self.refs]
         self.plan = plan
         self.streams = streams
+        self.collectives = collectives or Collectives()
         self.device = device
         first = self.refs[0].param
         self.requires_grad = first.requires_grad
@@ -179,7 +181,7 @@ class ParamGroup:
                 temp = torch.empty(self.layouts[level - 1].total, dtype=views[0].dtype, device=self.device)
                 temps.append(temp)
                 out_views = self.layouts[level - 1].views(temp)
-            gather_pieces(*self._paired(level, out_views, views), self.plan.opt_axes[level - 1])
+            self.collectives.gather(*self._paired(level, out_views, views), self.plan.opt_axes[level - 1])
             views = out_views
         return temps
 
@@ -195,7 +197,7 @@ class ParamGroup:
             staged.append(buffer)
             out = buffer[:total]
             ins, outs = self._paired(level, self.layouts[level - 1].views(flat), self.layouts[level].views(out))
-            reduce_scatter_pieces(outs, ins, self.plan.opt_axes[level - 1])
+            self.collectives.reduce_scatter(outs, ins, self.plan.opt_axes[level - 1])
             flat = out
         return flat
 
@@ -387,12 +389,12 @@ class ParamGroup:
     def _finalize(self, staged: list) -> None:
         plan = self.plan
         if self.sum_over_axes:  # partial sums across model-parallel ranks (sequence parallel)
-            all_reduce_chain(self.grad_acc, self.sum_over_axes, average=False)
+            self.collectives.all_reduce(self.grad_acc, self.sum_over_axes, average=False)
         if self.grad_acc is self.main_grad:
-            all_reduce_chain(self.main_grad, plan.finalize_allreduce_axes)
+            self.collectives.all_reduce(self.main_grad, plan.finalize_allreduce_axes)
         else:
             reduced = self._reduce_levels(self.grad_acc, self.grad_level, self.opt_level, staged)
-            all_reduce_chain(reduced, plan.finalize_allreduce_axes)
+            self.collectives.all_reduce(reduced, plan.finalize_allreduce_axes)
             if self._main_overwrite:
                 self.main_grad.copy_(reduced)
             else:

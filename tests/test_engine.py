@@ -39,7 +39,7 @@ def _count_step_collectives(strategy, outer, micro_batches):
     A gather or reduce-scatter of a group is one coalesced launch of per-parameter
     collectives (one NCCL group call), counted once; all-reduces are flat.
     """
-    import shardwise.group as group_module
+    import shardwise.buffers as buffers_module
 
     world, rank = dist.get_world_size(), dist.get_rank()
     dev = device()
@@ -55,8 +55,8 @@ def _count_step_collectives(strategy, outer, micro_batches):
     counting = [False]
     originals = {}
     for module, name, kind in (
-        (group_module, "gather_pieces", "all_gather"),
-        (group_module, "reduce_scatter_pieces", "reduce_scatter"),
+        (buffers_module, "gather_pieces", "all_gather"),
+        (buffers_module, "reduce_scatter_pieces", "reduce_scatter"),
         (dist, "all_reduce", "all_reduce"),
     ):
         fn = getattr(module, name)
@@ -540,3 +540,60 @@ def _buffers_held_after_step(strategy: str, offload: bool):
 @pytest.mark.parametrize("strategy,offload", [("optim", False), ("optim_grads_params", True)])
 def test_no_reduction_buffer_outlives_its_step(strategy, offload):
     assert run_distributed(_buffers_held_after_step, 2, strategy, offload) == [0, 0]
+
+
+class _CountingCollectives(shardwise.Collectives):
+    """The default collectives, counted: an injected object sees every transition."""
+
+    def __init__(self):
+        self.calls = Counter()
+
+    def gather(self, outs, ins, axis):
+        self.calls["gather"] += 1
+        super().gather(outs, ins, axis)
+
+    def reduce_scatter(self, outs, ins, axis):
+        self.calls["reduce_scatter"] += 1
+        super().reduce_scatter(outs, ins, axis)
+
+    def all_reduce(self, t, axes, average=True):
+        self.calls["all_reduce"] += 1
+        super().all_reduce(t, axes, average)
+
+
+def _with_collectives(collectives):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    config = TinyConfig()
+    torch.manual_seed(0)
+    model = shardwise.fully_shard(TinyLM(config).to(device()), mesh=shardwise.build_dp_mesh(outer=2),
+                                  strategy="optim_grads_params", outer_dp_sharding_strategy="no_shard",
+                                  unit_modules=[Block], collectives=collectives)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(2):
+        tokens, targets = (t.to(device()) for t in batch(step, world, config))
+        loss = model(tokens[rank : rank + 1], targets[rank : rank + 1])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, dict(collectives.calls) if collectives is not None else None
+
+
+def _both_collectives():
+    return _with_collectives(None), _with_collectives(_CountingCollectives())
+
+
+def test_injected_collectives_carry_every_transition():
+    for (losses, _), (counted_losses, calls) in run_distributed(_both_collectives, 4):
+        assert counted_losses == losses  # the same collectives, only counted
+        assert calls["gather"] > 0 and calls["reduce_scatter"] > 0 and calls["all_reduce"] > 0, calls
+
+
+def _wrap_with(collectives):
+    shardwise.fully_shard(TinyLM(TinyConfig()), collectives=collectives)
+
+
+def test_collectives_of_the_wrong_type_are_refused_at_wrap_time():
+    with pytest.raises(AssertionError, match="collectives must be a shardwise.Collectives or None, got dict"):
+        run_distributed(_wrap_with, 1, {})
