@@ -20,6 +20,7 @@ per mesh axis; every parameter's gathered rows land contiguous in its slot.
 
 from __future__ import annotations
 
+import enum
 import weakref
 from typing import Sequence
 
@@ -34,7 +35,23 @@ from .offload import HostMemory
 from .param import ParamRef, ShardedParam
 from .precision import MixedPrecisionPolicy
 
-__all__ = ["ParamRef", "ParamGroup"]
+__all__ = ["ParamRef", "ParamGroup", "WeightState", "GradState"]
+
+
+class WeightState(enum.Enum):
+    """Where a group's full compute-dtype weights are."""
+
+    SHARDED = "sharded"  # only shards exist; the unsharded storage is freed
+    GATHERING = "gathering"  # an all-gather into the unsharded storage is in flight
+    UNSHARDED = "unsharded"  # the full weights are there for forward and backward
+
+
+class GradState(enum.Enum):
+    """Where a step's gradients are."""
+
+    IDLE = "idle"  # nothing in progress; ``.grad`` (if set) holds the last finished gradients
+    ACCUMULATING = "accumulating"  # micro-batches reduced into the accumulation buffer, window open
+    REDUCED = "reduced"  # the window is finalized; the grads wait to be installed as ``.grad``
 
 
 class ParamGroup:
@@ -124,8 +141,8 @@ class ParamGroup:
         ]
         if not self.persistent_unsharded:
             self.unsharded.untyped_storage().resize_(0)  # the views above keep their shapes
-        self._is_unsharded = self.persistent_unsharded
-        self._gather: InFlight | None = None
+        self.weight_state = WeightState.UNSHARDED if self.persistent_unsharded else WeightState.SHARDED
+        self._gather: InFlight | None = None  # the all-gather while GATHERING
         self._swapped_in = False
 
         # Gradient state: buffers exist only from a step's first reduction until the
@@ -133,10 +150,9 @@ class ParamGroup:
         self.grad_acc: torch.Tensor | None = None
         self.main_grad: torch.Tensor | None = None
         self._main_grad_ref: weakref.ref | None = None
-        self._window_open = False  # micro-batches accumulated since the last finalize
-        self._acc_overwrite = False
-        self._main_overwrite = False
-        self._pending_install = False
+        self.grad_state = GradState.IDLE
+        self._acc_overwrite = False  # the accumulation buffer holds nothing yet: the first reduction overwrites
+        self._main_overwrite = False  # likewise for the main-grad buffer
         self._released: tuple = ()
         self._grad_gaps = self.layouts[0].gaps([p.shape.numel() for p in self.params])
         self.weights_stale = False  # set when the main weights changed in a way their version does not show
@@ -230,7 +246,7 @@ class ParamGroup:
     # ------------------------------------------------------- unshard / free
     @property
     def is_unsharded(self) -> bool:
-        return self._is_unsharded
+        return self.weight_state is WeightState.UNSHARDED
 
     @property
     def storage_bytes_unsharded(self) -> int:
@@ -238,7 +254,7 @@ class ParamGroup:
 
     def start_unshard(self) -> None:
         """Begin gathering the model weights (returns at once on CUDA)."""
-        if self._is_unsharded or self._gather is not None:
+        if self.weight_state is not WeightState.SHARDED:
             return
         self.unsharded.untyped_storage().resize_(self.unsharded.numel() * self.unsharded.element_size())
         level = self.param_level
@@ -259,27 +275,28 @@ class ParamGroup:
         self._gather = InFlight(
             self.streams.record(self.streams.gather), keepalive=tuple(temps), staged=staged, pool=self.streams.pool
         )
+        self.weight_state = WeightState.GATHERING
 
     def finish_unshard(self) -> None:
-        if self._is_unsharded:
+        if self.weight_state is WeightState.UNSHARDED:
             return
-        if self._gather is None:
+        if self.weight_state is WeightState.SHARDED:
             self.start_unshard()
         self._gather.wait()
         self._gather = None
-        self._is_unsharded = True
+        self.weight_state = WeightState.UNSHARDED
 
     def reshard(self) -> None:
         """Free the unsharded storage (when parameters are sharded) and swap DTensors back in."""
         self.use_sharded()
         if self.persistent_unsharded:
             return
-        if self._gather is not None:  # prefetched but never used
+        if self.weight_state is WeightState.GATHERING:  # prefetched but never used
             self._gather.wait()
             self._gather = None
-        if self._is_unsharded:
+        if self.weight_state is not WeightState.SHARDED:
             self.unsharded.untyped_storage().resize_(0)
-            self._is_unsharded = False
+            self.weight_state = WeightState.SHARDED
 
     # --------------------------------------------------------------- grads
     def _grad_views(self, main_grad: torch.Tensor) -> list[DTensor]:
@@ -294,6 +311,9 @@ class ParamGroup:
         next step allocates a fresh one that the first reduction overwrites
         (no zero-fill). Grads the user kept are accumulated onto.
         """
+        if self.grad_state is GradState.REDUCED:  # the engine installs every finalized window first
+            raise RuntimeError(f"group {self.name}: a new accumulation window opened before the last one's "
+                               "gradients were installed; please report it with the model")
         m = self.opt_level
         cleared = [p.grad is None for p in self.sharded_params]
         existing = self._main_grad_ref() if self._main_grad_ref is not None else None
@@ -318,7 +338,7 @@ class ParamGroup:
             self.grad_acc = torch.empty(self.layouts[self.grad_level].total, dtype=self.main_grad_dtype, device=self.device)
             self._acc_overwrite = True
             self._main_overwrite = fresh
-        self._window_open = True
+        self.grad_state = GradState.ACCUMULATING
 
     def _flat_grads(self, staged: list) -> torch.Tensor:
         """Copy the unsharded grads (zeros where missing) into one comm-dtype buffer, one kernel."""
@@ -350,7 +370,7 @@ class ParamGroup:
         Returns the in-flight work; the caller waits on it before the optimizer
         reads grads or before dropping the flat buffer it keeps alive.
         """
-        if not self._window_open:
+        if self.grad_state is not GradState.ACCUMULATING:
             self._open_window()
         self._released = ()
         staged: list = []
@@ -371,7 +391,7 @@ class ParamGroup:
 
     def _in_flight(self, staged: list) -> InFlight:
         event = self.streams.record(self.streams.reduce)
-        if self.offloaded and self._pending_install:
+        if self.offloaded and self.grad_state is GradState.REDUCED:
             self._host_ready = event  # the CPU may read the host grads once this has passed
         flight = InFlight(event, keepalive=self._released, staged=tuple(staged), pool=self.streams.pool)
         self._released = ()  # only the flight keeps them now: they go as soon as it is waited on
@@ -379,7 +399,7 @@ class ParamGroup:
 
     def finalize_without_new_grads(self) -> InFlight | None:
         """End an accumulation window whose last micro-batch brought no grads to this group."""
-        if not self._window_open:
+        if self.grad_state is not GradState.ACCUMULATING:
             return None
         staged: list = []
         with self.streams.on(self.streams.reduce):
@@ -402,8 +422,7 @@ class ParamGroup:
             # the reduce stream may still read it: the caller keeps it alive until it waits
             self._released = (self.grad_acc,)
         self.grad_acc = None
-        self._window_open = False
-        self._pending_install = True
+        self.grad_state = GradState.REDUCED
         if self.offloaded:  # stream the finished shard to the host right behind its reduction
             if self._host_grad is None:
                 self._host_grad = self._host.empty(self.main_grad.numel(), self.main_grad.dtype)
@@ -422,8 +441,7 @@ class ParamGroup:
             param.grad = None
         self.grad_acc = None
         self.main_grad = None
-        self._window_open = False
-        self._pending_install = False
+        self.grad_state = GradState.IDLE
         self._host_ready = None
         self._host_kept = None
 
@@ -432,7 +450,7 @@ class ParamGroup:
 
         Only the ``.grad`` DTensors keep the buffer alive from here on.
         """
-        if not self._pending_install:
+        if self.grad_state is not GradState.REDUCED:
             return
         if self.offloaded:
             self._install_host_grads()
@@ -444,7 +462,7 @@ class ParamGroup:
             for param, grad in zip(self.sharded_params, self._grad_views(self.main_grad)):
                 param.grad = grad
         self.main_grad = None
-        self._pending_install = False
+        self.grad_state = GradState.IDLE
         # An optimizer step on these grads may not show in any version counter: on CUDA, torch's
         # default (foreach) AdamW over DTensors moved none (2 x H200, torch 2.11), so the next
         # forward rebuilds the model weights whenever grads were handed out.
@@ -473,7 +491,7 @@ class ParamGroup:
                 param.grad = grad
         self._main_grad_ref = weakref.ref(self.main_grad)
         self.main_grad = None
-        self._pending_install = False
+        self.grad_state = GradState.IDLE
         self.weights_stale = True
 
     # -------------------------------------------------------- weight refresh
