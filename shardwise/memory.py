@@ -228,9 +228,9 @@ class BufferSizes:
         return staged
 
     # ----------------------------------------------------------------- host
-    def host(self, units: Sequence[float], pinned: bool = True) -> dict[str, float]:
-        """Host bytes of offloaded groups of ``units`` parameters each (one rank): main weights and gradient
-        shard (page-locked in place when ``pinned``, at their own size either way), optimizer state."""
+    def host(self, units: Sequence[float]) -> dict[str, float]:
+        """Host bytes of offloaded groups of ``units`` parameters each (one rank): main weights, gradient
+        shard (page-locked in place, at their own size) and optimizer state."""
         if not self.offload:
             return {"main": 0.0, "grads": 0.0, "optimizer": 0.0}
         return {
@@ -270,7 +270,6 @@ def estimate_state_bytes(
     accumulate_grads: bool = False,
     backward_optimizer: bool = False,
     ranks_per_host: int | None = None,
-    pin_memory: bool = True,
 ) -> MemoryEstimate:
     """Bytes the engine holds for ``n_params`` parameters, without activations.
 
@@ -280,9 +279,8 @@ def estimate_state_bytes(
     (``optimizer_temps`` state-sized temporaries: 0 for torch's fused AdamW, 1
     for its foreach AdamW). ``units``: parameters of each unit in
     ``unit_modules`` order, the root last; with it the offloaded units are the
-    ones ``OffloadPolicy(fraction=offload_fraction)`` picks and host blocks are
-    rounded as pinned memory is; without it a fraction ``offload_fraction`` of
-    every term moves. ``backward_optimizer``: gradients stepped and freed inside
+    ones ``OffloadPolicy(fraction=offload_fraction)`` picks; without it a
+    fraction ``offload_fraction`` of every term moves. ``backward_optimizer``: gradients stepped and freed inside
     backward (``BackwardOptimizer``). ``ranks_per_host`` defaults to ``world``.
     """
     if units is not None:
@@ -329,7 +327,7 @@ def estimate_state_bytes(
     step = {**rest, "grads": on.grads(n_on), "optimizer temporaries": optimizer_temps * on.at(on.m, n_on, on.main_b)}
     if backward_optimizer:  # stepped per group inside backward: no step with every gradient alive
         step = {**rest, "grads": grads, "optimizer temporaries": optimizer_temps * u_sizes.at(on.m, unit, on.main_b)}
-    host = host_parts(off, off_units, n_off, pin_memory, ranks_per_host or world)
+    host = host_parts(off, off_units, n_off, ranks_per_host or world)
     return combine({"end of backward": end_of_backward, "optimizer step": step}, host, ranks_per_host or world,
                    inputs={"n_params": n_params, **kw, "offload_fraction": offload_fraction,
                            "largest_unit_params": largest_unit_params, "units": units,
@@ -337,14 +335,14 @@ def estimate_state_bytes(
                            "optimizer_temps": optimizer_temps, "ranks_per_host": ranks_per_host or world})
 
 
-def host_parts(off: BufferSizes, off_units: Sequence[float] | None, n_off: float, pin_memory: bool,
+def host_parts(off: BufferSizes, off_units: Sequence[float] | None, n_off: float,
                ranks_per_host: int) -> dict[str, int]:
-    """Host bytes per host of the offloaded parameters: per unit (pinned blocks rounded) when
-    ``off_units`` lists them, else ``n_off`` parameters as one unrounded block."""
+    """Host bytes per host of the offloaded parameters: unit by unit when ``off_units`` lists them,
+    else ``n_off`` parameters as one block."""
     if off_units is None:
-        per_rank = off.host([n_off], pinned=False) if n_off else off.host([])
+        per_rank = off.host([n_off] if n_off else [])
     else:
-        per_rank = off.host(off_units, pinned=pin_memory)
+        per_rank = off.host(off_units)
     return {k: int(v * ranks_per_host) for k, v in per_rank.items()}
 
 

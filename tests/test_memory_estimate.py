@@ -188,7 +188,7 @@ def _engine_bytes(strategy: str, fraction: float):
                 state["cpu" if id(p) in offloaded else "device"] += local.untyped_storage().nbytes()
     counts = [n for _, n in gpt_units(config)[0]]
     est = estimate_state_bytes(units=counts, world=dist.get_world_size(), strategy=strategy,
-                               offload_fraction=fraction, pin_memory=False, ranks_per_host=1)
+                               offload_fraction=fraction, ranks_per_host=1)
     return device, host, state, est.parts, est.host_parts
 
 

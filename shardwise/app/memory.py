@@ -175,7 +175,6 @@ def estimate_for_run(
     optimizer: str = "fused",
     backward_optimizer: bool = False,
     ranks_per_host: int | None = None,
-    pin_memory: bool = True,
     build_on_device: bool = False,
 ) -> MemoryEstimate:
     """Peak bytes per GPU and per host of training ``config`` with AdamW (fp32 main weights and gradients).
@@ -199,7 +198,7 @@ def estimate_for_run(
                   offload_fraction=offload_fraction, outer=outer, outer_strategy=outer_strategy, precision=precision,
                   activation_checkpointing=activation_checkpointing, vocab_units=vocab_units, grad_accum=grad_accum,
                   optimizer=optimizer, backward_optimizer=backward_optimizer, ranks_per_host=ranks_per_host,
-                  pin_memory=pin_memory, build_on_device=build_on_device)
+                  build_on_device=build_on_device)
     param_dtype = _DTYPES[precision]
     acts = activation_bytes(config, seq_len, micro_batch, checkpointing=activation_checkpointing,
                             compute_dtype=param_dtype)
@@ -299,7 +298,7 @@ def estimate_for_run(
                                  "unsharded model": sum(counts) * on.main_b}
     off_units = [n for n, o in zip(counts, is_off) if o]
     hosts = ranks_per_host or world
-    host = host_parts(off, off_units, sum(off_units), pin_memory, hosts)
+    host = host_parts(off, off_units, sum(off_units), hosts)
     if temps and off_units:
         host["optimizer temporaries"] = int(temps * sum(off.at(off.m, n, off.main_b) for n in off_units) * hosts)
     notes = ["MoE/Mamba layers: activations counted roughly (not calibrated)"] if acts.rough else []
