@@ -307,16 +307,42 @@ def estimate_for_run(
 
 
 # ---------------------------------------------------------------------------------------------- fit check
-def host_available_bytes() -> int | None:
-    """The host's available memory (``MemAvailable`` of ``/proc/meminfo``); ``None`` where unknown."""
+def _proc_bytes(path: str, key: str) -> int | None:
+    """A ``key: N kB`` line of a /proc file, in bytes; ``None`` where unknown (not Linux)."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def host_available_bytes() -> int | None:
+    """The host's available memory (``MemAvailable`` of ``/proc/meminfo``); ``None`` where unknown."""
+    return _proc_bytes("/proc/meminfo", "MemAvailable:")
+
+
+def host_peak_bytes() -> float:
+    """This process's peak resident host memory since :func:`reset_host_peak` (NaN where unknown)."""
+    value = _proc_bytes("/proc/self/status", "VmHWM:")
+    return float("nan") if value is None else float(value)
+
+
+def host_resident_bytes() -> float:
+    """This process's resident host memory now (NaN where unknown)."""
+    value = _proc_bytes("/proc/self/status", "VmRSS:")
+    return float("nan") if value is None else float(value)
+
+
+def reset_host_peak() -> None:
+    """Start :func:`host_peak_bytes` over from the current resident memory."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 class DoesNotFit(RuntimeError):

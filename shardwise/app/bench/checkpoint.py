@@ -24,24 +24,10 @@ import torch
 import torch.distributed as dist
 
 from ..launch import launch_local
+from ..memory import host_peak_bytes, host_resident_bytes, reset_host_peak
 
+MIB = 2**20
 
-def _status_mib(key: str) -> float:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-def _reset_peak() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
 
 def _build(args, strategy: str, device: torch.device):
     import shardwise
@@ -92,12 +78,12 @@ def _worker(args) -> None:
 
     def start() -> float:
         sync()
-        _reset_peak()
-        base[0] = _status_mib("VmRSS:")
+        reset_host_peak()
+        base[0] = host_resident_bytes() / MIB
         return time.perf_counter()
 
     def report(phase: str, seconds: float, **more) -> None:
-        mem = torch.tensor([_status_mib("VmHWM:"), base[0]], dtype=torch.float64, device=device)
+        mem = torch.tensor([host_peak_bytes() / MIB, base[0]], dtype=torch.float64, device=device)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         if rank == 0:
             print(json.dumps({"phase": phase, "seconds": round(seconds, 2), "world": world,

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from ...device import device_for
 from ...models import GPT
-from ..memory import DoesNotFit, check_fits, estimate_for_run, host_available_bytes
+from ..memory import DoesNotFit, check_fits, estimate_for_run, host_available_bytes, host_peak_bytes, reset_host_peak
 from .sizes import SIZES, BenchSize, ddp_bytes_estimate, model_config
 from .wrappers import DEFAULT_ORDER, WRAPPERS, unavailable_reason
 
@@ -182,25 +182,6 @@ def _release(device: torch.device) -> None:
             host_empty_cache()
 
 
-def _reset_host_peak() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def _host_peak_bytes() -> float:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
 def _make_batches(vocab: int, micro_batch: int, seq_len: int, count: int, seed: int, rank: int,
                   device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
@@ -334,10 +315,9 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         after_wrap = torch.cuda.memory_allocated(device)
-        _reset_host_peak()  # host memory matters too when state is offloaded
     else:
-        _reset_host_peak()
         after_wrap = 0
+    reset_host_peak()  # on CUDA too: host memory matters when state is offloaded
 
     breaks_before, _ = _dynamo_counts()
     losses = []
@@ -356,12 +336,12 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
     _sync(device)
     elapsed = time.perf_counter() - start
     breaks_after, frames_after = _dynamo_counts()
+    host_peak = host_peak_bytes()
     if cuda:
         peak_alloc, peak_reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
     else:
-        peak_alloc, peak_reserved = _host_peak_bytes(), float("nan")
+        peak_alloc, peak_reserved = host_peak, float("nan")
     first_loss, last_loss = (float(x) for x in torch.stack([losses[0], losses[-1]]).float().cpu())
-    host_peak = _host_peak_bytes()
 
     exposed = _profile(model, optimizer, batches[warmup + steps:], device, opts, tag) if cuda else None
     del model, optimizer, losses
