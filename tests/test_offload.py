@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,23 +11,32 @@ from distributed import BACKEND, device, run_distributed
 from tiny_model import Block, TinyConfig, TinyLM, batch
 
 STEPS = 4
+CONFIG = TinyConfig()
+
+
+def _sharded(offloaded: bool | shardwise.OffloadPolicy, **options):
+    """The tiny model, seeded, sharded with everything offloaded (or by the given policy) or nothing."""
+    torch.manual_seed(0)
+    policy = shardwise.OffloadPolicy() if offloaded is True else offloaded or None
+    return shardwise.fully_shard(TinyLM(CONFIG).to(device()), unit_modules=[Block], offload_policy=policy, **options)
+
+
+def _local_loss(model, step: int) -> torch.Tensor:
+    """The loss of this rank's share of step ``step``'s global batch."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tokens, targets = (t.to(device()) for t in batch(step, world, CONFIG))
+    return model(tokens[rank : rank + 1], targets[rank : rank + 1])
 
 
 def _train(strategy, outer, offload, clip: bool, accumulate: int = 1):
     """Losses, full weights and one optimizer moment after a few AdamW steps."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    config = TinyConfig()
-    torch.manual_seed(0)
-    model = TinyLM(config).to(device())
     mesh = shardwise.build_dp_mesh(outer=2) if outer else None
-    model = shardwise.fully_shard(
-        model, mesh, strategy=strategy, outer_dp_sharding_strategy=outer, unit_modules=[Block],
-        offload_policy=offload,
-    )
+    model = _sharded(offload, mesh=mesh, strategy=strategy, outer_dp_sharding_strategy=outer)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
     for step in range(STEPS):
-        tokens, targets = (t.to(device()) for t in batch(step, world * accumulate, config))
+        tokens, targets = (t.to(device()) for t in batch(step, world * accumulate, CONFIG))
         for i in range(accumulate):
             mine = slice((rank * accumulate + i), (rank * accumulate + i) + 1)
             sync = model.no_sync() if i < accumulate - 1 else torch.enable_grad()
@@ -95,7 +102,7 @@ def test_offloading_part_of_the_model_and_accumulating_is_bit_identical():
 
 
 def _which_groups(policy):
-    model = shardwise.fully_shard(TinyLM(TinyConfig()).to(device()), unit_modules=[Block], offload_policy=policy)
+    model = _sharded(policy)
     return sorted(g.name for g in model.sharded_state.groups if g.offloaded)
 
 
@@ -123,22 +130,14 @@ def _resume_across(save_offloaded: bool, folder: str):
     """Train 2 steps, checkpoint, train 2 more; then resume the checkpoint with the other choice."""
     from shardwise.checkpoint import CheckpointManager
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    config = TinyConfig()
-
     def build(offloaded: bool):
-        torch.manual_seed(0)
-        model = shardwise.fully_shard(
-            TinyLM(config).to(device()), strategy="optim_grads_params", unit_modules=[Block],
-            offload_policy=shardwise.OffloadPolicy() if offloaded else None,
-        )
+        model = _sharded(offloaded, strategy="optim_grads_params")
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
     def steps(model, opt, first, count):
         out = []
         for step in range(first, first + count):
-            tokens, targets = (t.to(device()) for t in batch(step, world, config))
-            loss = model(tokens[rank : rank + 1], targets[rank : rank + 1])
+            loss = _local_loss(model, step)
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -162,18 +161,11 @@ def test_checkpoints_move_between_offloaded_and_device_runs(save_offloaded, tmp_
 
 
 def _backward_optimizer(offloaded: bool):
-    world, rank = dist.get_world_size(), dist.get_rank()
-    config = TinyConfig()
-    torch.manual_seed(0)
-    model = shardwise.fully_shard(
-        TinyLM(config).to(device()), unit_modules=[Block],
-        offload_policy=shardwise.OffloadPolicy() if offloaded else None,
-    )
+    model = _sharded(offloaded)
     opt = shardwise.BackwardOptimizer(model, torch.optim.AdamW, lr=1e-2)
     losses = []
     for step in range(3):
-        tokens, targets = (t.to(device()) for t in batch(step, world, config))
-        loss = model(tokens[rank : rank + 1], targets[rank : rank + 1])
+        loss = _local_loss(model, step)
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -192,16 +184,9 @@ def test_a_backward_optimizer_steps_offloaded_groups_on_the_host_identically():
 
 def _kept_grads(offloaded: bool):
     """Two backwards with no zero_grad between: the second adds onto the grads the first installed."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    config = TinyConfig()
-    torch.manual_seed(0)
-    model = shardwise.fully_shard(
-        TinyLM(config).to(device()), unit_modules=[Block],
-        offload_policy=shardwise.OffloadPolicy() if offloaded else None,
-    )
+    model = _sharded(offloaded)
     for step in range(2):
-        tokens, targets = (t.to(device()) for t in batch(step, world, config))
-        model(tokens[rank : rank + 1], targets[rank : rank + 1]).backward()
+        _local_loss(model, step).backward()
     return {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters() if p.grad is not None}
 
 
