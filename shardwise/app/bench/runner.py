@@ -212,7 +212,8 @@ def _skip_reason(name: str, size: BenchSize, config, n_params: int, micro_batch:
     offloaded = (offload if name.startswith("shardwise") else 1.0 if name == "fsdp2" else 0.0) if offload else 0.0
     if offloaded and name == "fsdp2" and device.type != "cuda":
         return "FSDP2's CPUOffloadPolicy offloads from an accelerator; there is none here"
-    if offloaded and device.type == "cuda":  # every local rank's host state shares this host's memory
+    # FSDP2's host state by rule of thumb (shardwise's runs are checked against their own estimate in run_one)
+    if offloaded and name == "fsdp2" and device.type == "cuda":  # every local rank's host state shares this host
         need = HOST_BYTES_PER_PARAM * n_params * offloaded
         free = host_available_bytes() or float("inf")  # unknown: let the run try
         if need > HOST_FIT_MARGIN * free:
