@@ -21,7 +21,7 @@ where the GPU peak can be, and takes the largest:
   (one state-sized tensor for torch's foreach AdamW, none for fused).
 
 Activations are counted tensor by tensor from what autograd saves in
-``TransformerLayer`` (``tests/test_memory_estimate.py`` checks the count
+``TransformerLayer`` (``tests/app/test_memory_estimate.py`` checks the count
 against a real forward): per layer and token, two RMSNorms keep their fp32
 input and normalized output (16 x dim bytes), attention keeps its input, the
 rotated queries and keys, the values and its output, the MLP its input and

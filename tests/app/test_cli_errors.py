@@ -1,0 +1,221 @@
+"""Mistakes on the command line, in ``--config`` files and in ``clip_grad_norm_`` calls: each one is
+refused with one line naming the argument and its value; the learning-rate schedule says what it is."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwise.app.train import (ConfigError, LRSchedule, global_batch_plan, lr_schedule, main, resolve_config,
+                             resumed_schedule, summarize)
+
+from tests.helpers.distributed import run_distributed
+
+TINY = ["--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1", "--ffn-hidden", "64",
+        "--seq-len", "32", "--micro-batch-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(Path(json.__file__).read_bytes() * 4)  # small and fast to load
+    return str(path)
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+# ------------------------------------------------------------------ flags
+OUT = "<out>"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--timeout", "0", "--out-dir", OUT], "--timeout 0.0: must be a positive number of seconds"),
+    (["--timeout", "nan", "--out-dir", OUT], "--timeout nan: must be a finite number"),
+    (["--max-grad-norm", "nan", "--out-dir", OUT], "--max-grad-norm nan: must be a finite number"),
+    (["--lr", "inf", "--out-dir", OUT], "--lr inf: must be a finite number"),
+    (["--rope-theta", "nan", "--out-dir", OUT], "--rope-theta nan: must be a finite number"),
+    (["--beta2", "1.5", "--out-dir", OUT], "--beta2 1.5: must be in [0, 1)"),
+    (["--min-lr-ratio", "2", "--out-dir", OUT], "--min-lr-ratio 2.0: must be at most 1"),
+    (["--resume=maybe", "--out-dir", OUT], "--resume=maybe: use --resume"),
+    (["--resume"], "--resume=auto: needs --out-dir (or --name)"),
+    (["--resume", "--overwrite", "--out-dir", OUT], "--overwrite: cannot be combined with --resume"),
+    (["--name", "a/../../.."], "--name a/../../..: must be a plain folder name under runs/"),
+    (["--name", ".."], "--name ..: must be a plain folder name"),
+    (["--ffn-hidden", "-5", "--out-dir", OUT], "--ffn-hidden -5: must be at least 1"),
+    (["--mamba-head-dim", "0", "--layer-pattern", "M", "--out-dir", OUT], "--mamba-head-dim 0: must be at least 1"),
+    (["--norm-eps", "-1", "--out-dir", OUT], "--norm-eps -1.0: must be positive"),
+    (["--init-std", "0", "--out-dir", OUT], "--init-std 0.0: must be positive"),
+])
+def test_bad_flags_are_one_line_naming_flag_and_value(argv, message, capsys, tmp_path, data, monkeypatch):
+    argv = [str(tmp_path / "run") if a == OUT else a for a in argv]
+    monkeypatch.chdir(tmp_path)  # --name writes under ./runs
+    assert main(argv + ["--data", data]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith("shardwise train: error: ") and message in line, line
+    assert sorted(os.listdir(tmp_path)) == []  # nothing written anywhere
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("steps", True, "steps=true: needs a whole number"),
+    ("steps", 2.5, "steps=2.5: needs a whole number"),
+    ("lr", "0.1", 'lr="0.1": needs a number'),
+    ("lr", False, "lr=false: needs a number"),
+    ("strategy", True, "strategy=true: needs a string"),
+    ("activation_checkpointing", "false", 'activation_checkpointing="false": needs true or false'),
+    ("bf16-ish", 1, "unknown field 'bf16-ish'"),
+])
+def test_config_file_values_must_have_the_field_type(field, value, message, tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({field: value}))
+    with pytest.raises(ConfigError) as e:
+        resolve_config(["--config", str(path)])
+    assert f"--config {path}" in str(e.value) and message in str(e.value)
+
+
+def test_config_file_accepts_whole_floats_and_resume_bools(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"steps": 20.0, "lr": 1, "resume": True, "name": "x"}))
+    cfg, _ = resolve_config(["--config", str(path)])
+    assert cfg.steps == 20 and isinstance(cfg.steps, int) and cfg.lr == 1.0 and cfg.resume == "auto"
+    cfg, _ = resolve_config(["--name", "x", "--resume=required"])
+    assert cfg.resume == "required"
+    cfg, _ = resolve_config(["--name", "x", "--resume", "--no-resume"])
+    assert cfg.resume == ""
+
+
+# ------------------------------------------------------------------ learning-rate schedule
+def test_warmup_is_capped_by_steps_and_a_short_run_decays():
+    cfg, _ = resolve_config(["--preset", "tiny", "--steps", "30"])  # the preset warms up for 30 steps
+    schedule = lr_schedule(cfg)
+    lrs = [schedule(s) for s in range(1, 31)]
+    assert max(lrs) == pytest.approx(cfg.lr) and lrs.index(max(lrs)) == 14  # peak at step 15
+    assert lrs[-1] == pytest.approx(cfg.lr * cfg.min_lr_ratio)  # and decays to the floor at the end
+    assert "warm-up capped at half of --steps 30" in schedule.describe()
+    assert schedule.describe().startswith("lr: linear warm-up to 0.002 over steps 1-15, then cosine decay")
+
+
+@pytest.mark.parametrize("old_steps,new_steps,resume_at,warmup", [
+    (100, 300, 100, 10),  # a finished run extended: was at the floor
+    (100, 300, 50, 10),  # mid-decay
+    (30, 300, 5, 20),  # still warming up (warm-up was capped at 15, now 20)
+    (300, 100, 50, 10),  # shortened
+])
+def test_resuming_with_other_steps_keeps_the_rate_continuous(old_steps, new_steps, resume_at, warmup):
+    old, _ = resolve_config(["--steps", str(old_steps), "--warmup-steps", str(warmup), "--lr", "1.0"])
+    new, _ = resolve_config(["--steps", str(new_steps), "--warmup-steps", str(warmup), "--lr", "1.0"])
+    saved = LRSchedule.from_dict(json.loads(json.dumps(lr_schedule(old).to_dict())))
+    before = saved(resume_at)
+    schedule = resumed_schedule(saved, new, resume_at)
+    after = [schedule(s) for s in range(resume_at + 1, new_steps + 1)]
+    step_size = max(abs(saved(s + 1) - saved(s)) for s in range(1, old_steps)) + 1e-9
+    assert abs(after[0] - before) <= 2 * step_size, (before, after[:3])  # no jump
+    assert after[-1] == pytest.approx(new.lr * new.min_lr_ratio) or new_steps <= resume_at
+    assert "--steps" in schedule.describe() and f"at step {resume_at}" in schedule.describe()
+    assert resumed_schedule(saved, old, resume_at) is saved  # same flags: the same schedule, exactly
+
+
+# ------------------------------------------------------------------ resuming on another world size
+def test_another_world_size_is_announced_or_kept_with_grad_accum():
+    run = {"world_size": 2, "micro_batch_size": 4, "grad_accum": 1, "global_batch": 8}
+    cfg, _ = resolve_config(["--micro-batch-size", "4"])
+    accum, line = global_batch_plan(run, cfg, 1)
+    assert accum == 1 and "global batch changes from 8 to 4 sequences per step" in line and "\n" not in line
+    cfg, _ = resolve_config(["--micro-batch-size", "4", "--keep-global-batch"])
+    accum, line = global_batch_plan(run, cfg, 1)
+    assert accum == 2 and "global batch kept at 8" in line
+    assert global_batch_plan(run, cfg, 2) == (1, "")
+    cfg, _ = resolve_config(["--micro-batch-size", "3", "--keep-global-batch"])
+    with pytest.raises(ConfigError, match=r"--keep-global-batch: .*global batch of 8 sequences"):
+        global_batch_plan(run, cfg, 1)
+
+
+# ------------------------------------------------------------------ summary of a resumed run
+def test_summary_describes_the_whole_run_from_its_metrics():
+    def record(step, tokens, step_time, launch, elapsed):
+        return {"step": step, "loss": 6.0 - step, "tokens": tokens, "step_time_s": step_time,
+                "tokens_per_s": 0.0, "mfu": None, "mem_gib": 0.1 * step, "elapsed_s": elapsed, "launch": launch}
+
+    records = [record(1, 1000, 9.0, 1, 9.0), record(2, 2000, 1.0, 1, 10.0),  # 2 ranks, 1000 tokens a step
+               record(3, 2500, 7.0, 2, 7.0), record(4, 3000, 0.5, 2, 7.5)]  # resumed on 1 rank: 500 a step
+    summary = summarize(records)
+    assert summary["steps"] == 4 and summary["launches"] == 2 and summary["resumed_at"] == [3]
+    assert summary["first_loss"] == 5.0 and summary["tokens"] == 3000
+    assert summary["tokens_per_s"] == pytest.approx((1000 + 500) / (1.0 + 0.5))  # first step of each launch left out
+    assert summary["train_time_s"] == pytest.approx(17.5) and summary["peak_mem_gib"] == pytest.approx(0.4)
+
+
+# ------------------------------------------------------------------ clip_grad_norm_
+def _clip_refusals() -> list[str]:
+    import shardwise
+
+    messages = []
+    model = shardwise.fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    model(torch.ones(2, 4)).sum().backward()
+    for kwargs in ({"max_norm": -1.0}, {"max_norm": float("nan")}, {"max_norm": True},
+                   {"max_norm": 1.0, "norm_type": -2.0}):
+        try:
+            shardwise.clip_grad_norm_(model.parameters(), **kwargs)
+            messages.append(f"accepted {kwargs}")
+        except ValueError as e:
+            messages.append(str(e))
+    norm = shardwise.clip_grad_norm_(model.parameters(), float("inf"))  # measuring only stays allowed
+    messages.append(f"inf ok {float(norm) > 0}")
+
+    stepped = shardwise.fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    shardwise.BackwardOptimizer(stepped, torch.optim.SGD, lr=0.1)
+    stepped(torch.ones(2, 4)).sum().backward()
+    try:
+        shardwise.clip_grad_norm_(stepped.parameters(), 1.0)
+        messages.append("accepted BackwardOptimizer")
+    except ValueError as e:
+        messages.append(str(e))
+
+    from shardwise.app.train import check_optimizer_params
+
+    early = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    optimizer = torch.optim.AdamW(early.parameters())  # built before fully_shard: holds the originals
+    early = shardwise.fully_shard(early)
+    try:
+        check_optimizer_params(early, optimizer)
+        messages.append("accepted a stale optimizer")
+    except ValueError as e:
+        messages.append(str(e))
+    check_optimizer_params(early, torch.optim.AdamW(early.parameters()))  # built after: fine
+    return messages
+
+
+def test_clip_grad_norm_refuses_bad_arguments_and_a_backward_optimizer():
+    messages = run_distributed(_clip_refusals, 1)[0]
+    assert "clip_grad_norm_: max_norm=-1.0 must be a non-negative number" in messages[0]
+    assert "clip_grad_norm_: max_norm=nan must be a non-negative number" in messages[1]
+    assert "clip_grad_norm_: max_norm=True" in messages[2]
+    assert "clip_grad_norm_: norm_type=-2.0" in messages[3]
+    assert messages[4] == "inf ok True"
+    assert "clip_grad_norm_: 4 of the 4 parameters are stepped by a BackwardOptimizer" in messages[5]
+    assert "optimizer=AdamW: 2 of its 2 parameters are not parameters of the model" in messages[6]
+    assert "before fully_shard" in messages[6]
+    assert all("\n" not in m for m in messages)
+
+
+# ------------------------------------------------------------------ Ctrl-C in any command
+def test_ctrl_c_in_a_command_is_one_line_and_130(monkeypatch, capsys):
+    import types
+
+    from shardwise.app import cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "fake_command", types.SimpleNamespace(main=interrupted))
+    monkeypatch.setitem(cli.COMMANDS, "fake", ("fake_command", "raises KeyboardInterrupt"))
+    assert cli.main(["fake"]) == 130
+    assert _one_error_line(capsys) == "shardwise fake: interrupted (Ctrl-C)"

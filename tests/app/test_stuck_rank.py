@@ -1,0 +1,131 @@
+"""A stalled rank ends the run within --timeout (plus a margin), Ctrl-C ends it with one line and 130.
+
+Each test runs ``shardwise train`` in its own session with a hard time limit and kills the whole
+session afterwards, so a regression fails the test instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+
+HARD_LIMIT_S = 120
+ARGS = ["--preset", "tiny", "--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1",
+        "--ffn-hidden", "64", "--seq-len", "32", "--micro-batch-size", "2", "--steps", "100000", "--nproc", "2"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(Path(json.__file__).read_bytes() * 4)
+    return str(path)
+
+
+def _start(out: Path, data: str, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "shardwise", "train", *ARGS, "--data", data, "--out-dir", str(out), *extra]
+    return subprocess.Popen(cmd, cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _wait_for_steps(proc: subprocess.Popen, out: Path, steps: int, deadline: float) -> None:
+    metrics = out / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no {steps} steps in time")
+
+
+def _workers(launcher_pid: int) -> list[int]:
+    """The launcher's worker processes (rank order = start order), not multiprocessing's helpers."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == launcher_pid and b"spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return sorted(found, key=lambda pid: float((Path("/proc") / str(pid) / "stat").read_text()
+                                              .rsplit(")", 1)[1].split()[19]))  # start time
+
+
+def _finish(proc: subprocess.Popen) -> None:
+    """Never leave anything behind: continue and kill the whole session."""
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
+
+def _stderr_lines(err: str) -> list[str]:
+    """Messages, without the progress bar (a message may follow the bar on its line)."""
+    lines = []
+    for line in err.replace("\r", "\n").splitlines():
+        if "shardwise train:" in line:
+            lines.append(line[line.index("shardwise train:"):])
+        elif line and not line.startswith("tiny x"):
+            lines.append(line)
+    return lines
+
+
+def test_a_stopped_rank_ends_the_run_within_its_timeout(tmp_path, data):
+    timeout_s, margin_s = 5, 20
+    out = tmp_path / "run"
+    proc = _start(out, data, "--timeout", str(timeout_s))
+    try:
+        deadline = time.monotonic() + HARD_LIMIT_S
+        _wait_for_steps(proc, out, 2, deadline)
+        workers = _workers(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGSTOP)  # rank 1 hangs (as a deadlock or a dead GPU would look)
+        stopped = time.monotonic()
+        _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        elapsed = time.monotonic() - stopped
+    finally:
+        _finish(proc)
+    assert proc.returncode == 1, err
+    assert elapsed < timeout_s + margin_s, f"took {elapsed:.1f}s"
+    lines = _stderr_lines(err)
+    survivor = [line for line in lines if line.startswith("shardwise train: rank 0: error:")]
+    assert len(survivor) == 1, lines
+    assert f"a collective timed out after {timeout_s} s: rank 1 stalled" in survivor[0]
+    assert survivor[0].startswith("shardwise train: rank 0: error: step ")  # which step and collective
+    assert (f"shardwise train: rank 1 (pid {workers[1]}, stopped) was still running 3 s after rank 0 failed "
+            f"(exit status 1); stopping it") in lines
+    assert "Traceback" not in err
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, data):
+    out = tmp_path / "run"
+    proc = _start(out, data)
+    try:
+        deadline = time.monotonic() + HARD_LIMIT_S
+        _wait_for_steps(proc, out, 2, deadline)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
+        _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        _finish(proc)
+    assert proc.returncode == 130, err
+    lines = _stderr_lines(err)
+    assert lines[-1] == "shardwise train: interrupted (Ctrl-C); stopping 2 worker(s)", lines
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert not [line for line in lines if "error" in line], lines

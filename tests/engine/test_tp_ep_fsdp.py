@@ -1,0 +1,206 @@
+"""Issue 5: FSDP composed with tensor parallel and expert parallel (4 gloo processes).
+
+Every rank trains the single-process TP=1/EP=1 reference on the whole global
+batch itself and compares losses and the gathered global parameters.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+import shardwise
+from shardwise.models import GPT, GPTConfig, MoE, MoETransformerLayer, TransformerLayer
+
+from tests.helpers.distributed import device, run_distributed
+
+STEPS, GLOBAL_BATCH, SEQ = 4, 8, 16
+
+
+def _config(**overrides) -> GPTConfig:
+    base = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=SEQ)
+    base.update(overrides)
+    return GPTConfig(**base)
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(500 + step)
+    tokens = torch.randint(0, 64, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _train(model, opt, data_rank: int, data_ranks: int, dev):
+    losses = []
+    per = GLOBAL_BATCH // data_ranks
+    for step in range(STEPS):
+        x, y = (t.to(dev) for t in _batch(step))
+        part = slice(data_rank * per, (data_rank + 1) * per)
+        loss = model(x[part], y[part])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())  # every TP/EP peer adds the same or its share
+    return losses
+
+
+def _reference(config: GPTConfig, dev):
+    torch.manual_seed(0)
+    ref = GPT(config).to(dev)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(STEPS):
+        x, y = (t.to(dev) for t in _batch(step))
+        loss = ref(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().cpu() for k, v in ref.state_dict().items() if "rope" not in k}
+
+
+def _compare(losses, ref_losses, full, ref_state):
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert set(ref_state) <= set(full), sorted(set(ref_state) - set(full))
+    for name, expected in ref_state.items():
+        got = full[name]
+        assert got.shape == expected.shape, (name, got.shape, expected.shape)
+        rel = ((got - expected).norm() / expected.norm()).item()
+        assert rel <= 1e-5, f"{name}: relative error {rel:.3g}"
+
+
+def _tp_dp(strategy, outer):
+    dev = device()
+    mesh = shardwise.build_dp_mesh(outer=2 if outer else None, tp=2)
+    config = _config(tp_group=mesh.get_group("tp"))
+    torch.manual_seed(0)
+    model = shardwise.fully_shard(
+        GPT(config), mesh, strategy=strategy, outer_dp_sharding_strategy=outer, unit_modules=[TransformerLayer]
+    )
+    # the DTensors describe the global tensors: TP placements on the tp axis
+    weight = model.layers[0].attention.wq.weight
+    assert isinstance(weight, DTensor) and weight.placements[weight.device_mesh.mesh_dim_names.index("tp")] == Shard(0)
+    assert weight.shape == (config.n_heads * config.head_dim, config.dim)
+    state_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if "rope" not in k}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    dp_rank = mesh.get_local_rank("dp_shard") + (mesh.get_local_rank("dp_outer") if outer else 0) * mesh.size(
+        mesh.mesh_dim_names.index("dp_shard")
+    )
+    dp_size = dist.get_world_size() // 2
+    losses = _train(model, opt, dp_rank, dp_size, dev)
+    full = shardwise.full_state_dict(model)
+    ref_losses, ref_state = _reference(_config(), dev)
+    _compare(losses, ref_losses, full, ref_state)
+    assert state_shapes == {k: tuple(v.shape) for k, v in ref_state.items()}
+
+
+@pytest.mark.parametrize("strategy,outer", [("optim_grads_params", None), ("optim", None), ("optim_grads_params", "no_shard")])
+def test_tp2_dp2_matches_tp1_single_process(strategy, outer):
+    run_distributed(_tp_dp, 4, strategy, outer)
+
+
+def _ep_dp(strategy):
+    dev = device()
+    mesh = shardwise.build_dp_mesh()
+    expert_mesh = shardwise.build_expert_mesh(ep=2)
+    # aux loss off: it is not linear in the batch, so per-rank aux != global-batch aux
+    config = _config(layer_pattern="AE", moe_num_experts=4, moe_top_k=2, moe_aux_loss_coef=0.0,
+                     ep_group=expert_mesh.get_group("ep"))
+    torch.manual_seed(0)
+    model = shardwise.fully_shard(
+        GPT(config), mesh, strategy=strategy, unit_modules=[TransformerLayer, MoETransformerLayer],
+        expert_mesh=expert_mesh,
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = _train(model, opt, dist.get_rank(), dist.get_world_size(), dev)
+    full = shardwise.full_state_dict(model)
+    ref_losses, ref_state = _reference(_config(layer_pattern="AE", moe_num_experts=4, moe_top_k=2,
+                                               moe_aux_loss_coef=0.0), dev)
+    _compare(losses, ref_losses, full, ref_state)
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
+def test_ep2_dp2_matches_ep1_single_process(strategy):
+    run_distributed(_ep_dp, 4, strategy)
+
+
+def _experts_renamed(model: GPT) -> GPT:
+    """Move every MoE layer's experts from ``.experts`` to ``.bank`` (the forward still finds them)
+    and drop their ``allreduce=False`` mark: neither a name nor a mark says they are experts."""
+    for layer in model.layers:
+        moe = layer.mlp
+        if isinstance(moe, MoE):
+            bank = moe._modules.pop("experts")
+            moe._modules["bank"] = bank
+            moe.__dict__["experts"] = bank  # MoE.forward reads self.experts
+            for p in bank.parameters():
+                del p.allreduce
+    return model
+
+
+def _ep_dp_plan_fn():
+    dev = device()
+    expert_mesh = shardwise.build_expert_mesh(ep=2)
+    moe = dict(layer_pattern="AE", moe_num_experts=4, moe_top_k=2, moe_aux_loss_coef=0.0)
+    units = [TransformerLayer, MoETransformerLayer]
+
+    def build():
+        torch.manual_seed(0)
+        model = _experts_renamed(GPT(_config(**moe, ep_group=expert_mesh.get_group("ep"))))
+        assert not any(".experts." in n or getattr(p, "allreduce", True) is False for n, p in model.named_parameters())
+        return model
+
+    def plan_fn(fqn, param):
+        return "expert" if ".bank." in fqn else "dense"
+
+    def refusal(**kwargs):
+        try:
+            shardwise.fully_shard(build(), unit_modules=units, expert_mesh=expert_mesh, **kwargs)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    # the default plan_fn reads the allreduce mark, not the name: the unmarked bank is no expert, and an
+    # expert mesh nothing goes on is refused
+    assert "plan_fn puts no parameter on it" in (refusal() or ""), refusal()
+    assert "plan_fn returned 'experts'" in (refusal(plan_fn=lambda fqn, p: "experts") or "")
+
+    model = shardwise.fully_shard(build(), strategy="optim_grads_params", unit_modules=units, expert_mesh=expert_mesh,
+                                  plan_fn=plan_fn)
+    w1 = model.layers[1].mlp.bank.w1
+    assert "ep" in w1.device_mesh.mesh_dim_names and w1.shape[0] == 4  # all 4 experts, split over EP
+    assert "ep" not in model.layers[1].mlp.router.device_mesh.mesh_dim_names
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = _train(model, opt, dist.get_rank(), dist.get_world_size(), dev)
+    full = {k.replace(".bank.", ".experts."): v for k, v in shardwise.full_state_dict(model).items()}
+    ref_losses, ref_state = _reference(_config(**moe), dev)
+    _compare(losses, ref_losses, full, ref_state)
+
+
+def test_plan_fn_puts_parameters_not_named_experts_on_the_expert_mesh():
+    run_distributed(_ep_dp_plan_fn, 4)
+
+
+def _mismatched_groups():
+    from shardwise.mesh import check_mesh_ranks_and_group_ranks_are_consistent
+
+    errors = []
+    try:
+        check_mesh_ranks_and_group_ranks_are_consistent([0, 1], [0, 2])
+    except ValueError as exc:
+        errors.append(str(exc))
+    mesh = shardwise.build_dp_mesh(tp=2)
+    try:  # an axis that is neither data- nor model-parallel
+        shardwise.fully_shard(GPT(_config(tp_group=mesh.get_group("tp"))), mesh, unit_modules=[TransformerLayer], tp_axis="mp")
+    except ValueError as exc:
+        errors.append(str(exc))
+    return errors
+
+
+def test_inconsistent_meshes_are_rejected():
+    errors = run_distributed(_mismatched_groups, 4)[0]
+    assert "[0, 1]" in errors[0] and "[0, 2]" in errors[0]
+    assert "['tp']" in errors[1] and "tp_axis" in errors[1]

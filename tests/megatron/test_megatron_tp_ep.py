@@ -1,0 +1,329 @@
+"""The Megatron adapter composed with tensor and expert parallelism (4 gloo processes).
+
+Process groups come from ``build_process_groups`` (Megatron's rank order) and
+the model is built with the same collection's ``tp`` / ``ep`` groups. Every
+rank also trains the single-process TP=1 / EP=1 model on the whole global
+batch and compares losses (fp32, rtol 1e-5) and the gathered global
+parameters (tensor-wise relative error <= 1e-5).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+
+import shardwise
+from shardwise.megatron import (
+    DistributedDataParallelConfig,
+    FullyShardedDataParallel,
+    FullyShardedDataParallelV1,
+    FullyShardedDataParallelV2,
+    TransformerConfig,
+    build_process_groups,
+)
+from shardwise.models import GPT, GPTConfig
+
+from tests.helpers.distributed import device, run_distributed
+
+STEPS, GLOBAL_BATCH, SEQ, VOCAB = 4, 8, 12, 64
+MOE = dict(layer_pattern="AE", moe_num_experts=4, moe_top_k=2, moe_aux_loss_coef=0.0)
+
+
+def gpt_config(**overrides) -> GPTConfig:
+    fields = dict(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=16)
+    fields.update(overrides)
+    return GPTConfig(**fields)
+
+
+def batch(step: int) -> torch.Tensor:
+    """Learnable sequences: arithmetic progressions mod VOCAB (``SEQ + 1`` tokens each)."""
+    g = torch.Generator().manual_seed(700 + step)
+    start = torch.randint(0, VOCAB, (GLOBAL_BATCH, 1), generator=g)
+    stride = torch.randint(1, 4, (GLOBAL_BATCH, 1), generator=g)
+    return (start + stride * torch.arange(SEQ + 1)) % VOCAB
+
+
+def ddp_config(version, strategy="optim_grads_params", outer="no_shard", instances=1, **kw):
+    return DistributedDataParallelConfig(
+        use_megatron_fsdp=True, megatron_fsdp_version=version, data_parallel_sharding_strategy=strategy,
+        outer_dp_sharding_strategy=outer, num_distributed_optimizer_instances=instances, **kw,
+    )
+
+
+def reference(config: GPTConfig, dev):
+    """The TP=1 / EP=1 model trained on the whole global batch in this process."""
+    torch.manual_seed(0)
+    model = GPT(config).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+    losses = []
+    for step in range(STEPS):
+        data = batch(step).to(dev)
+        loss = model(data[:, :-1], data[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def train(wrapped, dp_group, dev, micro_batches=2):
+    """Megatron's loop: zero_grad_buffer, no_sync on all micro-batches but the last, finish_grad_sync."""
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+    dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+    per_rank = GLOBAL_BATCH // dp_size
+    per_micro = per_rank // micro_batches
+    losses = []
+    for step in range(STEPS):
+        data = batch(step).to(dev)
+        wrapped.zero_grad_buffer()
+        opt.zero_grad()
+        total = torch.zeros((), device=dev)
+        for i in range(micro_batches):
+            start = dp_rank * per_rank + i * per_micro
+            rows = data[start : start + per_micro]
+            sync = contextlib.nullcontext() if i == micro_batches - 1 else wrapped.no_sync()
+            with sync:
+                loss = wrapped(rows[:, :-1], rows[:, 1:]) / micro_batches
+                loss.backward()
+            total += loss.detach()
+        wrapped.finish_grad_sync()
+        opt.step()
+        wrapped.start_param_sync()
+        dist.all_reduce(total, group=dp_group)
+        losses.append(total.item() / dp_size)
+    return losses
+
+
+def compare(wrapped, losses, ref_losses, ref_state):
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert losses[-1] < losses[0], losses  # it trained
+    full = shardwise.full_state_dict(wrapped.module)
+    for name, expected in ref_state.items():
+        got = full[name]
+        assert got.shape == expected.shape, (name, got.shape, expected.shape)
+        rel = ((got - expected).norm() / expected.norm()).item()
+        assert rel <= 1e-5, f"{name}: relative error {rel:.3g}"
+
+
+# ------------------------------------------------------------ tensor parallel
+def _tp_dp(version, strategy, instances, outer, pattern):
+    dev = device()
+    pg = build_process_groups(tensor_model_parallel_size=2, num_distributed_optimizer_instances=instances)
+    overrides = MOE if pattern == "AE" else {}
+    torch.manual_seed(0)
+    model = GPT(gpt_config(tp_group=pg.tp, **overrides))
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=2)
+    wrapped = FullyShardedDataParallel(
+        config, ddp_config(version, strategy, outer, instances), model, device=dev, pg_collection=pg
+    )
+    assert isinstance(wrapped, FullyShardedDataParallelV1 if version == 1 else FullyShardedDataParallelV2)
+    plan = wrapped.sharded_state.plan
+    assert plan.mesh.mesh_dim_names == (("dp_outer", "dp_shard", "tp") if instances > 1 else ("dp_shard", "tp"))
+    assert plan.mesh.get_group("tp") is pg.tp and plan.dp_size == 2
+    # TP slices are DTensors of the global tensors: Shard(partition_dim) on the tp axis
+    wq, wo = model.layers[0].attention.wq.weight, model.layers[0].attention.wo.weight
+    def on_tp(t):
+        return t.placements[t.device_mesh.mesh_dim_names.index("tp")]
+
+    assert isinstance(wq, DTensor) and on_tp(wq) == Shard(0) and on_tp(wo) == Shard(1)
+    assert wq.shape == (32, 32) and wo.shape == (32, 32)
+    ref_losses, ref_state = reference(gpt_config(**overrides), dev)
+    shapes = {k: tuple(v.shape) for k, v in wrapped.state_dict().items()}
+    assert shapes == {k: tuple(v.shape) for k, v in ref_state.items()}
+    losses = train(wrapped, pg.dp_cp, dev)
+    compare(wrapped, losses, ref_losses, ref_state)
+
+
+@pytest.mark.parametrize(
+    "version,strategy,instances,outer,pattern",
+    [
+        (1, "optim_grads_params", 1, "no_shard", "A"),  # ZeRO-3, V1
+        (2, "optim_grads_params", 1, "no_shard", "A"),  # ZeRO-3, V2
+        (1, "optim", 1, "no_shard", "A"),  # ZeRO-1: start_param_sync gathers the updated shards
+        (1, "optim_grads_params", 2, "no_shard", "A"),  # HSDP x TP
+        (1, "optim_grads_params", 1, "no_shard", "AE"),  # TP with MoE layers (EP = 1)
+    ],
+)
+def test_tp2_dp2_matches_tp1_single_process(version, strategy, instances, outer, pattern):
+    run_distributed(_tp_dp, 4, version, strategy, instances, outer, pattern)
+
+
+def _tp_state_dict(version):
+    dev = device()
+    pg = build_process_groups(tensor_model_parallel_size=2)
+    torch.manual_seed(0)
+    model = GPT(gpt_config(tp_group=pg.tp))
+    config = TransformerConfig(tensor_model_parallel_size=2)
+    wrapped = FullyShardedDataParallel(config, ddp_config(version), model, device=dev, pg_collection=pg)
+    torch.manual_seed(0)
+    single = GPT(gpt_config())
+    # the state dict describes the global tensors: the TP=1 model's keys and shapes
+    state = wrapped.state_dict()
+    assert {k: tuple(v.shape) for k, v in state.items()} == {k: tuple(v.shape) for k, v in single.state_dict().items()}
+    saved = {k: v.clone() for k, v in state.items()}
+    original = shardwise.full_state_dict(wrapped.module)
+    for name, value in single.state_dict().items():
+        assert torch.equal(original[name], value), name  # TP init equals the TP=1 init
+    # full tensors of another TP=1 model: each rank cuts its TP slice, then its DP rows
+    torch.manual_seed(5)
+    other = GPT(gpt_config())
+    wrapped.load_state_dict(other.state_dict())
+    loaded = shardwise.full_state_dict(wrapped.module)
+    assert all(torch.equal(loaded[k], v) for k, v in other.state_dict().items())
+    data = batch(0).to(dev)
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(data[:, :-1], data[:, 1:]), other.to(dev)(data[:, :-1], data[:, 1:]))
+    # and back from the sharded tensors state_dict() returned
+    wrapped.load_state_dict(saved)
+    restored = shardwise.full_state_dict(wrapped.module)
+    assert all(torch.equal(restored[k], original[k]) for k in original)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_tp_state_dict_is_global_and_loads_full_tensors(version):
+    run_distributed(_tp_state_dict, 4, version)
+
+
+# ------------------------------------------------------------ expert parallel
+def _ep_dp(version, strategy, instances=1, expert_strategy=None):
+    dev = device()
+    pg = build_process_groups(expert_model_parallel_size=2, num_distributed_optimizer_instances=instances)
+    torch.manual_seed(0)
+    model = GPT(gpt_config(ep_group=pg.ep, **MOE))
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, expert_model_parallel_size=2,
+                               num_moe_experts=4)
+    ddp = ddp_config(version, strategy, "no_shard", instances, expert_data_parallel_sharding_strategy=expert_strategy)
+    wrapped = FullyShardedDataParallel(config, ddp, model, device=dev, pg_collection=pg)
+    expert_mesh = wrapped.megatron_fsdp_dist_index.expert_mesh if version == 1 else wrapped.moe_mesh
+    assert expert_mesh.mesh_dim_names == ("expert_dp", "ep")
+    assert expert_mesh.get_group("ep") is pg.ep and expert_mesh.get_group("expert_dp") is pg.expt_dp
+    w1 = model.layers[1].mlp.experts.w1
+    assert isinstance(w1, DTensor) and w1.shape[0] == 4  # all 4 experts
+    # the same groups, listed in DTensor's Shard order: experts first, then their data-parallel rows
+    assert w1.device_mesh.mesh_dim_names == ("ep", "expert_dp") and w1.device_mesh.get_group("ep") is pg.ep
+    ref_losses, ref_state = reference(gpt_config(**MOE), dev)
+    losses = train(wrapped, pg.dp_cp, dev)
+    compare(wrapped, losses, ref_losses, ref_state)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
+def test_ep2_dp2_matches_ep1_single_process(version, strategy):
+    run_distributed(_ep_dp, 4, version, strategy)
+
+
+def test_ep_with_its_own_expert_strategy_and_hsdp():
+    # dense: HSDP (dp_outer 2 x dp_shard 2); experts: ZeRO-1 over expt_dp (2 ranks)
+    run_distributed(_ep_dp, 4, 1, "optim_grads_params", 2, "optim")
+
+
+def _ep_per_token_loss():
+    """calculate_per_token_loss: gradients are summed over (expert) data-parallel ranks, then scaled."""
+    dev = device()
+    pg = build_process_groups(expert_model_parallel_size=2)
+    torch.manual_seed(0)
+    model = GPT(gpt_config(ep_group=pg.ep, **MOE))
+    torch.manual_seed(0)
+    single = GPT(gpt_config(**MOE)).to(dev)
+    config = TransformerConfig(expert_model_parallel_size=2, calculate_per_token_loss=True)
+    wrapped = FullyShardedDataParallel(config, ddp_config(1, "optim_grads"), model, device=dev, pg_collection=pg)
+    rank = dist.get_rank()
+    data = batch(0).to(dev)
+    mine = data[2 * rank : 2 * rank + 2 - rank % 2]  # uneven token counts: 2, 1, 2, 1 rows
+    loss = nn.functional.cross_entropy(wrapped(mine[:, :-1]).flatten(0, 1), mine[:, 1:].flatten(), reduction="sum")
+    loss.backward()
+    tokens = torch.tensor(float(mine[:, 1:].numel()), device=dev)
+    dist.all_reduce(tokens)
+    wrapped.finish_grad_sync()
+    wrapped.scale_gradients(1.0 / tokens.item())
+    torch.optim.SGD(wrapped.parameters(), lr=1.0).step()
+    rows = torch.cat([data[2 * r : 2 * r + 2 - r % 2] for r in range(4)])
+    ref = nn.functional.cross_entropy(single(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten())
+    ref.backward()
+    with torch.no_grad():
+        for p in single.parameters():
+            p -= p.grad
+    full = shardwise.full_state_dict(wrapped.module)
+    for name, expected in single.state_dict().items():
+        rel = ((full[name] - expected.cpu()).norm() / expected.norm()).item()
+        assert rel <= 1e-5, f"{name}: relative error {rel:.3g}"
+
+
+def test_ep_per_token_loss_sums_dense_and_expert_grads():
+    run_distributed(_ep_per_token_loss, 4)
+
+
+def _ep_broadcast_params():
+    pg = build_process_groups(expert_model_parallel_size=2)
+    torch.manual_seed(0)
+    model = GPT(gpt_config(ep_group=pg.ep, **MOE))
+    wrapped = FullyShardedDataParallel(
+        TransformerConfig(expert_model_parallel_size=2), ddp_config(1, "no_shard"), model,
+        device=device(), pg_collection=pg,
+    )
+    before = shardwise.full_state_dict(wrapped.module)
+    if dist.get_rank() >= 2:  # the second replica (dense and expert-DP index 1) drifts
+        with torch.no_grad():
+            for p in wrapped.parameters():
+                p.to_local().add_(1.0)
+    wrapped.broadcast_params()  # each EP rank keeps its own experts
+    after = shardwise.full_state_dict(wrapped.module)
+    for name, value in before.items():
+        assert torch.equal(after[name], value), name
+
+
+def test_v1_broadcast_params_with_experts():
+    run_distributed(_ep_broadcast_params, 4)
+
+
+# ------------------------------------------------------------ rejections
+def _inconsistent_groups(version):
+    dev = device()
+    tp2 = build_process_groups(tensor_model_parallel_size=2)  # tp [0,1],[2,3]; dp_cp [0,2],[1,3]
+    ep2 = build_process_groups(expert_model_parallel_size=2)  # ep [0,1],[2,3]; expt_dp [0,2],[1,3]
+    config = TransformerConfig(tensor_model_parallel_size=2)
+    errors = {}
+
+    def attempt(key, cfg, model, pg, exc=ValueError):
+        with pytest.raises(exc) as info:
+            FullyShardedDataParallel(cfg, ddp_config(version), model, device=dev, pg_collection=pg)
+        errors[key] = str(info.value)
+
+    # the model was built without TP: its layers hold whole tensors
+    attempt("no_tp_group", config, GPT(gpt_config()), tp2)
+    # the model's TP group is not the mesh's (the data-parallel group instead)
+    attempt("wrong_tp_group", config, GPT(gpt_config(tp_group=tp2.dp_cp)), tp2)
+    # the collection's tp and dp_cp groups are swapped: the mesh would give shards to the wrong ranks
+    swapped = type(tp2)(dp=tp2.tp, dp_cp=tp2.tp, tp=tp2.dp_cp, intra_dp_cp=tp2.tp, ep=tp2.ep, expt_dp=tp2.expt_dp)
+    attempt("swapped_tp_dp", config, GPT(gpt_config(tp_group=tp2.dp_cp)), swapped)
+    # the config asks for TP, the collection has none
+    attempt("config_vs_groups", config, GPT(gpt_config()), build_process_groups())
+    # experts: the model's EP group is not the collection's
+    ep_config = TransformerConfig(expert_model_parallel_size=2)
+    attempt("wrong_ep_group", ep_config, GPT(gpt_config(ep_group=ep2.expt_dp, **MOE)), ep2)
+    # the collection's ep and expt_dp groups are swapped
+    swapped_ep = type(ep2)(dp=ep2.dp, dp_cp=ep2.dp_cp, tp=ep2.tp, ep=ep2.expt_dp, expt_dp=ep2.ep, expt_tp=ep2.expt_tp)
+    attempt("swapped_ep", ep_config, GPT(gpt_config(ep_group=ep2.expt_dp, **MOE)), swapped_ep)
+    # EP on a model without experts
+    attempt("no_experts", ep_config, GPT(gpt_config()), ep2)
+    return errors
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_inconsistent_groups_and_meshes_are_rejected(version):
+    errors = run_distributed(_inconsistent_groups, 4, version)
+    rank0, rank3 = errors[0], errors[3]
+    assert "tensor-parallel" in rank0["no_tp_group"] and "[0]" in rank0["no_tp_group"]
+    assert "[0, 1]" in rank0["no_tp_group"] and "'embed'" in rank0["no_tp_group"]
+    assert "[0, 2]" in rank0["wrong_tp_group"] and "[0, 1]" in rank0["wrong_tp_group"]
+    assert "do not match" in rank0["swapped_tp_dp"] and "data-parallel group" in rank0["swapped_tp_dp"]
+    assert "tensor_model_parallel_size=2" in rank0["config_vs_groups"] and "pg_collection.tp" in rank0["config_vs_groups"]
+    assert "expert-parallel" in rank3["wrong_ep_group"] and "[1, 3]" in rank3["wrong_ep_group"]
+    assert "[2, 3]" in rank3["wrong_ep_group"]
+    assert "do not match" in rank0["swapped_ep"] and "expert data-parallel group" in rank0["swapped_ep"]
+    assert "no MoE layers" in rank0["no_experts"]
