@@ -1,7 +1,8 @@
 """Issue 5: FSDP composed with tensor parallel and expert parallel (4 gloo processes).
 
 Every rank trains the single-process TP=1/EP=1 reference on the whole global
-batch itself and compares losses and the gathered global parameters.
+batch itself and compares losses and the gathered global state
+(``tests.helpers.parity``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from torch.distributed.tensor import DTensor, Shard
 import shardwise
 from shardwise.models import GPT, GPTConfig, MoE, MoETransformerLayer, TransformerLayer
 
-from tests.helpers.distributed import device, run_distributed
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import compare, train_both
 
 STEPS, GLOBAL_BATCH, SEQ = 4, 8, 16
 
@@ -31,70 +33,50 @@ def _batch(step: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _train(model, opt, data_rank: int, data_ranks: int, dev):
-    losses = []
-    per = GLOBAL_BATCH // data_ranks
-    for step in range(STEPS):
-        x, y = (t.to(dev) for t in _batch(step))
-        part = slice(data_rank * per, (data_rank + 1) * per)
-        loss = model(x[part], y[part])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / dist.get_world_size())  # every TP/EP peer adds the same or its share
-    return losses
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _reference(config: GPTConfig, dev):
-    torch.manual_seed(0)
-    ref = GPT(config).to(dev)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    losses = []
-    for step in range(STEPS):
-        x, y = (t.to(dev) for t in _batch(step))
-        loss = ref(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().cpu() for k, v in ref.state_dict().items() if "rope" not in k}
+def _gpt(config: GPTConfig):
+    """Builds the GPT of ``config`` seeded (a TP/EP-built model and its TP=1/EP=1 reference agree)."""
+
+    def build():
+        torch.manual_seed(0)
+        return GPT(config)
+
+    return build
 
 
-def _compare(losses, ref_losses, full, ref_state):
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    assert set(ref_state) <= set(full), sorted(set(ref_state) - set(full))
-    for name, expected in ref_state.items():
-        got = full[name]
-        assert got.shape == expected.shape, (name, got.shape, expected.shape)
-        rel = ((got - expected).norm() / expected.norm()).item()
-        assert rel <= 1e-5, f"{name}: relative error {rel:.3g}"
+def _train_and_compare(config, wrap, reference_config, **options):
+    """``wrap(GPT(config))`` against ``GPT(reference_config)`` on one process: losses and full state."""
+    sharded, reference = train_both(_gpt(config), wrap, _adamw, _batch, STEPS, reference=_gpt(reference_config),
+                                    **options)
+    compare(sharded, reference)
+    return sharded, reference
 
 
 def _tp_dp(strategy, outer):
-    dev = device()
     mesh = shardwise.build_dp_mesh(outer=2 if outer else None, tp=2)
     config = _config(tp_group=mesh.get_group("tp"))
-    torch.manual_seed(0)
-    model = shardwise.fully_shard(
-        GPT(config), mesh, strategy=strategy, outer_dp_sharding_strategy=outer, unit_modules=[TransformerLayer]
-    )
-    # the DTensors describe the global tensors: TP placements on the tp axis
-    weight = model.layers[0].attention.wq.weight
-    assert isinstance(weight, DTensor) and weight.placements[weight.device_mesh.mesh_dim_names.index("tp")] == Shard(0)
-    assert weight.shape == (config.n_heads * config.head_dim, config.dim)
-    state_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if "rope" not in k}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    state_shapes = {}
+
+    def wrap(gpt):
+        model = shardwise.fully_shard(
+            gpt, mesh, strategy=strategy, outer_dp_sharding_strategy=outer, unit_modules=[TransformerLayer]
+        )
+        # the DTensors describe the global tensors: TP placements on the tp axis
+        weight = model.layers[0].attention.wq.weight
+        assert isinstance(weight, DTensor) and weight.placements[weight.device_mesh.mesh_dim_names.index("tp")] == Shard(0)
+        assert weight.shape == (config.n_heads * config.head_dim, config.dim)
+        state_shapes.update({k: tuple(v.shape) for k, v in model.state_dict().items()})
+        return model
+
     dp_rank = mesh.get_local_rank("dp_shard") + (mesh.get_local_rank("dp_outer") if outer else 0) * mesh.size(
         mesh.mesh_dim_names.index("dp_shard")
     )
     dp_size = dist.get_world_size() // 2
-    losses = _train(model, opt, dp_rank, dp_size, dev)
-    full = shardwise.full_state_dict(model)
-    ref_losses, ref_state = _reference(_config(), dev)
-    _compare(losses, ref_losses, full, ref_state)
-    assert state_shapes == {k: tuple(v.shape) for k, v in ref_state.items()}
+    _, reference = _train_and_compare(config, wrap, _config(), data_rank=dp_rank, data_ranks=dp_size)
+    assert state_shapes == {k: tuple(v.shape) for k, v in reference.state.items()}
 
 
 @pytest.mark.parametrize("strategy,outer", [("optim_grads_params", None), ("optim", None), ("optim_grads_params", "no_shard")])
@@ -103,23 +85,16 @@ def test_tp2_dp2_matches_tp1_single_process(strategy, outer):
 
 
 def _ep_dp(strategy):
-    dev = device()
     mesh = shardwise.build_dp_mesh()
     expert_mesh = shardwise.build_expert_mesh(ep=2)
     # aux loss off: it is not linear in the batch, so per-rank aux != global-batch aux
-    config = _config(layer_pattern="AE", moe_num_experts=4, moe_top_k=2, moe_aux_loss_coef=0.0,
-                     ep_group=expert_mesh.get_group("ep"))
-    torch.manual_seed(0)
-    model = shardwise.fully_shard(
-        GPT(config), mesh, strategy=strategy, unit_modules=[TransformerLayer, MoETransformerLayer],
-        expert_mesh=expert_mesh,
-    )
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    losses = _train(model, opt, dist.get_rank(), dist.get_world_size(), dev)
-    full = shardwise.full_state_dict(model)
-    ref_losses, ref_state = _reference(_config(layer_pattern="AE", moe_num_experts=4, moe_top_k=2,
-                                               moe_aux_loss_coef=0.0), dev)
-    _compare(losses, ref_losses, full, ref_state)
+    moe = dict(layer_pattern="AE", moe_num_experts=4, moe_top_k=2, moe_aux_loss_coef=0.0)
+
+    def wrap(gpt):
+        return shardwise.fully_shard(gpt, mesh, strategy=strategy, unit_modules=[TransformerLayer, MoETransformerLayer],
+                                     expert_mesh=expert_mesh)
+
+    _train_and_compare(_config(**moe, ep_group=expert_mesh.get_group("ep")), wrap, _config(**moe))
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
@@ -142,7 +117,6 @@ def _experts_renamed(model: GPT) -> GPT:
 
 
 def _ep_dp_plan_fn():
-    dev = device()
     expert_mesh = shardwise.build_expert_mesh(ep=2)
     moe = dict(layer_pattern="AE", moe_num_experts=4, moe_top_k=2, moe_aux_loss_coef=0.0)
     units = [TransformerLayer, MoETransformerLayer]
@@ -168,16 +142,20 @@ def _ep_dp_plan_fn():
     assert "plan_fn puts no parameter on it" in (refusal() or ""), refusal()
     assert "plan_fn returned 'experts'" in (refusal(plan_fn=lambda fqn, p: "experts") or "")
 
-    model = shardwise.fully_shard(build(), strategy="optim_grads_params", unit_modules=units, expert_mesh=expert_mesh,
-                                  plan_fn=plan_fn)
-    w1 = model.layers[1].mlp.bank.w1
-    assert "ep" in w1.device_mesh.mesh_dim_names and w1.shape[0] == 4  # all 4 experts, split over EP
-    assert "ep" not in model.layers[1].mlp.router.device_mesh.mesh_dim_names
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    losses = _train(model, opt, dist.get_rank(), dist.get_world_size(), dev)
-    full = {k.replace(".bank.", ".experts."): v for k, v in shardwise.full_state_dict(model).items()}
-    ref_losses, ref_state = _reference(_config(**moe), dev)
-    _compare(losses, ref_losses, full, ref_state)
+    def wrap(model):
+        model = shardwise.fully_shard(model, strategy="optim_grads_params", unit_modules=units, expert_mesh=expert_mesh,
+                                      plan_fn=plan_fn)
+        w1 = model.layers[1].mlp.bank.w1
+        assert "ep" in w1.device_mesh.mesh_dim_names and w1.shape[0] == 4  # all 4 experts, split over EP
+        assert "ep" not in model.layers[1].mlp.router.device_mesh.mesh_dim_names
+        return model
+
+    def full_state(model):  # under the reference's names
+        return {k.replace(".bank.", ".experts."): v for k, v in shardwise.full_state_dict(model).items()}
+
+    sharded, reference = train_both(build, wrap, _adamw, _batch, STEPS, reference=_gpt(_config(**moe)),
+                                    full_state=full_state)
+    compare(sharded, reference)
 
 
 def test_plan_fn_puts_parameters_not_named_experts_on_the_expert_mesh():

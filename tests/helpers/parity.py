@@ -1,24 +1,216 @@
-"""Train the tiny model sharded and unsharded on the same global batch; compare.
+"""The one "sharded vs single process" harness: train a model sharded and unsharded; compare.
 
-Every rank also trains the single-process reference itself, on the whole
-global batch, so a test needs no second job. The sharded model sees only this
-rank's slice of each batch (split again into micro-batches when asked).
+:func:`train_both` builds a model, keeps an unsharded copy as the reference and
+wraps the model; it trains the wrapped model on this rank's slice of every
+global batch (split again into micro-batches when asked) and the reference, in
+this same process, on the whole global batch, so a test needs no second job.
+:func:`compare` holds the two runs to one standard: the losses, and every full
+value of the state dict (tensor-wise relative error, and no element off by more
+than a fraction of its tensor's scale).
+
+The engine, Megatron adapter and TP/EP tests train through it; :class:`Run`
+and :func:`assert_parity` at the bottom are the engine's tiny-model case.
+Tests that hold two sharded runs to each other bit for bit (offload, compile,
+injected collectives), a resumed run to a straight one (checkpoints), or check
+DTensors with torch's tools between steps (``torch_tools_cases``) keep their
+own loops; the last measures with :func:`relative_error` too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 import shardwise
-
 from tests.helpers.distributed import device
 from tests.helpers.tiny_model import Block, TinyConfig, TinyLM, batch
 
 
+@dataclass
+class Trained:
+    """One run: the loss of each step (the sharded run's: the mean over its data ranks), the full
+    values of its state dict on the CPU, and the model and optimizer for further checks."""
+
+    losses: list[float]
+    state: dict[str, torch.Tensor]
+    model: torch.nn.Module
+    optimizer: object
+
+
+@dataclass
+class Hooks:
+    """What a wrapper adds around the plain training step (the sharded run only)."""
+
+    before_step: Callable | None = None  # (model) first thing in a step: Megatron's zero_grad_buffer
+    no_sync: Callable = lambda model: model.no_sync()  # (model) -> context of all micro-batches but the last
+    after_micro_batch: Callable | None = None  # (model, last) after each micro-batch's backward
+    after_backward: Callable | None = None  # (model) after the last micro-batch: finish_grad_sync
+    after_step: Callable | None = None  # (model) after optimizer.step(): start_param_sync
+
+
+def megatron_hooks(param_sync: bool = True, after_micro_batch: Callable | None = None) -> Hooks:
+    """Megatron's loop: zero_grad_buffer, no_sync on all micro-batches but the last, finish_grad_sync,
+    the optimizer step, then (``param_sync``) start_param_sync."""
+    return Hooks(
+        before_step=lambda w: w.zero_grad_buffer(),
+        after_micro_batch=after_micro_batch,
+        after_backward=lambda w: w.finish_grad_sync(),
+        after_step=(lambda w: w.start_param_sync()) if param_sync else None,
+    )
+
+
+def state_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """An unsharded module's state dict, detached, on the CPU."""
+    return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+
+
+def _call(model, *batch):
+    return model(*batch)
+
+
+def _backward(loss: Callable, divide: int = 1) -> Callable:
+    def backward(model, *batch):
+        value = loss(model, *batch) / divide
+        value.backward()
+        return value
+
+    return backward
+
+
+def _train(model, opt, batch, steps, backward, rows: slice, micro_batches=1, hooks=Hooks(), clip=None,
+           group=None) -> list[float]:
+    """``steps`` steps on ``rows`` of each global batch; each step's loss (averaged over ``group``)."""
+    dev = device()
+    per_micro = (rows.stop - rows.start) // micro_batches
+    losses = []
+    for step in range(steps):
+        data = [t.to(dev) for t in batch(step)]
+        if hooks.before_step is not None:
+            hooks.before_step(model)
+        total = torch.zeros((), device=dev)
+        for i in range(micro_batches):
+            part = slice(rows.start + i * per_micro, rows.start + (i + 1) * per_micro)
+            last = i == micro_batches - 1
+            with contextlib.nullcontext() if last else hooks.no_sync(model):
+                loss = backward(model, *(t[part] for t in data))
+            if hooks.after_micro_batch is not None:
+                hooks.after_micro_batch(model, last)
+            total += loss.detach().float()
+        if hooks.after_backward is not None:
+            hooks.after_backward(model)
+        if clip is not None:
+            clip(model.parameters())
+        opt.step()
+        if hooks.after_step is not None:
+            hooks.after_step(model)
+        opt.zero_grad()
+        if group is not None:
+            dist.all_reduce(total, group=group)
+            losses.append(total.item() / dist.get_world_size(group))
+        else:
+            losses.append(total.item())
+    return losses
+
+
+def train_both(
+    build: Callable[[], torch.nn.Module],
+    wrap: Callable[[torch.nn.Module], torch.nn.Module],
+    optimizer: Callable[[torch.nn.Module], object],
+    batch: Callable[[int], tuple[torch.Tensor, ...]],
+    steps: int,
+    *,
+    loss: Callable = _call,
+    data_rank: int | None = None,
+    data_ranks: int | None = None,
+    micro_batches: int = 1,
+    clip: float | None = None,
+    hooks: Hooks = Hooks(),
+    loss_group=None,
+    full_state: Callable = shardwise.full_state_dict,
+    reference: Callable[[], torch.nn.Module] | None = None,
+    reference_optimizer: Callable | None = None,
+    reference_backward: Callable | None = None,
+) -> tuple[Trained, Trained]:
+    """Train ``wrap(build())`` and an unsharded reference ``steps`` steps; return (sharded, reference).
+
+    - ``build()`` makes the model (seeded); the reference is ``copy.deepcopy`` of it, taken before
+      ``wrap``, or ``reference()`` when the wrapped model cannot be copied (a TP/EP-built model).
+    - ``optimizer(model)`` makes each run's optimizer (``reference_optimizer`` the reference's, when it
+      differs); ``batch(step)`` gives step's global batch, a tuple of tensors cut along dim 0;
+      ``loss(model, *rows)`` the loss of some of its rows (default ``model(*rows)``).
+    - The sharded run trains rows ``data_rank`` of ``data_ranks`` (default: this rank of the world)
+      in ``micro_batches`` parts, each loss divided by ``micro_batches``, ``hooks`` around the step,
+      ``shardwise.clip_grad_norm_`` with ``clip``; its losses are averaged over ``loss_group`` (default:
+      the world) and its state is ``full_state(model)``.
+    - The reference trains the whole global batch in one part (``reference_backward(model, *batch)``
+      computes its loss and gradients when that is not ``loss(...).backward()``), with
+      ``torch.nn.utils.clip_grad_norm_`` and no hooks.
+    """
+    dev = device()
+    model = build()
+    ref = (reference() if reference is not None else copy.deepcopy(model)).to(dev)
+    sharded = wrap(model)
+    opt = optimizer(sharded)
+    ref_opt = (reference_optimizer or optimizer)(ref)
+    data_rank = dist.get_rank() if data_rank is None else data_rank
+    data_ranks = dist.get_world_size() if data_ranks is None else data_ranks
+    size = batch(0)[0].shape[0]
+    rows = size // data_ranks
+    losses = _train(
+        sharded, opt, batch, steps, _backward(loss, micro_batches), slice(data_rank * rows, (data_rank + 1) * rows),
+        micro_batches, hooks, clip=None if clip is None else (lambda ps: shardwise.clip_grad_norm_(ps, clip)),
+        group=dist.group.WORLD if loss_group is None else loss_group,
+    )
+    ref_losses = _train(
+        ref, ref_opt, batch, steps, reference_backward or _backward(loss), slice(0, size),
+        clip=None if clip is None else (lambda ps: torch.nn.utils.clip_grad_norm_(ps, clip)),
+    )
+    return Trained(losses, full_state(sharded), sharded, opt), Trained(ref_losses, state_of(ref), ref, ref_opt)
+
+
+# ------------------------------------------------------------------ judging
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """``|got - expected| / |expected|`` (Frobenius norms, in float64; ``|got|`` when expected is 0)."""
+    got, expected = got.detach().cpu().double(), expected.detach().cpu().double()
+    scale = expected.norm().item()
+    return (got - expected).norm().item() / (scale if scale > 0 else 1.0)
+
+
+def assert_close_states(got: dict, expected: dict, *, rtol: float = 1e-5, element_rtol: float | None = 1e-4) -> None:
+    """The same keys (tied aliases included) and shapes; every tensor within ``rtol`` tensor-wise
+    relative error, and no element off by more than ``element_rtol`` of its tensor's largest value."""
+    assert set(got) == set(expected), f"keys differ: {sorted(set(got) ^ set(expected))}"
+    for name, expected_value in expected.items():
+        value = got[name]
+        assert value.shape == expected_value.shape, f"{name}: shape {tuple(value.shape)}, " \
+                                                    f"expected {tuple(expected_value.shape)}"
+        rel = relative_error(value, expected_value)
+        assert rel <= rtol, f"{name}: relative error {rel:.3g} > {rtol}"  # NaN fails too
+        if element_rtol is not None:
+            value, expected_value = value.detach().cpu().double(), expected_value.detach().cpu().double()
+            scale = expected_value.abs().max().item()
+            worst = (value - expected_value).abs().max().item()
+            assert worst <= element_rtol * scale, f"{name}: element off by {worst:.3g} (scale {scale:.3g})"
+
+
+def compare(run: Trained, reference: Trained, *, loss_rtol: float = 1e-5, rtol: float = 1e-5,
+            element_rtol: float | None = 1e-4, trained_by: float | None = None) -> None:
+    """``run`` trained as ``reference`` did: every step's loss within ``loss_rtol`` (relative, no
+    absolute slack) and the full state by :func:`assert_close_states`; with ``trained_by``, also that
+    the loss fell by more than that (so the agreement is not two untrained models agreeing)."""
+    torch.testing.assert_close(torch.tensor(run.losses, dtype=torch.float64),
+                               torch.tensor(reference.losses, dtype=torch.float64), rtol=loss_rtol, atol=0)
+    assert_close_states(run.state, reference.state, rtol=rtol, element_rtol=element_rtol)
+    if trained_by is not None:
+        assert run.losses[-1] < run.losses[0] - trained_by, run.losses
+
+
+# ------------------------------------------------------------------ the engine's tiny-model case
 @dataclass
 class Run:
     strategy: object = "optim_grads_params"
@@ -45,71 +237,8 @@ def _optimizer(kind: str, params):
     raise ValueError(kind)
 
 
-def train_both(run: Run):
-    """Return (sharded losses, reference losses, sharded full params, reference params)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dev = device()
-    config = copy.deepcopy(run.model)
-    config.checkpointing = run.checkpointing
-    torch.manual_seed(0)
-    model = TinyLM(config)
-    reference = copy.deepcopy(model).to(dev)
-    mesh = shardwise.build_dp_mesh(outer=2 if world > 1 else 1) if run.outer else None
-    policy = shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16 if run.bf16 else None)
-    sharded = shardwise.fully_shard(
-        model,
-        mesh,
-        strategy=run.strategy,
-        outer_dp_sharding_strategy=run.outer,
-        unit_modules=[Block],
-        mixed_precision=policy,
-    )
-    if run.optimizer == "adamw_in_backward":  # stepped group by group inside backward
-        opt = shardwise.BackwardOptimizer(sharded, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
-        ref_opt = _optimizer("adamw", reference.parameters())
-    else:
-        opt = _optimizer(run.optimizer, sharded.parameters())
-        ref_opt = _optimizer(run.optimizer, reference.parameters())
-    per_rank = run.global_batch // world
-    per_micro = per_rank // run.micro_batches
-    losses, ref_losses = [], []
-    for step in range(run.steps):
-        tokens, targets = (t.to(dev) for t in batch(step, run.global_batch, config))
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        total = torch.zeros((), device=dev)
-        for i in range(run.micro_batches):
-            part = slice(mine.start + i * per_micro, mine.start + (i + 1) * per_micro)
-            last = i == run.micro_batches - 1
-            ctx = sharded.no_sync() if not last else _nullcontext()
-            with ctx:
-                loss = sharded(tokens[part], targets[part]) / run.micro_batches
-                loss.backward()
-            total += loss.detach().float()
-        if run.clip is not None:
-            shardwise.clip_grad_norm_(sharded.parameters(), run.clip)
-        opt.step()
-        opt.zero_grad()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-
-        ref_loss = _reference_backward(reference, tokens, targets, run.bf16)
-        if run.clip is not None:
-            torch.nn.utils.clip_grad_norm_(reference.parameters(), run.clip)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(ref_loss.item())
-    full = shardwise.full_state_dict(sharded)
-    ref_state = {k: v.detach().cpu() for k, v in reference.state_dict().items()}
-    return losses, ref_losses, full, ref_state
-
-
-def _reference_backward(reference, tokens, targets, bf16: bool) -> torch.Tensor:
-    """Loss and grads of the single-process reference; with bf16, the textbook recipe:
-    compute with a bf16 copy of the fp32 weights, hand its grads back in fp32."""
-    if not bf16:
-        loss = reference(tokens, targets)
-        loss.backward()
-        return loss
+def _bf16_reference_backward(reference, tokens, targets) -> torch.Tensor:
+    """The textbook bf16 recipe: compute with a bf16 copy of the fp32 weights, hand its grads back in fp32."""
     shadow = copy.deepcopy(reference).to(torch.bfloat16)
     shadow.head.weight = shadow.embed.weight  # deepcopy keeps the tie; .to keeps it too, but be explicit
     loss = shadow(tokens, targets)
@@ -120,34 +249,49 @@ def _reference_backward(reference, tokens, targets, bf16: bool) -> torch.Tensor:
     return loss
 
 
-class _nullcontext:
-    def __enter__(self):
-        return self
+def train_tiny(run: Run) -> tuple[Trained, Trained]:
+    """The tiny model of ``run.model`` trained by ``fully_shard`` as ``run`` says, and its reference."""
+    world = dist.get_world_size()
+    config = copy.deepcopy(run.model)
+    config.checkpointing = run.checkpointing
 
-    def __exit__(self, *exc):
-        return False
+    def build():
+        torch.manual_seed(0)
+        return TinyLM(config)
+
+    def wrap(model):
+        mesh = shardwise.build_dp_mesh(outer=2 if world > 1 else 1) if run.outer else None
+        policy = shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16 if run.bf16 else None)
+        return shardwise.fully_shard(model, mesh, strategy=run.strategy, outer_dp_sharding_strategy=run.outer,
+                                     unit_modules=[Block], mixed_precision=policy)
+
+    if run.optimizer == "adamw_in_backward":  # stepped group by group inside backward
+        def optimizer(model):
+            return shardwise.BackwardOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+
+        reference_kind = "adamw"
+    else:
+        def optimizer(model):
+            return _optimizer(run.optimizer, model.parameters())
+
+        reference_kind = run.optimizer
+    return train_both(
+        build, wrap, optimizer, lambda step: batch(step, run.global_batch, config), run.steps,
+        micro_batches=run.micro_batches, clip=run.clip,
+        reference_optimizer=lambda model: _optimizer(reference_kind, model.parameters()),
+        reference_backward=_bf16_reference_backward if run.bf16 else None,
+    )
 
 
 def assert_parity(run: Run) -> None:
-    losses, ref_losses, full, ref_state = train_both(run)
+    sharded, reference = train_tiny(run)
     if run.bf16:
         # bf16 compute against the bf16-compute reference: they differ only in how
         # bf16 grads are summed (per rank, then averaged in fp32, vs. one big batch).
         # bf16 keeps 8 bits: 2e-2 is about five bf16 epsilons after 5 steps.
-        loss_rtol, param_rtol, element_rtol = 1e-2, 2e-2, 5e-2
+        compare(sharded, reference, loss_rtol=1e-2, rtol=2e-2, element_rtol=5e-2, trained_by=1.0)
     else:
         # fp32: tensor-wise relative error 1e-5; no element may be off by more than 1e-4 of
         # the tensor's scale (isolated near-zero elements inherit Adam's amplification of
         # summation-order noise, a localized bug such as a wrong row does not hide under it).
-        loss_rtol, param_rtol, element_rtol = 1e-5, 1e-5, 1e-4
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=loss_rtol, atol=0)
-    assert set(full) == set(ref_state), sorted(set(full) ^ set(ref_state))  # tied aliases included
-    for name, value in full.items():
-        expected = ref_state[name]
-        scale = expected.abs().max().item()
-        rel = ((value - expected).norm() / expected.norm()).item()
-        worst = (value - expected).abs().max().item()
-        assert rel <= param_rtol, f"{name}: relative error {rel:.3g} > {param_rtol}"
-        assert worst <= element_rtol * scale, f"{name}: element off by {worst:.3g} (scale {scale:.3g})"
-    # the loss really moved, so equality above is not two untrained models agreeing
-    assert losses[-1] < losses[0] - 1.0
+        compare(sharded, reference, trained_by=1.0)

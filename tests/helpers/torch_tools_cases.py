@@ -35,6 +35,7 @@ import shardwise
 from shardwise.models import GPT, GPTConfig, MoETransformerLayer, TransformerLayer
 
 from tests.helpers.distributed import device
+from tests.helpers.parity import compare, relative_error, train_both
 from tests.helpers.tiny_model import Block, TinyConfig, TinyLM
 
 RTOL = 1e-5  # fp32: tensor-wise relative error, as tests/helpers/parity.py measures it
@@ -209,12 +210,10 @@ class Report:
 
     def close_to(self, what: str, got: torch.Tensor, expected: torch.Tensor, rtol: float = RTOL) -> None:
         """Tensor-wise relative error ``|got - expected| / |expected|`` at most ``rtol``."""
-        got, expected = got.detach().cpu().double(), expected.detach().cpu().double()
         if got.shape != expected.shape:
             self.add(f"{what}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
             return
-        scale = expected.norm().item()
-        err = (got - expected).norm().item() / (scale if scale > 0 else 1.0)
+        err = relative_error(got, expected)
         if not err <= rtol:  # NaN fails too
             self.add(f"{what}: relative error {err:.3g} > {rtol}")
 
@@ -527,40 +526,35 @@ def migrate(source: str, target: str, path: str, steps: int = 2) -> None:
 
 # ------------------------------------------------------------------ 6: Hugging Face Llama
 def hf_llama(steps: int = 6) -> None:
-    """A tiny tied-embedding LlamaForCausalLM, ZeRO-3 with LlamaDecoderLayer units, against one process."""
+    """A tiny tied-embedding LlamaForCausalLM, ZeRO-3 with LlamaDecoderLayer units, against one process
+    (trained by ``tests.helpers.parity``: losses and the full state to RTOL)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     with Report("transformers LlamaForCausalLM, ZeRO-3") as report:
-        rank, world = dist.get_rank(), dist.get_world_size()
         config = LlamaConfig(vocab_size=67, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                              tie_word_embeddings=True)
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config).to(device())
-        reference = copy.deepcopy(model)
-        model = shardwise.fully_shard(model, strategy="optim_grads_params", unit_modules=[LlamaDecoderLayer])
-        opt, ref_opt = adamw(model.parameters()), adamw(reference.parameters())
-        per = GLOBAL_BATCH // world
-        for step in range(steps):
-            tokens, _ = global_batch(step, config.vocab_size)
-            mine = tokens[rank * per:(rank + 1) * per]
-            loss = model(input_ids=mine, labels=mine, use_cache=False).loss  # HF shifts the labels
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            ref_loss = reference(input_ids=tokens, labels=tokens, use_cache=False).loss
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            if not abs(total.item() / world - ref_loss.item()) <= RTOL * ref_loss.item():
-                report.add(f"step {step}: loss {total.item() / world!r}, single process {ref_loss.item()!r}")
-        ref = dict(reference.named_parameters())
+
+        def build():
+            torch.manual_seed(0)
+            return LlamaForCausalLM(config).to(device())
+
+        def loss(model, tokens):
+            return model(input_ids=tokens, labels=tokens, use_cache=False).loss  # HF shifts the labels
+
+        sharded, reference = train_both(
+            build, lambda model: shardwise.fully_shard(model, strategy="optim_grads_params",
+                                                       unit_modules=[LlamaDecoderLayer]),
+            lambda model: adamw(model.parameters()), lambda step: global_batch(step, config.vocab_size)[:1], steps,
+            loss=loss,
+        )
+        compare(sharded, reference, loss_rtol=RTOL, rtol=RTOL)
+        model = sharded.model
+        ref = dict(reference.model.named_parameters())
         for name, p in model.named_parameters():
             check_dtensor(report, f"parameter {name}", p, ref[name])
         state = model.state_dict()
         if "lm_head.weight" not in state:
             report.add("model.state_dict() has no lm_head.weight")
-        report.same_keys("model.state_dict()", state, reference.state_dict())
+        report.same_keys("model.state_dict()", state, reference.model.state_dict())

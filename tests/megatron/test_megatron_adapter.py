@@ -1,16 +1,14 @@
 """The Megatron-Core adapter end to end: parity with the unwrapped model, the schedule API, meta init, README.
 
 Every rank also trains the unwrapped single-process GPT on the whole global
-batch and compares (fp32: losses rtol 1e-5, parameters tensor-wise relative
-error <= 1e-5), as tests/helpers/parity.py does for the engine.
+batch and compares (fp32: losses rtol 1e-5, the full state tensor-wise relative
+error <= 1e-5) with the harness the engine tests use (``tests.helpers.parity``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -33,6 +31,7 @@ from shardwise.models import GPT, GPTConfig, MambaLayer, MoETransformerLayer, Tr
 
 from tests.helpers import REPO
 from tests.helpers.distributed import device, run_distributed
+from tests.helpers.parity import assert_close_states, compare, megatron_hooks, state_of, train_both
 
 README = REPO / "README.md"
 VOCAB, SEQ, GLOBAL_BATCH = 64, 12, 8
@@ -69,69 +68,57 @@ def ddp_config(version=1, strategy="optim_grads_params", outer="no_shard", insta
     )
 
 
-def wrap(model, version=1, strategy="optim_grads_params", outer="no_shard", instances=1, config=None, **kw):
-    pg = build_process_groups(num_distributed_optimizer_instances=instances)
+def wrap(model, version=1, strategy="optim_grads_params", outer="no_shard", instances=1, config=None, pg=None, **kw):
+    pg = pg or build_process_groups(num_distributed_optimizer_instances=instances)
     config = config or TransformerConfig(num_layers=3, hidden_size=32, num_attention_heads=2)
     return FullyShardedDataParallel(
         config, ddp_config(version, strategy, outer, instances, **kw), model, device=device(), pg_collection=pg
     ), pg
 
 
-def assert_params_match(wrapped, reference, rtol=1e-5):
-    full = shardwise.full_state_dict(wrapped.module)
-    for name, expected in reference.named_parameters():
-        value, expected = full[name], expected.detach().cpu()
-        rel = ((value - expected).norm() / expected.norm()).item()
-        assert rel <= rtol, f"{name}: relative error {rel:.3g} > {rtol}"
+def assert_matches_reference(wrapped, reference):
+    """The wrapped model's full state against the unwrapped reference's (``tests.helpers.parity``)."""
+    assert_close_states(shardwise.full_state_dict(wrapped.module), state_of(reference))
 
 
 # ------------------------------------------------------------------- parity
-def _train_parity(version, strategy, outer="no_shard", instances=1, micro_batches=2, steps=4):
-    dev = device()
-    torch.manual_seed(0)
-    model = GPT(gpt_config())
-    reference = copy.deepcopy(model).to(dev)
-    wrapped, pg = wrap(model, version, strategy, outer, instances)
-    assert isinstance(wrapped, FullyShardedDataParallelV1 if version == 1 else FullyShardedDataParallelV2)
-    assert wrapped.module is model
-    # eps=1e-6: gradient elements near Adam's eps turn summation-order noise (1e-7, from
-    # reducing per-rank slices instead of one batch) into visible steps; 1e-6 keeps that
-    # amplification well under the 1e-5 parameter tolerance (with 1e-8 the MoE experts,
-    # whose gradients have many such elements, drift to ~3e-5 in 4 steps).
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
-    dp_rank, dp_size = dist.get_rank(pg.dp_cp), dist.get_world_size(pg.dp_cp)
-    per_rank = GLOBAL_BATCH // dp_size
-    per_micro = per_rank // micro_batches
-    losses, ref_losses = [], []
-    for step in range(steps):
-        data = batch(step).to(dev)
-        wrapped.zero_grad_buffer()
-        opt.zero_grad()
-        total = torch.zeros((), device=dev)
-        for i in range(micro_batches):
-            rows = data[dp_rank * per_rank + i * per_micro : dp_rank * per_rank + (i + 1) * per_micro]
-            sync = contextlib.nullcontext() if i == micro_batches - 1 else wrapped.no_sync()
-            with sync:
-                loss = wrapped(rows[:, :-1], rows[:, 1:]) / micro_batches
-                loss.backward()
-            if i < micro_batches - 1:  # no_sync really held the gradients back
-                assert all(p.grad is None for p in wrapped.parameters())
-            total += loss.detach()
-        wrapped.finish_grad_sync()
-        opt.step()
-        dist.all_reduce(total, group=pg.dp_cp)
-        losses.append(total.item() / dp_size)
+def _grads_held_back(wrapped, last: bool) -> None:
+    if not last:  # no_sync really held the gradients back
+        assert all(p.grad is None for p in wrapped.parameters())
 
-        ref_loss = reference(data[:, :-1], data[:, 1:])
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(ref_loss.item())
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    assert losses[-1] < losses[0] - 0.1, losses  # it really trained
-    assert_params_match(wrapped, reference)
-    return [type(u.module).__name__ for u in wrapped.sharded_state.units]
+
+def _train_parity(version, strategy, outer="no_shard", instances=1, micro_batches=2, steps=4):
+    pg = build_process_groups(num_distributed_optimizer_instances=instances)
+
+    def build():
+        torch.manual_seed(0)
+        return GPT(gpt_config())
+
+    def wrapper(model):
+        wrapped, _ = wrap(model, version, strategy, outer, instances, pg=pg)
+        assert isinstance(wrapped, FullyShardedDataParallelV1 if version == 1 else FullyShardedDataParallelV2)
+        assert wrapped.module is model
+        return wrapped
+
+    def adamw(model):
+        # eps=1e-6: gradient elements near Adam's eps turn summation-order noise (1e-7, from
+        # reducing per-rank slices instead of one batch) into visible steps; 1e-6 keeps that
+        # amplification well under the 1e-5 parameter tolerance (with 1e-8 the MoE experts,
+        # whose gradients have many such elements, drift to ~3e-5 in 4 steps).
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+
+    def xy(step):
+        data = batch(step)
+        return data[:, :-1], data[:, 1:]
+
+    # Megatron's loop without start_param_sync: the next forward must see the step by itself
+    sharded, reference = train_both(
+        build, wrapper, adamw, xy, steps, data_rank=dist.get_rank(pg.dp_cp), data_ranks=dist.get_world_size(pg.dp_cp),
+        micro_batches=micro_batches, hooks=megatron_hooks(param_sync=False, after_micro_batch=_grads_held_back),
+        loss_group=pg.dp_cp, full_state=lambda wrapped: shardwise.full_state_dict(wrapped.module),
+    )
+    compare(sharded, reference, trained_by=0.1)  # it really trained
+    return [type(u.module).__name__ for u in sharded.model.sharded_state.units]
 
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -276,7 +263,7 @@ def _schedule_api(strategy):
     with torch.no_grad():
         for p in reference.parameters():
             p -= 0.5 * p.grad
-    assert_params_match(wrapped, reference)
+    assert_matches_reference(wrapped, reference)
     # after start_param_sync the compute weights are fresh: the next forward agrees too
     with torch.no_grad():
         torch.testing.assert_close(wrapped(data[:, :-1], data[:, 1:]), reference(data[:, :-1], data[:, 1:]), rtol=1e-5, atol=0)
@@ -354,7 +341,7 @@ def _per_token_loss():
     with torch.no_grad():
         for p in reference.parameters():
             p -= p.grad
-    assert_params_match(wrapped, reference)
+    assert_matches_reference(wrapped, reference)
 
 
 def test_v1_per_token_loss_sums_over_ranks_before_scaling():

@@ -3,13 +3,12 @@
 Process groups come from ``build_process_groups`` (Megatron's rank order) and
 the model is built with the same collection's ``tp`` / ``ep`` groups. Every
 rank also trains the single-process TP=1 / EP=1 model on the whole global
-batch and compares losses (fp32, rtol 1e-5) and the gathered global
-parameters (tensor-wise relative error <= 1e-5).
+batch and compares losses (fp32, rtol 1e-5) and the gathered global state
+(tensor-wise relative error <= 1e-5; ``tests.helpers.parity``).
 """
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ from shardwise.megatron import (
 from shardwise.models import GPT, GPTConfig
 
 from tests.helpers.distributed import device, run_distributed
+from tests.helpers.parity import assert_close_states, compare, megatron_hooks, state_of, train_both
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 4, 8, 12, 64
 MOE = dict(layer_pattern="AE", moe_num_experts=4, moe_top_k=2, moe_aux_loss_coef=0.0)
@@ -55,88 +55,64 @@ def ddp_config(version, strategy="optim_grads_params", outer="no_shard", instanc
     )
 
 
-def reference(config: GPTConfig, dev):
-    """The TP=1 / EP=1 model trained on the whole global batch in this process."""
-    torch.manual_seed(0)
-    model = GPT(config).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
-    losses = []
-    for step in range(STEPS):
-        data = batch(step).to(dev)
-        loss = model(data[:, :-1], data[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+def batch_xy(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    data = batch(step)
+    return data[:, :-1], data[:, 1:]
 
 
-def train(wrapped, dp_group, dev, micro_batches=2):
-    """Megatron's loop: zero_grad_buffer, no_sync on all micro-batches but the last, finish_grad_sync."""
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
-    dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
-    per_rank = GLOBAL_BATCH // dp_size
-    per_micro = per_rank // micro_batches
-    losses = []
-    for step in range(STEPS):
-        data = batch(step).to(dev)
-        wrapped.zero_grad_buffer()
-        opt.zero_grad()
-        total = torch.zeros((), device=dev)
-        for i in range(micro_batches):
-            start = dp_rank * per_rank + i * per_micro
-            rows = data[start : start + per_micro]
-            sync = contextlib.nullcontext() if i == micro_batches - 1 else wrapped.no_sync()
-            with sync:
-                loss = wrapped(rows[:, :-1], rows[:, 1:]) / micro_batches
-                loss.backward()
-            total += loss.detach()
-        wrapped.finish_grad_sync()
-        opt.step()
-        wrapped.start_param_sync()
-        dist.all_reduce(total, group=dp_group)
-        losses.append(total.item() / dp_size)
-    return losses
+def seeded_gpt(config: GPTConfig):
+    def build():
+        torch.manual_seed(0)
+        return GPT(config)
+
+    return build
 
 
-def compare(wrapped, losses, ref_losses, ref_state):
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    assert losses[-1] < losses[0], losses  # it trained
-    full = shardwise.full_state_dict(wrapped.module)
-    for name, expected in ref_state.items():
-        got = full[name]
-        assert got.shape == expected.shape, (name, got.shape, expected.shape)
-        rel = ((got - expected).norm() / expected.norm()).item()
-        assert rel <= 1e-5, f"{name}: relative error {rel:.3g}"
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+
+
+def train_and_compare(config: GPTConfig, wrap, reference_config: GPTConfig, pg, micro_batches=2):
+    """Megatron's loop (tests.helpers.parity.megatron_hooks) on ``wrap(GPT(config))``, against the
+    TP=1 / EP=1 ``GPT(reference_config)`` trained on the whole global batch in this process."""
+    dp = pg.dp_cp
+    sharded, reference = train_both(
+        seeded_gpt(config), wrap, adamw, batch_xy, STEPS, data_rank=dist.get_rank(dp), data_ranks=dist.get_world_size(dp),
+        micro_batches=micro_batches, hooks=megatron_hooks(), loss_group=dp,
+        full_state=lambda wrapped: shardwise.full_state_dict(wrapped.module), reference=seeded_gpt(reference_config),
+    )
+    compare(sharded, reference, trained_by=0.0)  # and it trained
+    return sharded, reference
 
 
 # ------------------------------------------------------------ tensor parallel
 def _tp_dp(version, strategy, instances, outer, pattern):
-    dev = device()
     pg = build_process_groups(tensor_model_parallel_size=2, num_distributed_optimizer_instances=instances)
     overrides = MOE if pattern == "AE" else {}
-    torch.manual_seed(0)
-    model = GPT(gpt_config(tp_group=pg.tp, **overrides))
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=2)
-    wrapped = FullyShardedDataParallel(
-        config, ddp_config(version, strategy, outer, instances), model, device=dev, pg_collection=pg
-    )
-    assert isinstance(wrapped, FullyShardedDataParallelV1 if version == 1 else FullyShardedDataParallelV2)
-    plan = wrapped.sharded_state.plan
-    assert plan.mesh.mesh_dim_names == (("dp_outer", "dp_shard", "tp") if instances > 1 else ("dp_shard", "tp"))
-    assert plan.mesh.get_group("tp") is pg.tp and plan.dp_size == 2
-    # TP slices are DTensors of the global tensors: Shard(partition_dim) on the tp axis
-    wq, wo = model.layers[0].attention.wq.weight, model.layers[0].attention.wo.weight
-    def on_tp(t):
-        return t.placements[t.device_mesh.mesh_dim_names.index("tp")]
+    shapes = {}
 
-    assert isinstance(wq, DTensor) and on_tp(wq) == Shard(0) and on_tp(wo) == Shard(1)
-    assert wq.shape == (32, 32) and wo.shape == (32, 32)
-    ref_losses, ref_state = reference(gpt_config(**overrides), dev)
-    shapes = {k: tuple(v.shape) for k, v in wrapped.state_dict().items()}
-    assert shapes == {k: tuple(v.shape) for k, v in ref_state.items()}
-    losses = train(wrapped, pg.dp_cp, dev)
-    compare(wrapped, losses, ref_losses, ref_state)
+    def wrap(model):
+        config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=2)
+        wrapped = FullyShardedDataParallel(
+            config, ddp_config(version, strategy, outer, instances), model, device=device(), pg_collection=pg
+        )
+        assert isinstance(wrapped, FullyShardedDataParallelV1 if version == 1 else FullyShardedDataParallelV2)
+        plan = wrapped.sharded_state.plan
+        assert plan.mesh.mesh_dim_names == (("dp_outer", "dp_shard", "tp") if instances > 1 else ("dp_shard", "tp"))
+        assert plan.mesh.get_group("tp") is pg.tp and plan.dp_size == 2
+        # TP slices are DTensors of the global tensors: Shard(partition_dim) on the tp axis
+        wq, wo = model.layers[0].attention.wq.weight, model.layers[0].attention.wo.weight
+
+        def on_tp(t):
+            return t.placements[t.device_mesh.mesh_dim_names.index("tp")]
+
+        assert isinstance(wq, DTensor) and on_tp(wq) == Shard(0) and on_tp(wo) == Shard(1)
+        assert wq.shape == (32, 32) and wo.shape == (32, 32)
+        shapes.update({k: tuple(v.shape) for k, v in wrapped.state_dict().items()})
+        return wrapped
+
+    _, reference = train_and_compare(gpt_config(tp_group=pg.tp, **overrides), wrap, gpt_config(**overrides), pg)
+    assert shapes == {k: tuple(v.shape) for k, v in reference.state.items()}
 
 
 @pytest.mark.parametrize(
@@ -191,24 +167,23 @@ def test_tp_state_dict_is_global_and_loads_full_tensors(version):
 
 # ------------------------------------------------------------ expert parallel
 def _ep_dp(version, strategy, instances=1, expert_strategy=None):
-    dev = device()
     pg = build_process_groups(expert_model_parallel_size=2, num_distributed_optimizer_instances=instances)
-    torch.manual_seed(0)
-    model = GPT(gpt_config(ep_group=pg.ep, **MOE))
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, expert_model_parallel_size=2,
-                               num_moe_experts=4)
-    ddp = ddp_config(version, strategy, "no_shard", instances, expert_data_parallel_sharding_strategy=expert_strategy)
-    wrapped = FullyShardedDataParallel(config, ddp, model, device=dev, pg_collection=pg)
-    expert_mesh = wrapped.megatron_fsdp_dist_index.expert_mesh if version == 1 else wrapped.moe_mesh
-    assert expert_mesh.mesh_dim_names == ("expert_dp", "ep")
-    assert expert_mesh.get_group("ep") is pg.ep and expert_mesh.get_group("expert_dp") is pg.expt_dp
-    w1 = model.layers[1].mlp.experts.w1
-    assert isinstance(w1, DTensor) and w1.shape[0] == 4  # all 4 experts
-    # the same groups, listed in DTensor's Shard order: experts first, then their data-parallel rows
-    assert w1.device_mesh.mesh_dim_names == ("ep", "expert_dp") and w1.device_mesh.get_group("ep") is pg.ep
-    ref_losses, ref_state = reference(gpt_config(**MOE), dev)
-    losses = train(wrapped, pg.dp_cp, dev)
-    compare(wrapped, losses, ref_losses, ref_state)
+
+    def wrap(model):
+        config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, expert_model_parallel_size=2,
+                                   num_moe_experts=4)
+        ddp = ddp_config(version, strategy, "no_shard", instances, expert_data_parallel_sharding_strategy=expert_strategy)
+        wrapped = FullyShardedDataParallel(config, ddp, model, device=device(), pg_collection=pg)
+        expert_mesh = wrapped.megatron_fsdp_dist_index.expert_mesh if version == 1 else wrapped.moe_mesh
+        assert expert_mesh.mesh_dim_names == ("expert_dp", "ep")
+        assert expert_mesh.get_group("ep") is pg.ep and expert_mesh.get_group("expert_dp") is pg.expt_dp
+        w1 = model.layers[1].mlp.experts.w1
+        assert isinstance(w1, DTensor) and w1.shape[0] == 4  # all 4 experts
+        # the same groups, listed in DTensor's Shard order: experts first, then their data-parallel rows
+        assert w1.device_mesh.mesh_dim_names == ("ep", "expert_dp") and w1.device_mesh.get_group("ep") is pg.ep
+        return wrapped
+
+    train_and_compare(gpt_config(ep_group=pg.ep, **MOE), wrap, gpt_config(**MOE), pg)
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -248,10 +223,7 @@ def _ep_per_token_loss():
     with torch.no_grad():
         for p in single.parameters():
             p -= p.grad
-    full = shardwise.full_state_dict(wrapped.module)
-    for name, expected in single.state_dict().items():
-        rel = ((full[name] - expected.cpu()).norm() / expected.norm()).item()
-        assert rel <= 1e-5, f"{name}: relative error {rel:.3g}"
+    assert_close_states(shardwise.full_state_dict(wrapped.module), state_of(single))
 
 
 def test_ep_per_token_loss_sums_dense_and_expert_grads():
