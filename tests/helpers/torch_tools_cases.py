@@ -55,6 +55,7 @@ class Config:
     outer: str | None = None  # "no_shard" = HSDP, "optim" = HFSDP, on build_dp_mesh(outer=2)
     tp: int = 1
     ep: int = 1
+    offload: float = 0.0  # share of parameters whose main weights and optimizer state live on the host
     worlds: tuple[int, ...] = (1, 2, 4)
 
 
@@ -67,6 +68,8 @@ CONFIGS = [
     Config("hfsdp", outer="optim", worlds=(2, 4)),
     Config("tp2", tp=2, worlds=(2, 4)),
     Config("ep2", ep=2, worlds=(2, 4)),
+    Config("zero3-offload", offload=1.0),
+    Config("zero1-offload-half", strategy="optim", offload=0.5, worlds=(2, 4)),
 ]
 BY_NAME = {c.name: c for c in CONFIGS}
 
@@ -159,8 +162,11 @@ def build(config: Config, seed: int = 0, model_seed: int | None = None) -> Setup
         torch.manual_seed(model_seed)
         model = OddLM().to(device())
         mesh = shardwise.build_dp_mesh(outer=2) if config.outer else None
-        model = shardwise.fully_shard(model, mesh, strategy=config.strategy,
-                                      outer_dp_sharding_strategy=config.outer, unit_modules=[Block])
+        offload = shardwise.OffloadPolicy(fraction=config.offload) if config.offload else None
+        model = shardwise.fully_shard(model, mesh, strategy=config.strategy, outer_dp_sharding_strategy=config.outer,
+                                      unit_modules=[Block], offload_policy=offload)
+        offloaded = [g.offloaded for g in shardwise.sharded_state(model).groups]
+        assert any(offloaded) == bool(config.offload) and (all(offloaded) or config.offload < 1), offloaded
         torch.manual_seed(seed)
         reference = OddLM()
         vocab, data_rank, data_ranks = ODD.vocab, rank, world
