@@ -1,8 +1,9 @@
 """One parameter group: its buffers and their lifecycle.
 
 A group is the parameters of one unit that share a dtype and requires_grad.
-Each buffer holds one *level* of every parameter's sharding (see ``layout``),
-one slot per parameter packed into a flat tensor:
+Each buffer is a ``DistributedBuffer`` (``dbuffer``): one *level* of every
+parameter's sharding (see ``layout``), one slot per parameter packed into a
+flat tensor, and the transitions between levels:
 
 - ``main``: the main weights (``main_params_dtype``) at the optimizer level;
   the sharded DTensor parameters the optimizer sees view their real rows.
@@ -14,8 +15,11 @@ one slot per parameter packed into a flat tensor:
 - ``grad_acc`` / ``main_grad``: gradients accumulated at the gradient level
   across micro-batches, and finalized at the optimizer level.
 
-Moving between levels is one coalesced group of per-parameter collectives
-per mesh axis; every parameter's gathered rows land contiguous in its slot.
+The buffers move themselves; the group decides when, on which stream, and
+what stays alive until a flight is waited on. Its states: which parameters the
+modules hold (``ModuleParams``), where the full weights are (``WeightState``),
+whether the model weights follow the main weights (``RefreshState``), where a
+step's gradients are (``GradState``).
 """
 
 from __future__ import annotations
@@ -26,16 +30,23 @@ from typing import Sequence
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from .buffers import Collectives, InFlight, StreamSet
-from .layout import LevelLayout
+from .dbuffer import BufferState, DistributedBuffer, Levels
 from .mesh import ShardingPlan
 from .offload import HostMemory
 from .param import ParamRef, ShardedParam
 from .precision import MixedPrecisionPolicy
 
-__all__ = ["ParamRef", "ParamGroup", "WeightState", "GradState"]
+__all__ = ["ParamRef", "ParamGroup", "ModuleParams", "WeightState", "RefreshState", "GradState"]
+
+
+class ModuleParams(enum.Enum):
+    """Which parameters the modules that hold the group's parameters point at."""
+
+    ORIGINAL = "original"  # their own, until the group installs its sharded parameters
+    SHARDED = "sharded"  # the sharded DTensor parameters (at rest; what the optimizer sees)
+    UNSHARDED = "unsharded"  # the full compute-dtype parameters (forward and backward)
 
 
 class WeightState(enum.Enum):
@@ -44,6 +55,13 @@ class WeightState(enum.Enum):
     SHARDED = "sharded"  # only shards exist; the unsharded storage is freed
     GATHERING = "gathering"  # an all-gather into the unsharded storage is in flight
     UNSHARDED = "unsharded"  # the full weights are there for forward and backward
+
+
+class RefreshState(enum.Enum):
+    """Whether the compute-dtype model weights follow the main weights."""
+
+    CURRENT = "current"  # rebuilt since the main weights last changed, as far as their version counters show
+    STALE = "stale"  # the main weights changed in a way no version counter shows: rebuilt at the next refresh
 
 
 class GradState(enum.Enum):
@@ -89,159 +107,120 @@ class ParamGroup:
         self._host = HostMemory(pin_memory and device.type == "cuda") if offload else None
         self._host_grad: torch.Tensor | None = None  # reused step after step unless the user kept the last grads
         self._host_ready: "torch.cuda.Event | None" = None  # the grads' copy to the host
-        self._upload_pending = False  # updated host weights not yet copied into the model shard
         self._host_kept = None  # grads the user kept across steps, added to at install
         # Levels of the buffers: parameter, gradient and optimizer placements.
         self.param_level = len(plan.param_axes)
         self.grad_level = len(plan.grad_axes)
         self.opt_level = len(plan.opt_axes)
-        self.layouts = [
-            LevelLayout([p.slot_numel(level) for p in self.params]) for level in range(self.opt_level + 1)
-        ]
+        self.levels = Levels(self.params, plan.opt_axes, self.collectives, streams, device)
+        self.layouts = self.levels.layouts
         kp, m = self.param_level, self.opt_level
         self.main_aliases_model = self.compute_dtype == self.main_dtype and not offload
         # With ZeRO-3-like placements (parameters sharded exactly like the optimizer state) a
         # lower-precision model-weight shard is cast from the main weights on the gather
         # stream right before each gather instead of being kept: 2 bytes/param less at rest.
         self.casts_on_gather = not self.main_aliases_model and kp == m and kp > 0 and not offload
+        fulls = [ref.param.detach() for ref in self.refs]
         with torch.no_grad():
-            self.model_shard: torch.Tensor | None = None
-            self._model_views: list[torch.Tensor] | None = None
+            self._model: DistributedBuffer | None = None
             if not self.casts_on_gather:
-                self.model_shard = torch.zeros(self.layouts[kp].total, dtype=self.compute_dtype, device=device)
-                self._model_views = self.layouts[kp].views(self.model_shard)
-                self._fill(self._model_views, kp)
-            self.main: torch.Tensor | None  # the flat main weights, when they have a buffer of their own
+                self._model = self.levels.zeros(kp, self.compute_dtype)
+                self._model.fill(fulls)
             if self.main_aliases_model and m == kp:
-                self.main, self._main_views = self.model_shard, self._model_views
+                self._main = self._model
             elif self.main_aliases_model and m == kp + 1:  # this rank's pieces inside the model shard
-                self.main = None
-                self._main_views = [p.own_piece(v, m) for p, v in zip(self.params, self._model_views)]
-            elif offload:
-                self.main = self._host.empty(self.layouts[m].total, self.main_dtype).zero_()
-                self._main_views = self.layouts[m].views(self.main)
-                self._fill(self._main_views, m)
+                self._main = self._model.own_pieces()
             else:
-                self.main = torch.zeros(self.layouts[m].total, dtype=self.main_dtype, device=device)
-                self._main_views = self.layouts[m].views(self.main)
-                self._fill(self._main_views, m)
+                if offload:
+                    flat = self._host.empty(self.layouts[m].total, self.main_dtype).zero_()
+                    self._main = DistributedBuffer(self.levels, m, flat)
+                else:
+                    self._main = self.levels.zeros(m, self.main_dtype)
+                self._main.fill(fulls)
         self.sharded_params = [self._make_sharded_param(i) for i in range(len(self.params))]
 
         # The unsharded buffer and the leaf parameters forward uses.
         self.persistent_unsharded = kp == 0
         if self.persistent_unsharded:
-            self.unsharded = self.model_shard
-            self._unsharded_views = self._model_views
+            self._unsharded = self._model
         else:
-            self.unsharded = torch.empty(self.layouts[0].total, dtype=self.compute_dtype, device=device)
-            self._unsharded_views = self.layouts[0].views(self.unsharded)
+            self._unsharded = self.levels.empty(0, self.compute_dtype)
         self.unsharded_params = [
-            nn.Parameter(view[: p.shape.numel()].view(p.shape), requires_grad=self.requires_grad)
-            for p, view in zip(self.params, self._unsharded_views)
+            nn.Parameter(self._unsharded.local(i), requires_grad=self.requires_grad) for i in range(len(self.params))
         ]
         if not self.persistent_unsharded:
-            self.unsharded.untyped_storage().resize_(0)  # the views above keep their shapes
+            self._unsharded.free()  # the views above keep their shapes
         self.weight_state = WeightState.UNSHARDED if self.persistent_unsharded else WeightState.SHARDED
         self._gather: InFlight | None = None  # the all-gather while GATHERING
-        self._swapped_in = False
+        self.module_params = ModuleParams.ORIGINAL
 
         # Gradient state: buffers exist only from a step's first reduction until the
         # optimizer drops the ``.grad`` DTensors (see _open_window).
-        self.grad_acc: torch.Tensor | None = None
-        self.main_grad: torch.Tensor | None = None
+        self._grad_acc: DistributedBuffer | None = None
+        self._main_grad: DistributedBuffer | None = None
         self._main_grad_ref: weakref.ref | None = None
         self.grad_state = GradState.IDLE
-        self._acc_overwrite = False  # the accumulation buffer holds nothing yet: the first reduction overwrites
-        self._main_overwrite = False  # likewise for the main-grad buffer
         self._released: tuple = ()
-        self._grad_gaps = self.layouts[0].gaps([p.shape.numel() for p in self.params])
-        self.weights_stale = False  # set when the main weights changed in a way their version does not show
+        self.refresh_state = RefreshState.CURRENT
         self._refreshed_version = self._main_version()
 
     # ----------------------------------------------------------- construction
-    def _fill(self, views: list[torch.Tensor], level: int) -> None:
-        for ref, p, view in zip(self.refs, self.params, views):
-            p.local(view, level).copy_(p.shard_of(ref.param.detach(), level))
-
     def _make_sharded_param(self, i: int) -> nn.Parameter:
-        ref, p = self.refs[i], self.params[i]
-        local = p.local(self._main_views[i], self.opt_level)
-        param = nn.Parameter(p.dtensor(local), requires_grad=ref.param.requires_grad)
+        ref = self.refs[i]
+        param = nn.Parameter(self.params[i].dtensor(self._main.local(i)), requires_grad=ref.param.requires_grad)
         # Keep the model's own annotations (tensor_model_parallel, partition_dim, allreduce, ...).
         for key, value in vars(ref.param).items():
             if not key.startswith("_"):
                 setattr(param, key, value)
         return param
 
-    # ------------------------------------------------------- level movement
-    def _paired(self, level: int, parents: list[torch.Tensor], pieces: list[torch.Tensor]) -> tuple[list, list]:
-        """For a collective between ``level - 1`` and ``level``: each parameter's gathered region of its
-        parent slot and its piece (parameters with no rows at this level take no part)."""
-        gathered, own = [], []
-        for p, parent, piece in zip(self.params, parents, pieces):
-            if p.piece_numel(level):
-                gathered.append(parent[: p.gathered_numel(level)])
-                own.append(piece[: p.piece_numel(level)])
-        return gathered, own
+    # --------------------------------------------------- the buffers' tensors
+    @property
+    def main(self) -> torch.Tensor | None:
+        """The flat main weights, when they have a buffer of their own (else pieces of ``model_shard``)."""
+        return self._main.flat
 
-    def _gather_levels(self, views: list[torch.Tensor], top: int, bottom: int, targets: list[torch.Tensor]) -> list:
-        """All-gather every parameter's pieces from level ``top`` down to ``bottom`` into ``targets``.
+    @property
+    def model_shard(self) -> torch.Tensor | None:
+        """The flat compute-dtype weight shard (``None`` when cast from ``main`` at each gather)."""
+        return None if self._model is None else self._model.flat
 
-        Returns the temporaries the side stream still reads.
-        """
-        temps = []
-        for level in range(top, bottom, -1):
-            if level - 1 == bottom:
-                out_views = targets
-            else:
-                temp = torch.empty(self.layouts[level - 1].total, dtype=views[0].dtype, device=self.device)
-                temps.append(temp)
-                out_views = self.layouts[level - 1].views(temp)
-            self.collectives.gather(*self._paired(level, out_views, views), self.plan.opt_axes[level - 1])
-            views = out_views
-        return temps
+    @property
+    def unsharded(self) -> torch.Tensor:
+        return self._unsharded.flat
 
-    def _reduce_levels(self, flat: torch.Tensor, bottom: int, top: int, staged: list) -> torch.Tensor:
-        """Reduce-scatter a flat buffer of level ``bottom`` down to a staged one of level ``top``.
+    @property
+    def grad_acc(self) -> torch.Tensor | None:
+        return None if self._grad_acc is None else self._grad_acc.flat
 
-        Slot rows past a piece's real rows hold whatever the padding summed to;
-        nothing reads them.
-        """
-        for level in range(bottom + 1, top + 1):
-            total = self.layouts[level].total
-            buffer = self.streams.pool.take(total, flat.dtype, self.device)
-            staged.append(buffer)
-            out = buffer[:total]
-            ins, outs = self._paired(level, self.layouts[level - 1].views(flat), self.layouts[level].views(out))
-            self.collectives.reduce_scatter(outs, ins, self.plan.opt_axes[level - 1])
-            flat = out
-        return flat
+    @property
+    def main_grad(self) -> torch.Tensor | None:
+        return None if self._main_grad is None else self._main_grad.flat
 
     # ------------------------------------------------------------- swapping
     def install_sharded_params(self) -> None:
         """Replace the original parameters in their modules and drop our references to them."""
-        self._swapped_in = True
         self.use_sharded()
         for ref in self.refs:
             ref.param = None
 
     def use_unsharded(self) -> None:
         """Point every holding module at the unsharded parameters (for forward)."""
-        if self._swapped_in:
+        if self.module_params is ModuleParams.UNSHARDED:
             return
         for ref, param in zip(self.refs, self.unsharded_params):
             for module, attr in ref.holders:
                 module._parameters[attr] = param
-        self._swapped_in = True
+        self.module_params = ModuleParams.UNSHARDED
 
     def use_sharded(self) -> None:
         """Point every holding module back at the sharded DTensor parameters."""
-        if not self._swapped_in:
+        if self.module_params is ModuleParams.SHARDED:
             return
         for ref, param in zip(self.refs, self.sharded_params):
             for module, attr in ref.holders:
                 module._parameters[attr] = param
-        self._swapped_in = False
+        self.module_params = ModuleParams.SHARDED
 
     # ------------------------------------------------------- unshard / free
     @property
@@ -250,32 +229,23 @@ class ParamGroup:
 
     @property
     def storage_bytes_unsharded(self) -> int:
-        return self.unsharded.untyped_storage().nbytes()
+        return self._unsharded.storage_bytes()
 
     def start_unshard(self) -> None:
         """Begin gathering the model weights (returns at once on CUDA)."""
         if self.weight_state is not WeightState.SHARDED:
             return
-        self.unsharded.untyped_storage().resize_(self.unsharded.numel() * self.unsharded.element_size())
-        level = self.param_level
-        with self.streams.on(self.streams.gather), torch.autograd._unsafe_preserve_version_counter(self.unsharded):
-            staged = ()
-            if self.model_shard is not None:
-                if self._upload_pending:  # offloaded: the optimizer's update comes in right before the gather
-                    self.model_shard.copy_(self.main, non_blocking=True)
-                    self._upload_pending = False
-                views = self._model_views
-            else:  # ZeRO-3 mixed precision: cast the main shard right before the gather
-                buffer = self.streams.pool.take(self.main.numel(), self.compute_dtype, self.device)
-                source = buffer[: self.main.numel()]
-                source.copy_(self.main)
-                views = self.layouts[level].views(source)
-                staged = (buffer,)
-            temps = self._gather_levels(views, level, 0, self._unsharded_views)
-        self._gather = InFlight(
-            self.streams.record(self.streams.gather), keepalive=tuple(temps), staged=staged, pool=self.streams.pool
-        )
+        self._gather = self._unsharded.start_gather(self._gather_source)
         self.weight_state = WeightState.GATHERING
+
+    def _gather_source(self, staged: list) -> DistributedBuffer:
+        """What the gather reads, made on the gather stream right before it."""
+        model = self._model
+        if model is None:  # ZeRO-3 mixed precision: cast the main shard right before the gather
+            return self._main.cast(self.compute_dtype, staged)
+        if model.state is BufferState.OUTDATED:  # offloaded: the optimizer's update comes in right before the gather
+            model.copy_from(self._main, non_blocking=True)
+        return model
 
     def finish_unshard(self) -> None:
         if self.weight_state is WeightState.UNSHARDED:
@@ -295,14 +265,10 @@ class ParamGroup:
             self._gather.wait()
             self._gather = None
         if self.weight_state is not WeightState.SHARDED:
-            self.unsharded.untyped_storage().resize_(0)
+            self._unsharded.free()
             self.weight_state = WeightState.SHARDED
 
     # --------------------------------------------------------------- grads
-    def _grad_views(self, main_grad: torch.Tensor) -> list[DTensor]:
-        views = self.layouts[self.opt_level].views(main_grad)
-        return [p.dtensor(p.local(v, self.opt_level)) for p, v in zip(self.params, views)]
-
     def _open_window(self) -> None:
         """Start accumulating a step's gradients.
 
@@ -321,44 +287,27 @@ class ParamGroup:
             self._host_kept = None if all(cleared) or existing is None else (existing, cleared)
             existing = None
         if all(cleared) or existing is None:
-            self.main_grad = torch.empty(self.layouts[m].total, dtype=self.main_grad_dtype, device=self.device)
-            self._main_grad_ref = weakref.ref(self.main_grad)
-            fresh = True
-        else:
-            self.main_grad = existing
-            for was_cleared, p, view in zip(cleared, self.params, self.layouts[m].views(existing)):
+            self._main_grad = self.levels.empty(m, self.main_grad_dtype)  # the first reduction overwrites it
+            self._main_grad_ref = weakref.ref(self._main_grad.flat)
+        else:  # the kept grads, accumulated onto (those the user cleared restart from zero)
+            self._main_grad = DistributedBuffer(self.levels, m, existing)
+            for i, was_cleared in enumerate(cleared):
                 if was_cleared:
-                    p.local(view, m).zero_()
-            fresh = False
+                    self._main_grad.local(i).zero_()
         if self.grad_level == m:
-            self.grad_acc = self.main_grad
-            self._acc_overwrite = fresh
-            self._main_overwrite = False
+            self._grad_acc = self._main_grad
         else:  # a Partial accumulation buffer of its own, restarted every window
-            self.grad_acc = torch.empty(self.layouts[self.grad_level].total, dtype=self.main_grad_dtype, device=self.device)
-            self._acc_overwrite = True
-            self._main_overwrite = fresh
+            self._grad_acc = self.levels.empty(self.grad_level, self.main_grad_dtype)
         self.grad_state = GradState.ACCUMULATING
 
-    def _flat_grads(self, staged: list) -> torch.Tensor:
-        """Copy the unsharded grads (zeros where missing) into one comm-dtype buffer, one kernel."""
-        total = self.layouts[0].total
-        buffer = self.streams.pool.take(total, self.comm_dtype, self.device)
-        staged.append(buffer)
-        flat = buffer[:total]
-        targets, grads = [], []
-        for param, p, view in zip(self.unsharded_params, self.params, self.layouts[0].views(flat)):
-            view = view[: p.shape.numel()]
-            if param.grad is None:
-                view.zero_()
-            else:
-                targets.append(view.view(p.shape))
-                grads.append(param.grad)
-                param.grad = None
-        for start, end in self._grad_gaps:
-            flat[start:end].zero_()
-        if grads:
-            torch._foreach_copy_(targets, grads)
+    def _flat_grads(self, staged: list) -> DistributedBuffer:
+        """The unsharded grads (zeros where missing) in one staged comm-dtype buffer, one kernel."""
+        flat = self.levels.staged(0, self.comm_dtype, staged)
+        grads = []
+        for param in self.unsharded_params:
+            grads.append(param.grad)
+            param.grad = None
+        flat.load(grads)
         return flat
 
     def has_unsharded_grads(self) -> bool:
@@ -375,16 +324,11 @@ class ParamGroup:
         self._released = ()
         staged: list = []
         flat = self._flat_grads(staged)
-        plan = self.plan
         with self.streams.on(self.streams.reduce):
-            shard = self._reduce_levels(flat, 0, self.grad_level, staged)
-            if plan.grad_scale != 1.0:
-                shard.mul_(plan.grad_scale)
-            if self._acc_overwrite:
-                self.grad_acc.copy_(shard)
-                self._acc_overwrite = False
-            else:
-                self.grad_acc.add_(shard)
+            shard = flat.reduce_scatter(self.grad_level, staged)
+            if self.plan.grad_scale != 1.0:
+                shard.flat.mul_(self.plan.grad_scale)
+            self._grad_acc.accumulate(shard)
             if finalize:
                 self._finalize(staged)
         return self._in_flight(staged)
@@ -407,31 +351,28 @@ class ParamGroup:
         return self._in_flight(staged)
 
     def _finalize(self, staged: list) -> None:
-        plan = self.plan
+        acc, main_grad = self._grad_acc, self._main_grad
         if self.sum_over_axes:  # partial sums across model-parallel ranks (sequence parallel)
-            self.collectives.all_reduce(self.grad_acc, self.sum_over_axes, average=False)
-        if self.grad_acc is self.main_grad:
-            self.collectives.all_reduce(self.main_grad, plan.finalize_allreduce_axes)
+            acc.all_reduce(self.sum_over_axes, average=False)
+        if acc is main_grad:
+            main_grad.all_reduce(self.plan.finalize_allreduce_axes)
         else:
-            reduced = self._reduce_levels(self.grad_acc, self.grad_level, self.opt_level, staged)
-            self.collectives.all_reduce(reduced, plan.finalize_allreduce_axes)
-            if self._main_overwrite:
-                self.main_grad.copy_(reduced)
-            else:
-                self.main_grad.add_(reduced)
+            reduced = acc.reduce_scatter(self.opt_level, staged)
+            reduced.all_reduce(self.plan.finalize_allreduce_axes)
+            main_grad.accumulate(reduced)
             # the reduce stream may still read it: the caller keeps it alive until it waits
-            self._released = (self.grad_acc,)
-        self.grad_acc = None
+            self._released = (acc.flat,)
+        self._grad_acc = None
         self.grad_state = GradState.REDUCED
         if self.offloaded:  # stream the finished shard to the host right behind its reduction
+            numel, dtype = main_grad.flat.numel(), main_grad.flat.dtype
             if self._host_grad is None:
-                self._host_grad = self._host.empty(self.main_grad.numel(), self.main_grad.dtype)
+                self._host_grad = self._host.empty(numel, dtype)
             host = self._host_grad
             if self._host_kept is not None:  # the user kept last step's grads there: add to them at install
-                host = torch.empty(self.main_grad.numel(), dtype=self.main_grad.dtype)
-            host.copy_(self.main_grad, non_blocking=True)
-            self._released = self._released + (self.main_grad,)
-            self.main_grad = host
+                host = torch.empty(numel, dtype=dtype)
+            self._main_grad = main_grad.copy_to(host)
+            self._released = self._released + (main_grad.flat,)
 
     def discard_grads(self) -> None:
         """Drop installed grads and any accumulation still open (the next backward overwrites)."""
@@ -439,8 +380,8 @@ class ParamGroup:
             param.grad = None
         for param in self.unsharded_params:
             param.grad = None
-        self.grad_acc = None
-        self.main_grad = None
+        self._grad_acc = None
+        self._main_grad = None
         self.grad_state = GradState.IDLE
         self._host_ready = None
         self._host_kept = None
@@ -455,18 +396,18 @@ class ParamGroup:
         if self.offloaded:
             self._install_host_grads()
             return
-        existing = [p.grad for p in self.sharded_params]
-        if all(g is not None and g._local_tensor._base is self.main_grad for g in existing):
+        flat = self._main_grad.flat
+        if all(p.grad is not None and p.grad._local_tensor._base is flat for p in self.sharded_params):
             pass  # accumulated onto the grads already installed
         else:
-            for param, grad in zip(self.sharded_params, self._grad_views(self.main_grad)):
+            for param, grad in zip(self.sharded_params, self._main_grad.dtensors()):
                 param.grad = grad
-        self.main_grad = None
+        self._main_grad = None
         self.grad_state = GradState.IDLE
         # An optimizer step on these grads may not show in any version counter: on CUDA, torch's
         # default (foreach) AdamW over DTensors moved none (2 x H200, torch 2.11), so the next
         # forward rebuilds the model weights whenever grads were handed out.
-        self.weights_stale = True
+        self.mark_weights_stale()
 
     def _install_host_grads(self) -> None:
         if self._host_ready is not None:
@@ -475,26 +416,36 @@ class ParamGroup:
         kept = self._host_kept
         if kept is not None:  # accumulate onto the grads the user did not clear
             existing, cleared = kept
-            m = self.opt_level
-            for was_cleared, p, old, new in zip(
-                cleared, self.params, self.layouts[m].views(existing), self.layouts[m].views(self.main_grad)
-            ):
-                target, fresh = p.local(old, m), p.local(new, m)
+            target = DistributedBuffer(self.levels, self.opt_level, existing)
+            for i, was_cleared in enumerate(cleared):
+                old, new = target.local(i), self._main_grad.local(i)
                 if was_cleared:
-                    target.copy_(fresh)
+                    old.copy_(new)
                 else:
-                    target.add_(fresh)
-            self.main_grad = existing
+                    old.add_(new)
+            self._main_grad = target
         self._host_kept = None
         if kept is None or any(p.grad is None for p in self.sharded_params):
-            for param, grad in zip(self.sharded_params, self._grad_views(self.main_grad)):
+            for param, grad in zip(self.sharded_params, self._main_grad.dtensors()):
                 param.grad = grad
-        self._main_grad_ref = weakref.ref(self.main_grad)
-        self.main_grad = None
+        self._main_grad_ref = weakref.ref(self._main_grad.flat)
+        self._main_grad = None
         self.grad_state = GradState.IDLE
-        self.weights_stale = True
+        self.mark_weights_stale()
 
     # -------------------------------------------------------- weight refresh
+    def mark_weights_stale(self) -> None:
+        """The main weights changed in a way their version counters may not show: rebuild at the next refresh."""
+        self.refresh_state = RefreshState.STALE
+
+    @property
+    def weights_stale(self) -> bool:
+        return self.refresh_state is RefreshState.STALE
+
+    @weights_stale.setter
+    def weights_stale(self, stale: bool) -> None:
+        self.refresh_state = RefreshState.STALE if stale else RefreshState.CURRENT
+
     def _main_version(self) -> tuple[int, int]:
         """Version counters that any in-place update of the main weights moves, and our refresh does not.
 
@@ -509,38 +460,30 @@ class ParamGroup:
     def refresh_model_weights(self) -> None:
         """Rebuild the compute-dtype model weights from the main weights after an update."""
         version = self._main_version()
-        if not self.weights_stale and version == self._refreshed_version:
+        if self.refresh_state is RefreshState.CURRENT and version == self._refreshed_version:
             return
-        self.weights_stale = False
+        self.refresh_state = RefreshState.CURRENT
         self._refreshed_version = version
         kp, m = self.param_level, self.opt_level
         if self.offloaded and kp == m and kp > 0:
-            self._upload_pending = True  # copied in on the gather stream, right before the next gather
+            self._model.state = BufferState.OUTDATED  # uploaded on the gather stream, right before the next gather
             return
         if self.offloaded and kp == m:  # replicated weights (no_shard): one copy from the host
-            self.model_shard.copy_(self.main, non_blocking=True)
+            self._model.copy_from(self._main, non_blocking=True)
             return
-        if self.model_shard is None or (self.main_aliases_model and m == kp):
+        if self._model is None or (self.main_aliases_model and m == kp):
             return
-        if self.main is None:  # main weights are this rank's pieces of the model shard: gather in place
-            views = self._main_views
-        else:  # (from the host when offloaded)
-            views = self.layouts[m].views(self.main.to(self.device, self.compute_dtype, non_blocking=True))
-        with torch.autograd._unsafe_preserve_version_counter(self.model_shard):
-            self._gather_levels(views, m, kp, self._model_views)
+        # main weights that are this rank's pieces of the model shard gather in place; others are
+        # cast (from the host when offloaded) first
+        source = self._main if self._main.flat is None else self._main.to(self.device, self.compute_dtype, True)
+        with torch.autograd._unsafe_preserve_version_counter(self._model.flat):
+            source.gather_into(self._model)
 
     @torch.no_grad()
     def broadcast_main_weights(self, axis) -> None:
         """Give every rank of ``axis`` (where main weights are replicated) the first rank's values."""
-        import torch.distributed as dist
-
-        buffer = self.main if self.main is not None else self.model_shard
-        if buffer.numel():
-            on_device = buffer.to(self.device)  # the buffer itself when it is not offloaded
-            dist.broadcast(on_device, src=dist.get_global_rank(axis.group, 0), group=axis.group)
-            if on_device is not buffer:
-                buffer.copy_(on_device)
-        self.weights_stale = True
+        (self._main if self._main.flat is not None else self._model).broadcast(axis)
+        self.mark_weights_stale()
 
     # ------------------------------------------------------------ reporting
     def resident_bytes(self) -> dict[str, int]:

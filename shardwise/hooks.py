@@ -258,5 +258,5 @@ class ShardedState:
 
     def mark_weights_modified(self) -> None:
         for g in self.groups:
-            g.weights_stale = True
+            g.mark_weights_stale()
 

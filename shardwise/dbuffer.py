@@ -1,0 +1,303 @@
+"""A distributed buffer: one sharding level of a group's parameters, as one flat local tensor.
+
+A group's parameters are split level after level (``layout``): level 0 is the
+whole parameter, level ``j`` this rank's piece over the ``j``-th sharded axis.
+A ``DistributedBuffer`` holds one level of every parameter of a group, one
+padded slot per parameter packed into one flat tensor, and moves itself to
+other levels:
+
+- ``gather_into`` (and ``start_gather`` on a side stream): all-gather down to a
+  lower level, one axis at a time, each parameter landing contiguous in its slot;
+- ``reduce_scatter``: average up to a higher level into staged buffers;
+- ``all_reduce``: average (or sum) in place over mesh axes;
+- ``accumulate``: copy into an ``EMPTY`` buffer, add into one that holds values;
+- ``free`` / ``alloc``: drop and take back the storage (the views keep their shapes).
+
+Every collective goes through the group's ``Collectives``, one call per mesh
+axis and transition (one coalesced NCCL group of per-parameter collectives).
+The buffers of one group share a ``Levels``: the parameters' rows
+(``ShardedParam``), one ``LevelLayout`` per level, the axes between levels
+(the plan's optimizer axes, outermost first), the collectives, the streams and
+the device. Which buffers a group has, and when they move, is ``group``'s part.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .buffers import Collectives, InFlight, StreamSet
+from .layout import LevelLayout
+from .param import ShardedParam
+
+__all__ = ["BufferState", "Levels", "DistributedBuffer"]
+
+
+class BufferState(enum.Enum):
+    """What a buffer's storage holds."""
+
+    FREED = "freed"  # no storage (the unsharded level at rest); the views keep their shapes
+    EMPTY = "empty"  # storage whose values mean nothing: the next write overwrites (``accumulate`` copies)
+    HOLDS = "holds"  # values: ``accumulate`` adds to them
+    OUTDATED = "outdated"  # values a newer source replaces before anything reads them (``copy_from``)
+
+
+class Levels:
+    """What the buffers of one group share: its parameters' levels and how to move between them."""
+
+    def __init__(
+        self,
+        params: Sequence[ShardedParam],
+        axes: Sequence,
+        collectives: Collectives,
+        streams: StreamSet,
+        device: torch.device,
+    ):
+        self.params = list(params)
+        self.axes = list(axes)  # axes[j - 1] splits level j - 1 into level j (the plan's optimizer axes)
+        self.collectives = collectives
+        self.streams = streams
+        self.device = device
+        self.layouts = [
+            LevelLayout([p.slot_numel(level) for p in self.params]) for level in range(len(self.axes) + 1)
+        ]
+        self._gaps: dict[int, list[tuple[int, int]]] = {}
+
+    def gaps(self, level: int) -> list[tuple[int, int]]:
+        """Flat ranges of a level's buffer outside every parameter's real rows."""
+        gaps = self._gaps.get(level)
+        if gaps is None:
+            used = [p.real_rows(level)[1] * p.row_numel for p in self.params]
+            gaps = self._gaps[level] = self.layouts[level].gaps(used)
+        return gaps
+
+    def paired(self, level: int, parents: list[torch.Tensor], pieces: list[torch.Tensor]) -> tuple[list, list]:
+        """For a collective between ``level - 1`` and ``level``: each parameter's gathered region of its
+        parent slot and its piece (parameters with no rows at this level take no part)."""
+        gathered, own = [], []
+        for p, parent, piece in zip(self.params, parents, pieces):
+            if p.piece_numel(level):
+                gathered.append(parent[: p.gathered_numel(level)])
+                own.append(piece[: p.piece_numel(level)])
+        return gathered, own
+
+    # ------------------------------------------------------------- new buffers
+    def empty(self, level: int, dtype: torch.dtype) -> "DistributedBuffer":
+        """A buffer of ``level`` on the device, uninitialized (``EMPTY``)."""
+        flat = torch.empty(self.layouts[level].total, dtype=dtype, device=self.device)
+        return DistributedBuffer(self, level, flat, BufferState.EMPTY)
+
+    def zeros(self, level: int, dtype: torch.dtype) -> "DistributedBuffer":
+        flat = torch.zeros(self.layouts[level].total, dtype=dtype, device=self.device)
+        return DistributedBuffer(self, level, flat)
+
+    def staged(self, level: int, dtype: torch.dtype, staged: list) -> "DistributedBuffer":
+        """A buffer of ``level`` on a staging-pool temporary (appended to ``staged``: it goes back to the
+        pool once the compute stream has waited for what reads it)."""
+        total = self.layouts[level].total
+        buffer = self.streams.pool.take(total, dtype, self.device)
+        staged.append(buffer)
+        return DistributedBuffer(self, level, buffer[:total], BufferState.EMPTY)
+
+
+class DistributedBuffer:
+    """One level of every parameter of a group: a flat local tensor of padded slots.
+
+    ``flat`` is ``None`` for a level that lives inside the gathered slots of the
+    level above it (``own_pieces``: fp32 main weights that are this rank's
+    pieces of the model shard); such a buffer has slots but no storage of its own.
+    """
+
+    __slots__ = ("levels", "level", "flat", "state", "_views")
+
+    def __init__(
+        self,
+        levels: Levels,
+        level: int,
+        flat: torch.Tensor | None,
+        state: BufferState = BufferState.HOLDS,
+        views: list[torch.Tensor] | None = None,
+    ):
+        self.levels = levels
+        self.level = level
+        self.flat = flat
+        self.state = state
+        self._views = views
+
+    def own_pieces(self) -> "DistributedBuffer":
+        """The next level, in place: this rank's pieces inside this buffer's slots."""
+        level = self.level + 1
+        views = [p.own_piece(v, level) for p, v in zip(self.levels.params, self.views())]
+        return DistributedBuffer(self.levels, level, None, views=views)
+
+    # ------------------------------------------------------------------ slots
+    @property
+    def layout(self) -> LevelLayout:
+        return self.levels.layouts[self.level]
+
+    def views(self) -> list[torch.Tensor]:
+        """Every parameter's slot (1-D views of ``flat``, padding included)."""
+        if self._views is None:
+            self._views = self.layout.views(self.flat)
+        return self._views
+
+    def local(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s real rows at this level, shaped like the parameter (``ShardedParam.local``)."""
+        return self.levels.params[i].local(self.views()[i], self.level)
+
+    def locals(self) -> list[torch.Tensor]:
+        return [p.local(v, self.level) for p, v in zip(self.levels.params, self.views())]
+
+    def dtensors(self) -> list[DTensor]:
+        """Every parameter's rows as a DTensor of the global parameter (optimizer level only)."""
+        return [p.dtensor(p.local(v, self.level)) for p, v in zip(self.levels.params, self.views())]
+
+    # ------------------------------------------------------------------ values
+    def fill(self, fulls: Sequence[torch.Tensor]) -> None:
+        """This rank's rows of each parameter's full (model-parallel-local) value; no communication."""
+        for p, view, full in zip(self.levels.params, self.views(), fulls):
+            p.local(view, self.level).copy_(p.shard_of(full, self.level))
+        self.state = BufferState.HOLDS
+
+    def load(self, tensors: Sequence[torch.Tensor | None]) -> None:
+        """Copy each parameter's rows (zeros where ``None``) into its slot and zero the padding:
+        one kernel for the copies."""
+        targets, sources = [], []
+        for local, t in zip(self.locals(), tensors):
+            if t is None:
+                local.zero_()
+            else:
+                targets.append(local)
+                sources.append(t)
+        flat = self.flat
+        for start, end in self.levels.gaps(self.level):
+            flat[start:end].zero_()
+        if sources:
+            torch._foreach_copy_(targets, sources)
+        self.state = BufferState.HOLDS
+
+    def accumulate(self, other: "DistributedBuffer") -> None:
+        """Add ``other`` (same level and size) into this buffer; an ``EMPTY`` one is overwritten instead."""
+        if self.state is BufferState.EMPTY:
+            self.flat.copy_(other.flat)
+            self.state = BufferState.HOLDS
+        else:
+            self.flat.add_(other.flat)
+
+    def copy_from(self, other: "DistributedBuffer", non_blocking: bool = False) -> None:
+        self.flat.copy_(other.flat, non_blocking=non_blocking)
+        self.state = BufferState.HOLDS
+
+    def copy_to(self, flat: torch.Tensor) -> "DistributedBuffer":
+        """This buffer's values copied (``non_blocking``) into ``flat`` (another device), as a buffer."""
+        flat.copy_(self.flat, non_blocking=True)
+        return DistributedBuffer(self.levels, self.level, flat)
+
+    def to(self, device: torch.device, dtype: torch.dtype, non_blocking: bool = False) -> "DistributedBuffer":
+        """This buffer on ``device`` in ``dtype`` (itself when it already is)."""
+        flat = self.flat.to(device, dtype, non_blocking=non_blocking)
+        return self if flat is self.flat else DistributedBuffer(self.levels, self.level, flat)
+
+    def cast(self, dtype: torch.dtype, staged: list) -> "DistributedBuffer":
+        """This buffer cast into a staging-pool temporary (appended to ``staged``)."""
+        numel = self.flat.numel()
+        buffer = self.levels.streams.pool.take(numel, dtype, self.levels.device)
+        staged.append(buffer)
+        source = buffer[:numel]
+        source.copy_(self.flat)
+        return DistributedBuffer(self.levels, self.level, source)
+
+    # ----------------------------------------------------------------- storage
+    def free(self) -> None:
+        """Release the storage; the views (and parameters viewing them) keep their shapes."""
+        self.flat.untyped_storage().resize_(0)
+        self.state = BufferState.FREED
+
+    def alloc(self) -> None:
+        """Take the storage back (uninitialized) after ``free``."""
+        flat = self.flat
+        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        self.state = BufferState.EMPTY
+
+    def storage_bytes(self) -> int:
+        return self.flat.untyped_storage().nbytes()
+
+    # ------------------------------------------------------------- transitions
+    def gather_into(self, target: "DistributedBuffer") -> list[torch.Tensor]:
+        """All-gather every parameter's pieces from this level down into ``target``'s slots, one
+        collective per axis on the current stream.
+
+        Returns the temporaries of the levels in between, which the stream still reads.
+        """
+        levels, bottom = self.levels, target.level
+        views, temps = self.views(), []
+        for level in range(self.level, bottom, -1):
+            if level - 1 == bottom:
+                out_views = target.views()
+            else:
+                temp = torch.empty(levels.layouts[level - 1].total, dtype=views[0].dtype, device=levels.device)
+                temps.append(temp)
+                out_views = levels.layouts[level - 1].views(temp)
+            levels.collectives.gather(*levels.paired(level, out_views, views), levels.axes[level - 1])
+            views = out_views
+        target.state = BufferState.HOLDS
+        return temps
+
+    def start_gather(self, source: "DistributedBuffer | Callable[[list], DistributedBuffer]") -> InFlight:
+        """Take this buffer's storage back, then all-gather ``source`` into it on the gather stream.
+
+        ``source`` may be a function of the staged list that makes the buffer to
+        gather on the gather stream, right before the gather (a cast, an upload).
+        On CUDA this returns at once: the compute stream waits on the result's
+        event before it reads this buffer; the flight keeps the temporaries alive
+        until then and gives the staged buffers back to the pool.
+        """
+        self.alloc()  # on the compute stream, like every other allocation of the buffer
+        streams = self.levels.streams
+        staged: list = []
+        with streams.on(streams.gather), torch.autograd._unsafe_preserve_version_counter(self.flat):
+            if callable(source):
+                source = source(staged)
+            temps = source.gather_into(self)
+        return InFlight(streams.record(streams.gather), keepalive=tuple(temps), staged=tuple(staged), pool=streams.pool)
+
+    def reduce_scatter(self, top: int, staged: list) -> "DistributedBuffer":
+        """Average this level's values up to level ``top`` over the axes in between, into staging-pool
+        temporaries (appended to ``staged``); itself when it is already at ``top``.
+
+        Slot rows past a piece's real rows hold whatever the padding summed to;
+        nothing reads them.
+        """
+        levels = self.levels
+        flat, views = self.flat, self.views()
+        for level in range(self.level + 1, top + 1):
+            total = levels.layouts[level].total
+            buffer = levels.streams.pool.take(total, flat.dtype, levels.device)
+            staged.append(buffer)
+            out = buffer[:total]
+            out_views = levels.layouts[level].views(out)
+            ins, outs = levels.paired(level, views, out_views)
+            levels.collectives.reduce_scatter(outs, ins, levels.axes[level - 1])
+            flat, views = out, out_views
+        if flat is self.flat:
+            return self
+        return DistributedBuffer(levels, top, flat, views=views)
+
+    def all_reduce(self, axes: Sequence, average: bool = True) -> None:
+        """Average (or sum) the whole buffer in place over each of ``axes``."""
+        self.levels.collectives.all_reduce(self.flat, axes, average=average)
+
+    def broadcast(self, axis) -> None:
+        """Give every rank of ``axis`` the values of the axis's first rank (from the host through the device
+        when the buffer lives on the host)."""
+        import torch.distributed as dist
+
+        flat = self.flat
+        if flat.numel():
+            on_device = flat.to(self.levels.device)  # the buffer itself when it is on the device
+            dist.broadcast(on_device, src=dist.get_global_rank(axis.group, 0), group=axis.group)
+            if on_device is not flat:
+                flat.copy_(on_device)
