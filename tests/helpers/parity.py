@@ -82,12 +82,10 @@ def _backward(loss: Callable, divide: int = 1) -> Callable:
     return backward
 
 
-def _train(model, opt, batch, steps, backward, rows: slice, micro_batches=1, hooks=Hooks(), clip=None,
-           group=None) -> list[float]:
-    """``steps`` steps on ``rows`` of each global batch; each step's loss (averaged over ``group``)."""
+def _train(model, opt, batch, steps, backward, rows: slice, micro_batches=1, hooks=Hooks(), clip=None, group=None):
+    """``steps`` steps on ``rows`` of each global batch, yielding each step's loss (averaged over ``group``)."""
     dev = device()
     per_micro = (rows.stop - rows.start) // micro_batches
-    losses = []
     for step in range(steps):
         data = [t.to(dev) for t in batch(step)]
         if hooks.before_step is not None:
@@ -111,10 +109,9 @@ def _train(model, opt, batch, steps, backward, rows: slice, micro_batches=1, hoo
         opt.zero_grad()
         if group is not None:
             dist.all_reduce(total, group=group)
-            losses.append(total.item() / dist.get_world_size(group))
+            yield total.item() / dist.get_world_size(group)
         else:
-            losses.append(total.item())
-    return losses
+            yield total.item()
 
 
 def train_both(
@@ -161,15 +158,18 @@ def train_both(
     data_ranks = dist.get_world_size() if data_ranks is None else data_ranks
     size = batch(0)[0].shape[0]
     rows = size // data_ranks
-    losses = _train(
-        sharded, opt, batch, steps, _backward(loss, micro_batches), slice(data_rank * rows, (data_rank + 1) * rows),
-        micro_batches, hooks, clip=None if clip is None else (lambda ps: shardwise.clip_grad_norm_(ps, clip)),
-        group=dist.group.WORLD if loss_group is None else loss_group,
-    )
-    ref_losses = _train(
-        ref, ref_opt, batch, steps, reference_backward or _backward(loss), slice(0, size),
-        clip=None if clip is None else (lambda ps: torch.nn.utils.clip_grad_norm_(ps, clip)),
-    )
+    sharded_steps = _train(sharded, opt, batch, steps, _backward(loss, micro_batches),
+                           slice(data_rank * rows, (data_rank + 1) * rows), micro_batches, hooks,
+                           clip=None if clip is None else (lambda ps: shardwise.clip_grad_norm_(ps, clip)),
+                           group=dist.group.WORLD if loss_group is None else loss_group)
+    reference_steps = _train(ref, ref_opt, batch, steps, reference_backward or _backward(loss), slice(0, size),
+                             clip=None if clip is None else (lambda ps: torch.nn.utils.clip_grad_norm_(ps, clip)))
+    losses, ref_losses = [], []
+    # step by step, the reference's after the sharded one's: on an oversubscribed CPU a rank's
+    # reference step fills the time it would otherwise wait for the others in a collective
+    for value, ref_value in zip(sharded_steps, reference_steps):
+        losses.append(value)
+        ref_losses.append(ref_value)
     return Trained(losses, full_state(sharded), sharded, opt), Trained(ref_losses, state_of(ref), ref, ref_opt)
 
 
