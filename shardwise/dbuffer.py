@@ -264,27 +264,46 @@ class DistributedBuffer:
             temps = source.gather_into(self)
         return InFlight(streams.record(streams.gather), keepalive=tuple(temps), staged=tuple(staged), pool=streams.pool)
 
-    def reduce_scatter(self, top: int, staged: list) -> "DistributedBuffer":
+    def reduce_scatter(self, top: int, staged: list, into: "DistributedBuffer | None" = None) -> "DistributedBuffer":
         """Average this level's values up to level ``top`` over the axes in between, into staging-pool
         temporaries (appended to ``staged``); itself when it is already at ``top``.
+
+        ``into`` (an ``EMPTY`` buffer of level ``top`` and this dtype) takes the
+        last level's result directly, instead of a temporary that would only be
+        copied into it (returned, now ``HOLDS``).
 
         Slot rows past a piece's real rows hold whatever the padding summed to;
         nothing reads them.
         """
         levels = self.levels
+        if into is not None and not (into.state is BufferState.EMPTY and into.level == top > self.level
+                                     and into.flat.dtype == self.flat.dtype):
+            raise ValueError(f"reduce_scatter into a {into.state.name} level-{into.level} {into.flat.dtype} buffer; "
+                             f"it takes only an EMPTY level-{top} {self.flat.dtype} one above level {self.level}")
         flat, views = self.flat, self.views()
         for level in range(self.level + 1, top + 1):
-            total = levels.layouts[level].total
-            buffer = levels.streams.pool.take(total, flat.dtype, levels.device)
-            staged.append(buffer)
-            out = buffer[:total]
-            out_views = levels.layouts[level].views(out)
+            if level == top and into is not None:
+                out, out_views = into.flat, into.views()
+            else:
+                total = levels.layouts[level].total
+                buffer = levels.streams.pool.take(total, flat.dtype, levels.device)
+                staged.append(buffer)
+                out = buffer[:total]
+                out_views = levels.layouts[level].views(out)
             ins, outs = levels.paired(level, views, out_views)
             levels.collectives.reduce_scatter(outs, ins, levels.axes[level - 1])
             flat, views = out, out_views
+        if into is not None:
+            into.state = BufferState.HOLDS
+            return into
         if flat is self.flat:
             return self
         return DistributedBuffer(levels, top, flat, views=views)
+
+    def takes(self, level: int, dtype: torch.dtype) -> bool:
+        """Whether a result of ``level`` and ``dtype`` may be written straight into this buffer (it is ``EMPTY``
+        and of that level and dtype): no temporary and no copy."""
+        return self.state is BufferState.EMPTY and self.level == level and self.flat.dtype == dtype
 
     def all_reduce(self, axes: Sequence, average: bool = True) -> None:
         """Average (or sum) the whole buffer in place over each of ``axes``."""

@@ -301,8 +301,10 @@ class ParamGroup:
         self.grad_state = GradState.ACCUMULATING
 
     def _flat_grads(self, staged: list) -> DistributedBuffer:
-        """The unsharded grads (zeros where missing) in one staged comm-dtype buffer, one kernel."""
-        flat = self.levels.staged(0, self.comm_dtype, staged)
+        """The unsharded grads (zeros where missing) in one comm-dtype buffer, one kernel: the accumulation
+        buffer itself when that is a fresh one of level 0 and this dtype (ZeRO-0/1), else a staged one."""
+        acc = self._grad_acc
+        flat = acc if acc.takes(0, self.comm_dtype) else self.levels.staged(0, self.comm_dtype, staged)
         grads = []
         for param in self.unsharded_params:
             grads.append(param.grad)
@@ -323,12 +325,16 @@ class ParamGroup:
             self._open_window()
         self._released = ()
         staged: list = []
+        acc = self._grad_acc
         flat = self._flat_grads(staged)
         with self.streams.on(self.streams.reduce):
-            shard = flat.reduce_scatter(self.grad_level, staged)
+            # the first micro-batch's reduction lands in the fresh accumulation buffer itself
+            into = acc if flat is not acc and acc.takes(self.grad_level, flat.flat.dtype) else None
+            shard = flat.reduce_scatter(self.grad_level, staged, into=into)
             if self.plan.grad_scale != 1.0:
                 shard.flat.mul_(self.plan.grad_scale)
-            self._grad_acc.accumulate(shard)
+            if shard is not acc:
+                acc.accumulate(shard)
             if finalize:
                 self._finalize(staged)
         return self._in_flight(staged)
@@ -357,9 +363,11 @@ class ParamGroup:
         if acc is main_grad:
             main_grad.all_reduce(self.plan.finalize_allreduce_axes)
         else:
-            reduced = acc.reduce_scatter(self.opt_level, staged)
+            into = main_grad if main_grad.takes(self.opt_level, acc.flat.dtype) else None
+            reduced = acc.reduce_scatter(self.opt_level, staged, into=into)
             reduced.all_reduce(self.plan.finalize_allreduce_axes)
-            main_grad.accumulate(reduced)
+            if reduced is not main_grad:
+                main_grad.accumulate(reduced)
             # the reduce stream may still read it: the caller keeps it alive until it waits
             self._released = (acc.flat,)
         self._grad_acc = None

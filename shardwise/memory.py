@@ -30,8 +30,8 @@ buffer                 size on one rank                                    lives
 ``unit grads``         compute dtype x n: autograd's gradients of the      a unit's backward until
                        unsharded parameters                                its reduction copies them
 ``reduce staging``     comm dtype x n (the flat copy of the unit grads)    a unit's reduction, held
-                       + reduce-scatter outputs at each level              until the next unit's
-                                                                           reduction lands
+                       + reduce-scatter outputs at each level but the      until the next unit's
+                       last (that one lands in the buffer it fills)        reduction lands
 =====================  ==================================================  ==========================
 
 :func:`estimate_state_bytes` adds them at the end of backward (every gradient
@@ -217,10 +217,19 @@ class BufferSizes:
     def reduce_staging(self, n: float, accumulating: bool = False) -> float:
         """A unit's reduction: the flat comm-dtype copy, the reduce-scatter outputs of every level, the
         accumulation buffer it opens when not accumulating (ZeRO-1, HFSDP), and the device gradient shard an
-        offloaded group copies to the host."""
-        staged = self.at(0, n, self.comm_b) + sum(self.at(level, n, self.comm_b) for level in range(1, self.kg + 1))
-        if self.kg < self.m:  # finalize: grad_acc reduce-scattered further, one staged buffer per level
-            staged += sum(self.at(level, n, self.grad_b) for level in range(self.kg + 1, self.m + 1))
+        offloaded group copies to the host.
+
+        The last level of a chain lands in the fresh buffer it fills, not in a
+        staged one: a micro-batch's reduction in the accumulation buffer when it is
+        the window's first and travels in the gradient dtype (the flat copy itself
+        when there is no level to reduce), the finalizing one in the gradient shard.
+        """
+        direct = not accumulating and self.comm_b == self.grad_b
+        staged = 0.0 if direct and self.kg == 0 else self.at(0, n, self.comm_b)
+        staged += sum(self.at(level, n, self.comm_b) for level in range(1, self.kg + 1)
+                      if not (direct and level == self.kg))
+        if self.kg < self.m:  # finalize: grad_acc reduce-scattered further into the gradient shard
+            staged += sum(self.at(level, n, self.grad_b) for level in range(self.kg + 1, self.m))
             if not accumulating:
                 staged += self.grad_accumulation(n)
         if self.offload:

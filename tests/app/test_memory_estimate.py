@@ -120,11 +120,15 @@ def test_strategies_order_zero0_zero1_zero2_zero3_per_gpu(accumulate):
     order = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
     state = [estimate_state_bytes(8_030_261_248, world=8, strategy=s, largest_unit_params=218_112_000,
                                   accumulate_grads=accumulate).gpu_bytes for s in order]
-    assert state == sorted(state, reverse=True) and len(set(state)) == 4, state
+    assert state == sorted(state, reverse=True), state
+    if accumulate:  # ZeRO-1 keeps unsharded fp32 grads across micro-batches, ZeRO-2 their shards
+        assert len(set(state)) == 4, state
+    else:  # one micro-batch: both reduce-scatter each unit's grads into its shard at once
+        assert state[0] > state[1] == state[2] > state[3], state
     s = SIZES["8b"]
     runs = [estimate_for_run(model_config(s), s.seq_len, 1, 8, strategy, grad_accum=2 if accumulate else 1).gpu_bytes
             for strategy in order]
-    assert runs == sorted(runs, reverse=True) and len(set(runs)) == 4, runs
+    assert runs == sorted(runs, reverse=True) and len(set(runs)) == (4 if accumulate else 3), runs
 
 
 def test_hybrid_sharding_levels():

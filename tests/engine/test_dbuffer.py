@@ -205,6 +205,22 @@ def test_reduce_scatter_up_keeps_this_ranks_piece_in_staged_buffers(sim):
     assert shard.reduce_scatter(2, staged) is shard and len(staged) == 3  # already there: nothing moves
 
 
+def test_reduce_scatter_into_a_fresh_buffer_writes_there_without_a_temporary(sim):
+    levels, fulls, _ = sim
+    grads = levels.staged(0, torch.float32, staged := [])
+    grads.load(fulls)
+    acc = levels.empty(2, torch.float32)
+    assert acc.takes(2, torch.float32) and not acc.takes(1, torch.float32) and not acc.takes(2, torch.bfloat16)
+    shard = grads.reduce_scatter(2, staged, into=acc)
+    assert shard is acc and acc.state is BufferState.HOLDS
+    assert len(staged) == 2, "only the intermediate level takes a staged temporary"
+    for i, p in enumerate(levels.params):
+        assert torch.equal(acc.local(i), p.shard_of(fulls[i], 2))
+    assert not acc.takes(2, torch.float32)  # it holds values now: the next reduction is added, not written over
+    with pytest.raises(ValueError, match="HOLDS level-2"):
+        grads.reduce_scatter(2, staged, into=acc)
+
+
 def test_load_zeroes_missing_rows_and_all_padding(sim):
     levels, fulls, _ = sim
     buf = levels.empty(0, torch.float32)
