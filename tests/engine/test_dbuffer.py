@@ -32,6 +32,7 @@ from shardwise.group import GradState, ModuleParams, ParamGroup, RefreshState, W
 from shardwise.mesh import ShardingPlan
 from shardwise.param import ParamRef, ShardedParam
 from shardwise.placements import AxisPlacements
+from tests.helpers.fake_mesh import FakeMesh
 
 CPU = torch.device("cpu")
 S = Shard(0)
@@ -45,26 +46,6 @@ def _fulls(seed: int = 0) -> list[torch.Tensor]:
 
 
 # ------------------------------------------------------------ simulated 2 x 3 mesh
-class FakeMesh:
-    """What ``ShardingPlan`` reads of a ``DeviceMesh``."""
-
-    def __init__(self, sizes: dict[str, int], coords: dict[str, int]):
-        self.mesh_dim_names = tuple(sizes)
-        self.sizes = list(sizes.values())
-        self.coords = coords
-        self.device_type = "cpu"
-        self.mesh = torch.arange(math.prod(self.sizes)).reshape(self.sizes)
-
-    def size(self, i: int) -> int:
-        return self.sizes[i]
-
-    def get_group(self, name: str) -> str:
-        return f"group:{name}"
-
-    def get_local_rank(self, name: str) -> int:
-        return self.coords[name]
-
-
 class AxisOracle(shardwise.Collectives):
     """The other ranks of each axis, played from the full tensors; every call recorded."""
 

@@ -8,8 +8,6 @@ patched to answer for them).
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,27 +27,9 @@ from shardwise.placements import (
     validate_axis_placements,
 )
 
+from tests.helpers.fake_mesh import FakeMesh
+
 R, S, P = Replicate(), Shard(0), Partial("avg")
-
-
-class FakeMesh:
-    """What ``ShardingPlan`` reads of a ``DeviceMesh``: names, sizes, coordinates, groups."""
-
-    def __init__(self, sizes: dict[str, int], coords: dict[str, int] | None = None, device_type: str = "cpu"):
-        self.mesh_dim_names = tuple(sizes)
-        self.sizes = list(sizes.values())
-        self.coords = coords or {n: 0 for n in sizes}
-        self.device_type = device_type
-        self.mesh = torch.arange(math.prod(self.sizes)).reshape(self.sizes)
-
-    def size(self, i: int) -> int:
-        return self.sizes[i]
-
-    def get_group(self, name: str) -> str:
-        return f"group:{name}"
-
-    def get_local_rank(self, name: str) -> int:
-        return self.coords[name]
 
 
 @pytest.fixture
