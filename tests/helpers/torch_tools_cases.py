@@ -298,7 +298,8 @@ def check_dtensor(report: Report, what: str, t, expected: torch.Tensor) -> None:
         ) from exc
     report.close_to(f"{what} full_tensor()", full, expected)
     report.close_to(f"{what} redistribute(Replicate).to_local()", replicated, expected)
-    torch_local = distribute_tensor(full, mesh, settled, src_data_rank=None).to_local()
+    # on the mesh's device; an offloaded tensor keeps its local shard on the host (as FSDP2's CPUOffloadPolicy)
+    torch_local = distribute_tensor(full, mesh, settled, src_data_rank=None).to_local().to(local.device)
     if torch_local.shape != local.shape or not torch.equal(torch_local, local):
         report.add(
             f"{what}: {placements} on {mesh.mesh_dim_names} {tuple(mesh.shape)}, global {tuple(t.shape)}: this rank "
