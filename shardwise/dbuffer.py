@@ -276,8 +276,7 @@ class DistributedBuffer:
         nothing reads them.
         """
         levels = self.levels
-        if into is not None and not (into.state is BufferState.EMPTY and into.level == top > self.level
-                                     and into.flat.dtype == self.flat.dtype):
+        if into is not None and not (top > self.level and into.takes(top, self.flat.dtype)):
             raise ValueError(f"reduce_scatter into a {into.state.name} level-{into.level} {into.flat.dtype} buffer; "
                              f"it takes only an EMPTY level-{top} {self.flat.dtype} one above level {self.level}")
         flat, views = self.flat, self.views()

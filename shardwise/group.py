@@ -328,8 +328,9 @@ class ParamGroup:
         acc = self._grad_acc
         flat = self._flat_grads(staged)
         with self.streams.on(self.streams.reduce):
-            # the first micro-batch's reduction lands in the fresh accumulation buffer itself
-            into = acc if flat is not acc and acc.takes(self.grad_level, flat.flat.dtype) else None
+            # the first micro-batch's reduction lands in the fresh accumulation buffer itself (when the
+            # grads were loaded into it, ZeRO-0/1, it holds them already and takes nothing more)
+            into = acc if acc.takes(self.grad_level, flat.flat.dtype) else None
             shard = flat.reduce_scatter(self.grad_level, staged, into=into)
             if self.plan.grad_scale != 1.0:
                 shard.flat.mul_(self.plan.grad_scale)
