@@ -13,23 +13,13 @@ import torch.nn as nn
 import shardwise
 
 from tests.helpers.distributed import device, run_distributed
-from tests.helpers.parity import Run, assert_parity, compare, train_both
+from tests.helpers.parity import STRATEGY_MESHES, Run, assert_parity, compare, train_both
 from tests.helpers.tiny_model import Block, TinyConfig, TinyLM, batch
 
 # --------------------------------------------------------------- no_sync
 
 
-@pytest.mark.parametrize(
-    "world,strategy,outer",
-    [
-        (2, "no_shard", None),
-        (2, "optim", None),
-        (2, "optim_grads", None),
-        (2, "optim_grads_params", None),
-        (4, "optim_grads_params", "no_shard"),
-        (4, "optim_grads_params", "optim"),
-    ],
-)
+@pytest.mark.parametrize("world,strategy,outer", STRATEGY_MESHES)
 def test_no_sync_over_four_micro_batches_equals_one_large_batch(world, strategy, outer):
     run_distributed(assert_parity, world, Run(strategy=strategy, outer=outer, micro_batches=4, global_batch=16))
 

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import shardwise
 
 from tests.helpers.distributed import BACKEND, device, run_distributed
+from tests.helpers.parity import STRATEGY_MESHES
 from tests.helpers.tiny_model import Block, TinyConfig, TinyLM, batch
 
 STEPS = 4
@@ -79,18 +80,7 @@ def _assert_identical(results):
             assert _same(moments[name], o_moments[name]), name
 
 
-@pytest.mark.parametrize(
-    "world,strategy,outer",
-    [
-        (1, "optim_grads_params", None),
-        (2, "no_shard", None),
-        (2, "optim", None),
-        (2, "optim_grads", None),
-        (2, "optim_grads_params", None),
-        (4, "optim_grads_params", "no_shard"),
-        (4, "optim_grads_params", "optim"),
-    ],
-)
+@pytest.mark.parametrize("world,strategy,outer", [(1, "optim_grads_params", None)] + STRATEGY_MESHES)
 def test_offloaded_training_is_bit_identical(world, strategy, outer):
     results = run_distributed(_compare, world, strategy, outer, shardwise.OffloadPolicy())
     _assert_identical(results)

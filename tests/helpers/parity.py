@@ -30,6 +30,16 @@ import shardwise
 from tests.helpers.distributed import device
 from tests.helpers.tiny_model import Block, TinyConfig, TinyLM, batch
 
+# (world size, strategy, outer strategy): ZeRO 0-3 on 2 ranks, HSDP and HFSDP on a (2, 2) mesh
+STRATEGY_MESHES = [
+    (2, "no_shard", None),
+    (2, "optim", None),
+    (2, "optim_grads", None),
+    (2, "optim_grads_params", None),
+    (4, "optim_grads_params", "no_shard"),
+    (4, "optim_grads_params", "optim"),
+]
+
 
 @dataclass
 class Trained:
