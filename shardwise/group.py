@@ -451,10 +451,6 @@ class ParamGroup:
     def weights_stale(self) -> bool:
         return self.refresh_state is RefreshState.STALE
 
-    @weights_stale.setter
-    def weights_stale(self, stale: bool) -> None:
-        self.refresh_state = RefreshState.STALE if stale else RefreshState.CURRENT
-
     def _main_version(self) -> tuple[int, int]:
         """Version counters that any in-place update of the main weights moves, and our refresh does not.
 
