@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _coalescing_manager
+from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOptions
 
 from .mesh import AxisGroup
 
@@ -135,14 +135,21 @@ def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op, group) -> None:
     fn(out, inp, op=op, group=group)
 
 
-@contextlib.contextmanager
-def _coalesced(axis: AxisGroup) -> Iterator[None]:
-    """One NCCL group launch for the per-parameter collectives inside (gloo runs them one by one)."""
-    if axis.averages_natively:  # NCCL: one allgather/reduce_scatter_tensor_coalesced call
-        with _coalescing_manager(group=axis.group, async_ops=False):
-            yield
-    else:
-        yield
+def _coalesced_call(group, names: tuple[str, str], outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor],
+                    options) -> None:
+    """One NCCL group launch of per-parameter collectives, by one call into the process group.
+
+    torch's ``_coalescing_manager`` ends in the same call, but first runs each
+    collective's Python wrapper to record it: nine wrappers per layer and
+    transition cost enough host time to leave the GPU waiting at 0.89B on two
+    H200s (docs/performance.md, change 9). The call returns once the current
+    stream waits for the group (``asyncOp`` off), as the manager's does.
+    """
+    method = getattr(group, names[0], None) or getattr(group, names[1])  # torch 2.13 renamed them
+    options.asyncOp = False
+    work = method(list(outs), list(ins), options)
+    if work is not None:
+        work.wait()
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -160,24 +167,29 @@ def gather_pieces(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], axi
     """
     if not outs:
         return
-    with _coalesced(axis):
-        for out, inp in zip(outs, ins):
-            if not axis.averages_natively and _overlaps(out, inp):
-                inp = inp.clone()  # gloo copies shards in place without aliasing checks
-            _all_gather(out, inp, axis.group)
+    if axis.averages_natively:  # NCCL
+        _coalesced_call(axis.group, ("all_gather_single_coalesced", "allgather_into_tensor_coalesced"), outs, ins,
+                        AllgatherOptions())
+        return
+    for out, inp in zip(outs, ins):  # gloo: one by one
+        if _overlaps(out, inp):
+            inp = inp.clone()  # gloo copies shards in place without aliasing checks
+        _all_gather(out, inp, axis.group)
 
 
 def reduce_scatter_pieces(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], axis: AxisGroup) -> None:
     """Average ``ins[i]`` over ``axis`` and keep this rank's piece in ``outs[i]``, as one coalesced group."""
     if not outs:
         return
-    native = axis.averages_natively
-    op = dist.ReduceOp.AVG if native else dist.ReduceOp.SUM
-    with _coalesced(axis):
-        for out, inp in zip(outs, ins):
-            _reduce_scatter(out, inp, op, axis.group)
-    if not native:
-        torch._foreach_div_(list(outs), float(axis.size))
+    if axis.averages_natively:  # NCCL
+        options = ReduceScatterOptions()
+        options.reduceOp = dist.ReduceOp.AVG
+        _coalesced_call(axis.group, ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"), outs, ins,
+                        options)
+        return
+    for out, inp in zip(outs, ins):  # gloo: one by one, summed, then divided
+        _reduce_scatter(out, inp, dist.ReduceOp.SUM, axis.group)
+    torch._foreach_div_(list(outs), float(axis.size))
 
 
 def all_reduce_chain(t: torch.Tensor, axes: Sequence[AxisGroup], average: bool = True) -> None:
