@@ -17,6 +17,8 @@ import json
 import statistics
 import sys
 
+from shardwise.app.bench.runner import exposed_length, merge_intervals
+
 GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
@@ -35,31 +37,6 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def merged(intervals) -> list[list[float]]:
-    out: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if out and start <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], end)
-        else:
-            out.append([start, end])
-    return out
-
-
-def uncovered(spans, cover) -> float:
-    """Length of ``spans`` (merged) not covered by ``cover`` (merged)."""
-    total, j = 0.0, 0
-    for start, end in spans:
-        while j < len(cover) and cover[j][1] <= start:
-            j += 1
-        cursor, k = start, j
-        while k < len(cover) and cover[k][0] < end:
-            total += max(0.0, cover[k][0] - cursor)
-            cursor = max(cursor, cover[k][1])
-            k += 1
-        total += max(0.0, end - cursor)
-    return total
-
-
 def summarize(path: str) -> str:
     with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
@@ -72,11 +49,11 @@ def summarize(path: str) -> str:
         time_by[kind_of(e["name"])] += e["dur"]
         count_by[kind_of(e["name"])] += 1
     lines += [f"   {k:22} {v / 1e3:9.2f} ms {count_by[k]:7d} events" for k, v in time_by.most_common()]
-    comm = merged((e["ts"], e["ts"] + e["dur"]) for e in gpu if "nccl" in e["name"].lower())
-    other = merged((e["ts"], e["ts"] + e["dur"]) for e in gpu if "nccl" not in e["name"].lower())
-    busy = merged((e["ts"], e["ts"] + e["dur"]) for e in gpu)
+    comm = [(e["ts"], e["ts"] + e["dur"]) for e in gpu if "nccl" in e["name"].lower()]
+    other = [(e["ts"], e["ts"] + e["dur"]) for e in gpu if "nccl" not in e["name"].lower()]
+    busy = merge_intervals((e["ts"], e["ts"] + e["dur"]) for e in gpu)
     gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:]) if b[0] - a[1] >= 30]
-    lines.append(f"   exposed NCCL {uncovered(comm, other) / 1e3:.2f} ms; idle gaps >= 30 us: {len(gaps)}, "
+    lines.append(f"   exposed NCCL {exposed_length(comm, other) / 1e3:.2f} ms; idle gaps >= 30 us: {len(gaps)}, "
                  f"{sum(gaps) / 1e3:.2f} ms")
     lead_by_eighth = collections.defaultdict(list)
     for e in gpu:
