@@ -214,3 +214,25 @@ def test_tiny_benchmark_offloaded(tmp_path):
         assert fsdp2["status"] == "skipped" and "accelerator" in fsdp2["reason"]
     else:
         assert fsdp2["status"] == "ok"
+
+
+def _bench_tiny_grad_comm(out: str, grad_comm_dtype: str):
+    opts = runner.BenchOptions(sizes=["tiny"], wrappers=["shardwise"], device=device().type,
+                               steps={"*": 3}, warmup={"*": 1}, profile_steps=0, grad_comm_dtype=grad_comm_dtype)
+    return cli.worker(opts, out, "test")
+
+
+def test_gradients_can_travel_in_bf16(tmp_path):
+    """--grad-comm-dtype bf16 reaches shardwise's policy: the same first loss, a last loss near fp32's
+    but not bit-equal (the reduction rounded)."""
+    fp32 = run_distributed(_bench_tiny_grad_comm, 2, str(tmp_path / "fp32"), "fp32")[0][0]
+    bf16 = run_distributed(_bench_tiny_grad_comm, 2, str(tmp_path / "bf16"), "bf16")[0][0]
+    assert fp32["status"] == bf16["status"] == "ok"
+    assert bf16["loss_first"] == fp32["loss_first"]
+    assert bf16["loss_last"] != fp32["loss_last"]
+    assert abs(bf16["loss_last"] - fp32["loss_last"]) < 1.6e-2 * abs(fp32["loss_last"])
+
+
+def test_unknown_grad_comm_dtype_is_refused():
+    with pytest.raises(SystemExit):
+        cli.parse_options(["--grad-comm-dtype", "fp8"])

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..launch import launch_local, under_launcher
 from .report import format_run, write_reports
-from .runner import COMPILE_MODES, BenchOptions, run_benchmark
+from .runner import COMPILE_MODES, GRAD_COMM_DTYPES, BenchOptions, run_benchmark
 from .sizes import SIZES
 from .wrappers import DEFAULT_ORDER, WRAPPERS, wrapper_version
 
@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload", nargs="?", type=float, const=1.0, default=0.0, metavar="FRACTION",
                    help="main weights and optimizer state on the host: shardwise offloads FRACTION of the "
                         "parameters (--offload = all), FSDP2 (CPUOffloadPolicy) all of them")
+    p.add_argument("--grad-comm-dtype", default="fp32", choices=tuple(GRAD_COMM_DTYPES),
+                   help="dtype shardwise's gradients travel in during reduction (accumulated in fp32 either way)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--nproc", type=int, default=0, help="local workers (0 = one per GPU, or 2 on CPU)")
     p.add_argument("--steps", default="", help="timed steps: N for every size, or SIZE=N,... (default: 10)")
@@ -134,7 +136,8 @@ def parse_options(argv) -> tuple[BenchOptions, argparse.Namespace]:
         warmup=_per_size(args.warmup, "--warmup"), profile_steps=args.profile_steps, repeats=args.repeats,
         strategy=strategy, seed=args.seed, micro_batch=args.micro_batch, seq_len=args.seq_len,
         loss_rtol=args.loss_rtol, trace_dir=str(Path(args.out) / "traces") if args.save_traces else "",
-        compile=args.compile, compile_backend=args.compile_backend, offload=args.offload)
+        compile=args.compile, compile_backend=args.compile_backend, offload=args.offload,
+        grad_comm_dtype=args.grad_comm_dtype)
     return opts, args
 
 

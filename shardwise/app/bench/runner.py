@@ -51,7 +51,7 @@ from .sizes import SIZES, BenchSize, ddp_bytes_estimate, model_config
 from .wrappers import DEFAULT_ORDER, WRAPPERS, unavailable_reason
 
 __all__ = ["BenchOptions", "run_benchmark", "run_one", "merge_intervals", "interval_length",
-           "exposed_length", "kernel_intervals", "PEAK_FLOPS_PER_GPU", "COMPILE_MODES"]
+           "exposed_length", "kernel_intervals", "PEAK_FLOPS_PER_GPU", "COMPILE_MODES", "GRAD_COMM_DTYPES"]
 
 PEAK_FLOPS_PER_GPU = 989e12  # H100/H200 dense bf16
 GIB = 2**30
@@ -59,6 +59,7 @@ DDP_FIT_MARGIN = 0.9  # skip DDP when its estimate passes this fraction of free 
 HOST_BYTES_PER_PARAM = 16  # offloaded: fp32 main weights, fp32 grads, two fp32 AdamW moments
 HOST_FIT_MARGIN = 0.85  # skip an offloaded run whose host state passes this fraction of available memory
 COMPILE_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
+GRAD_COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -79,6 +80,7 @@ class BenchOptions:
     compile: str = "off"  # "off" (eager), "on" (each layer's forward compiled) or "both", interleaved
     compile_backend: str = "inductor"
     offload: float = 0.0  # share of parameters with main weights and optimizer state on the host (shardwise, fsdp2)
+    grad_comm_dtype: str = "fp32"  # dtype shardwise's gradients travel in ("bf16": half the traffic, fp32 accumulation)
 
     def compile_kwargs(self) -> dict:
         """What every wrapper passes to torch.compile: whole layers, static shapes (as torchtitan)."""
@@ -303,6 +305,8 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
         model = GPT(config)
     t1 = time.perf_counter()
     extra = {"strategy": opts.strategy} if name.startswith("shardwise") else {}
+    if name.startswith("shardwise") and opts.grad_comm_dtype != "fp32":
+        extra["grad_comm_dtype"] = GRAD_COMM_DTYPES[opts.grad_comm_dtype]
     if opts.offload and (name.startswith("shardwise") or name == "fsdp2"):
         extra["offload"] = opts.offload
     if compiled:

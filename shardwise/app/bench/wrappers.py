@@ -72,10 +72,12 @@ def compile_layers(model: nn.Module, compile: dict) -> list[nn.Module]:
 
 # ------------------------------------------------------------------ shardwise
 def wrap_shardwise(model: nn.Module, device: torch.device, strategy: str = "optim_grads_params",
-                   compile: dict | None = None, offload: float = 0.0):
+                   compile: dict | None = None, offload: float = 0.0, grad_comm_dtype: torch.dtype | None = None):
     """shardwise.fully_shard: each layer, the embedding and the output head are units.
 
     ``offload``: the share of the parameters whose main weights and optimizer state live on the host.
+    ``grad_comm_dtype``: the dtype gradients travel in (``None``: fp32, like the other wrappers); they are
+    accumulated in fp32 either way.
     """
     import shardwise
 
@@ -83,7 +85,7 @@ def wrap_shardwise(model: nn.Module, device: torch.device, strategy: str = "opti
     units = unit_types + [m for m in (model.embed, model.output) if m is not None]
     model = shardwise.fully_shard(
         model, strategy=strategy, unit_modules=units,
-        mixed_precision=shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+        mixed_precision=shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16, grad_comm_dtype=grad_comm_dtype),
         offload_policy=shardwise.OffloadPolicy(fraction=offload) if offload else None)
     if compile is not None:  # the layers, as for the other wrappers (not the embedding or head)
         shardwise.compile_units(model, modules=unit_types, **compile)
@@ -91,11 +93,12 @@ def wrap_shardwise(model: nn.Module, device: torch.device, strategy: str = "opti
 
 
 def wrap_shardwise_optimizer_in_backward(model: nn.Module, device: torch.device, strategy: str = "optim_grads_params",
-                                         compile: dict | None = None, offload: float = 0.0):
+                                         compile: dict | None = None, offload: float = 0.0,
+                                         grad_comm_dtype: torch.dtype | None = None):
     """As wrap_shardwise, with AdamW stepped per group inside backward (gradients freed at once)."""
     import shardwise
 
-    model, _ = wrap_shardwise(model, device, strategy, compile, offload)
+    model, _ = wrap_shardwise(model, device, strategy, compile, offload, grad_comm_dtype)
     impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return model, shardwise.BackwardOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, **impl)
 
