@@ -12,11 +12,16 @@ workers and return 130 / 143.
 carry ``one_line = True`` (bad settings, collective timeouts, lost peers) print
 as one line; anything else prints its traceback and then one line; Ctrl-C exits
 quietly with 130; warnings print as one line each.
+
+Every process of a run (launcher and workers) prints each thread's Python stack
+to stderr on SIGUSR1 (``kill -USR1 -<launcher pid>`` for all of them): where a
+stuck run is stuck, without stopping it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -30,7 +35,7 @@ import warnings
 from typing import Callable
 
 __all__ = ["free_port", "launch_local", "under_launcher", "run_guarded", "WorkerError", "shutdown_process_groups",
-           "one_line_warnings", "describe_collective_error", "EXIT_INTERRUPTED"]
+           "dump_stacks_on_sigusr1", "one_line_warnings", "describe_collective_error", "EXIT_INTERRUPTED"]
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_TERMINATED = 143  # 128 + SIGTERM
@@ -110,6 +115,13 @@ def one_line_warnings(prog: str) -> None:
     root.addHandler(handler)
 
 
+def dump_stacks_on_sigusr1() -> None:
+    """SIGUSR1 prints every thread's Python stack to stderr and the process goes on (POSIX only)."""
+    if hasattr(signal, "SIGUSR1"):
+        with contextlib.suppress(ValueError, RuntimeError, OSError):  # no usable stderr: nothing to print to
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 # ------------------------------------------------------------------ errors
 _TIMEOUT_MARKS = ("timed out", "watchdog caught collective")  # gloo, the store, NCCL's watchdog
 _PEER_MARKS = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
@@ -141,6 +153,7 @@ def run_guarded(fn: Callable, args: tuple, prog: str) -> int:
     collective whose peer was interrupted too.
     """
     one_line_warnings(prog)
+    dump_stacks_on_sigusr1()
     interrupted = []
 
     def on_sigint(signum, frame):
@@ -276,6 +289,7 @@ def launch_local(fn: Callable, world: int, args: tuple, prog: str) -> int:
     0 when every rank finished; otherwise the first failing rank's status (1 when it was
     killed by a signal), 130 on Ctrl-C, 143 on SIGTERM.
     """
+    dump_stacks_on_sigusr1()
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
     processes = [ctx.Process(target=_worker, args=(rank, world, port, fn, args, prog), name=f"rank{rank}")

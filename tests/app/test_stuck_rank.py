@@ -1,4 +1,5 @@
-"""A stalled rank ends the run within --timeout (plus a margin), Ctrl-C ends it with one line and 130.
+"""A stalled rank ends the run within --timeout (plus a margin), Ctrl-C ends it with one line and 130,
+SIGUSR1 prints every process's stacks and the run goes on.
 
 Each test runs ``shardwise train`` in its own session with a hard time limit and kills the whole
 session afterwards, so a regression fails the test instead of hanging CI.
@@ -76,6 +77,22 @@ def _finish(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+def _communicate(proc: subprocess.Popen, deadline: float) -> str:
+    """The run's stderr once it has exited; past the deadline, a failure that shows where every process of
+    the run is (their stacks, which SIGUSR1 prints, and their states)."""
+    try:
+        return proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[1]
+    except subprocess.TimeoutExpired:
+        states = subprocess.run(["ps", "-s", str(proc.pid), "-o", "pid,ppid,stat,wchan:24,etime,args"],
+                                capture_output=True, text=True).stdout
+        os.killpg(proc.pid, signal.SIGUSR1)
+        try:
+            err = proc.communicate(timeout=3)[1]
+        except subprocess.TimeoutExpired as e:
+            err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise AssertionError(f"the run did not exit in time; processes:\n{states}\nstderr (end):\n{err[-6000:]}")
+
+
 def _stderr_lines(err: str) -> list[str]:
     """Messages, without the progress bar (a message may follow the bar on its line)."""
     lines = []
@@ -98,7 +115,7 @@ def test_a_stopped_rank_ends_the_run_within_its_timeout(tmp_path, data):
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGSTOP)  # rank 1 hangs (as a deadlock or a dead GPU would look)
         stopped = time.monotonic()
-        _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        err = _communicate(proc, deadline)
         elapsed = time.monotonic() - stopped
     finally:
         _finish(proc)
@@ -121,7 +138,7 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, data):
         deadline = time.monotonic() + HARD_LIMIT_S
         _wait_for_steps(proc, out, 2, deadline)
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
-        _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        err = _communicate(proc, deadline)
     finally:
         _finish(proc)
     assert proc.returncode == 130, err
@@ -129,3 +146,21 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, data):
     assert lines[-1] == "shardwise train: interrupted (Ctrl-C); stopping 2 worker(s)", lines
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert not [line for line in lines if "error" in line], lines
+
+
+def test_sigusr1_prints_every_process_stack_and_the_run_goes_on(tmp_path, data):
+    out = tmp_path / "run"
+    proc = _start(out, data)
+    try:
+        deadline = time.monotonic() + HARD_LIMIT_S
+        _wait_for_steps(proc, out, 2, deadline)
+        os.killpg(proc.pid, signal.SIGUSR1)  # the launcher and both workers
+        steps = len((out / "metrics.jsonl").read_text().splitlines())
+        _wait_for_steps(proc, out, steps + 2, deadline)  # still training
+        os.killpg(proc.pid, signal.SIGINT)
+        err = _communicate(proc, deadline)
+    finally:
+        _finish(proc)
+    assert proc.returncode == 130, err
+    assert err.count("most recent call first") >= 3, err[-3000:]  # one current thread per process at least
+    assert "launch_local" in err and "_worker" in err, err[-3000:]
