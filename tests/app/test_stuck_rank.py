@@ -36,8 +36,14 @@ def _start(out: Path, data: str, *extra: str) -> subprocess.Popen:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     cmd = [sys.executable, "-m", "shardwise", "train", *ARGS, "--data", data, "--out-dir", str(out), *extra]
-    return subprocess.Popen(cmd, cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    # A suite started as a background job runs with SIGINT ignored, and the run would inherit that (and rightly
+    # keep ignoring Ctrl-C, as under nohup): give it the terminal's default, as an interactive shell would.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(cmd, cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _wait_for_steps(proc: subprocess.Popen, out: Path, steps: int, deadline: float) -> None:
