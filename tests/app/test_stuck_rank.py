@@ -137,16 +137,23 @@ def test_a_stopped_rank_ends_the_run_within_its_timeout(tmp_path, data):
     assert "Traceback" not in err
 
 
-def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, data):
-    out = tmp_path / "run"
+def _train_then_ctrl_c(out: Path, data: str, meanwhile=None) -> tuple[subprocess.Popen, str]:
+    """Start a run, let it train 2 steps, call ``meanwhile(proc, deadline)``, press Ctrl-C; the run and its stderr."""
     proc = _start(out, data)
     try:
         deadline = time.monotonic() + HARD_LIMIT_S
         _wait_for_steps(proc, out, 2, deadline)
+        if meanwhile is not None:
+            meanwhile(proc, deadline)
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
         err = _communicate(proc, deadline)
     finally:
         _finish(proc)
+    return proc, err
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, data):
+    proc, err = _train_then_ctrl_c(tmp_path / "run", data)
     assert proc.returncode == 130, err
     lines = _stderr_lines(err)
     assert lines[-1] == "shardwise train: interrupted (Ctrl-C); stopping 2 worker(s)", lines
@@ -156,17 +163,13 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, data):
 
 def test_sigusr1_prints_every_process_stack_and_the_run_goes_on(tmp_path, data):
     out = tmp_path / "run"
-    proc = _start(out, data)
-    try:
-        deadline = time.monotonic() + HARD_LIMIT_S
-        _wait_for_steps(proc, out, 2, deadline)
+
+    def dump_stacks(proc, deadline):
         os.killpg(proc.pid, signal.SIGUSR1)  # the launcher and both workers
         steps = len((out / "metrics.jsonl").read_text().splitlines())
         _wait_for_steps(proc, out, steps + 2, deadline)  # still training
-        os.killpg(proc.pid, signal.SIGINT)
-        err = _communicate(proc, deadline)
-    finally:
-        _finish(proc)
+
+    proc, err = _train_then_ctrl_c(out, data, dump_stacks)
     assert proc.returncode == 130, err
     assert err.count("most recent call first") >= 3, err[-3000:]  # one current thread per process at least
     assert "launch_local" in err and "_worker" in err, err[-3000:]
