@@ -304,9 +304,8 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
     with torch.device(device):
         model = GPT(config)
     t1 = time.perf_counter()
-    extra = {"strategy": opts.strategy} if name.startswith("shardwise") else {}
-    if name.startswith("shardwise") and opts.grad_comm_dtype != "fp32":
-        extra["grad_comm_dtype"] = GRAD_COMM_DTYPES[opts.grad_comm_dtype]
+    extra = ({"strategy": opts.strategy, "grad_comm_dtype": GRAD_COMM_DTYPES[opts.grad_comm_dtype]}
+             if name.startswith("shardwise") else {})
     if opts.offload and (name.startswith("shardwise") or name == "fsdp2"):
         extra["offload"] = opts.offload
     if compiled:
