@@ -84,17 +84,26 @@ def _number(name: str, value, positive: bool) -> float:
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+    *, optimizer: torch.optim.Optimizer | None = None,
 ) -> torch.Tensor:
-    """Scale sharded gradients in place so their global norm is at most ``max_norm``; return the norm.
+    """Scale sharded gradients so their global norm is at most ``max_norm``; return the norm (unclipped).
 
     ``max_norm`` must be a non-negative number (``inf``: measure only) and ``norm_type`` a
     positive one; parameters stepped by a :class:`BackwardOptimizer` are refused, since their
     gradients were applied and freed during backward and nothing would be clipped.
+
+    ``optimizer``: a fused torch optimizer (``fused=True``) that steps exactly these parameters.
+    The gradients are then not scaled here: the factor goes to the optimizer's next ``step()``,
+    whose kernel divides each gradient by ``optimizer.grad_scale`` as it reads it (and writes the
+    clipped value back), which saves a read and a write of every gradient. Until that step,
+    ``.grad`` holds the unclipped values.
     """
     max_norm = _number("max_norm", max_norm, positive=False)
     norm_type = _number("norm_type", norm_type, positive=True)
     parameters = [p for p in parameters]
+    if optimizer is not None:
+        _check_foldable(optimizer, parameters)
     stepped = sum(1 for p in parameters if getattr(p, _STEPPED_IN_BACKWARD, False))
     if stepped:
         raise ValueError(
@@ -106,6 +115,9 @@ def clip_grad_norm_(
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of gradients is {total.item()}, which is not finite")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if optimizer is not None:
+        _fold_into_next_step(optimizer, coef)
+        return total
     grads = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in parameters if p.grad is not None]
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:
@@ -114,6 +126,50 @@ def clip_grad_norm_(
     for grad_device, same in by_device.items():
         torch._foreach_mul_(same, coef.to(grad_device))
     return total
+
+
+_FOLDED = "_shardwise_folded_clip"  # set on an optimizer while a clipping factor waits for its step
+
+
+def _check_foldable(optimizer: torch.optim.Optimizer, parameters: list) -> None:
+    """Refuse an optimizer whose next step would not apply the clipping factor to exactly these gradients."""
+    name = type(optimizer).__name__
+    groups = getattr(optimizer, "param_groups", None)
+    if not (isinstance(groups, list) and getattr(optimizer, "_step_supports_amp_scaling", False)
+            and all(group.get("fused") for group in groups)):
+        raise ValueError(
+            f"clip_grad_norm_: optimizer={name} must be a fused torch optimizer (e.g. AdamW(..., fused=True)), "
+            f"whose step divides each gradient by optimizer.grad_scale; pass optimizer=None to scale the "
+            f"gradients in place")
+    if getattr(optimizer, _FOLDED, False):
+        raise ValueError(
+            f"clip_grad_norm_: optimizer={name} already carries a clipping factor for its next step (clip_grad_norm_ "
+            f"was called twice without optimizer.step() between): call step() first, or clip with optimizer=None")
+    stepped = {id(p) for group in groups for p in group["params"] if p.grad is not None}
+    clipped = {id(p) for p in parameters if p.grad is not None}
+    if stepped != clipped:
+        raise ValueError(
+            f"clip_grad_norm_: optimizer={name} steps {len(stepped - clipped)} parameters with gradients that are "
+            f"not in parameters, and parameters has {len(clipped - stepped)} with gradients it does not step; "
+            f"the factor folded into its step must scale exactly the clipped gradients (or pass optimizer=None)")
+
+
+def _fold_into_next_step(optimizer: torch.optim.Optimizer, coef: torch.Tensor) -> None:
+    """Leave ``coef`` for the optimizer's next step as the divisor ``grad_scale`` (GradScaler's hook).
+
+    A GradScaler stepping the same optimizer multiplies its own scale in, and removes the attribute
+    after the step; otherwise the step's post-hook does.
+    """
+    optimizer.grad_scale = torch.reciprocal(coef).float()
+    setattr(optimizer, _FOLDED, True)
+    handle = None
+
+    def clear(opt, args, kwargs):
+        opt.__dict__.pop("grad_scale", None)
+        opt.__dict__.pop(_FOLDED, None)
+        handle.remove()
+
+    handle = optimizer.register_step_post_hook(clear)
 
 
 class BackwardOptimizer:

@@ -688,6 +688,10 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out_dir = Path(cfg.out_dir)
+    # AdamW's fused kernel on the GPU (no temporaries; it takes the clipping factor) and for offloaded
+    # state, where torch's default CPU AdamW is a per-tensor loop 3.4x slower (python -m
+    # shardwise.app.bench.cpu_adam, docs/performance.md); the default on CPU runs.
+    fused = bool(cfg.offload) or device.type == "cuda"
     phase("model setup (fully_shard)")
     if not (cfg.hf_config or cfg.init_from):  # what it will take, before anything is built
         from .memory import check_fits, estimate_for_run, host_available_bytes
@@ -696,7 +700,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
             model_cfg, cfg.seq_len, cfg.micro_batch_size, world, cfg.strategy,
             cfg.offload_fraction if cfg.offload else 0.0, outer=cfg.outer_dp or None,
             outer_strategy=cfg.outer_strategy or "no_shard", precision=cfg.precision, vocab_units=False,
-            grad_accum=cfg.grad_accum, optimizer="fused" if cfg.offload else "default",
+            grad_accum=cfg.grad_accum, optimizer="fused" if fused else "default",
             build_on_device=not cfg.meta_init, ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         if rank == 0:
             _say(f"memory estimate: {estimate.describe()}")
@@ -739,10 +743,8 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     if cfg.compile:  # each layer's forward; compiled at the first step
         shardwise.compile_units(model, modules=unit_modules, backend=cfg.compile)
     _limit_collective_waits(model, cfg.timeout)
-    # Offloaded: torch's default CPU AdamW is a per-tensor loop; the fused kernel is 3.4x faster
-    # (python -m shardwise.app.bench.cpu_adam, docs/performance.md).
     optimizer = torch.optim.AdamW(_param_groups(model, matrices, cfg.weight_decay),
-                                  lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **({"fused": True} if cfg.offload else {}))
+                                  lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **({"fused": True} if fused else {}))
     check_optimizer_params(model, optimizer)
     torch.manual_seed(cfg.seed + 1 + rank)  # dropout differs per rank
     loader = TokenLoader(load_tokens(cfg.data or None, cfg.data_dtype), cfg.seq_len,
@@ -810,7 +812,9 @@ def _loop(cfg, model, optimizer, loader, checkpoints, schedule, start, grad_accu
             loss_sum += loss.detach().float()
         phase(f"step {step}, gradient norm (all-reduce)")
         if cfg.max_grad_norm > 0:
-            grad_norm = shardwise.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            # fused: the factor goes into the step's kernel instead of a pass over the gradients
+            grad_norm = shardwise.clip_grad_norm_(model.parameters(), cfg.max_grad_norm,
+                                                  optimizer=optimizer if optimizer.defaults.get("fused") else None)
         else:
             grad_norm = shardwise.grad_norm(model.parameters())
         phase(f"step {step}, optimizer step")

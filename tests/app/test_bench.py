@@ -187,7 +187,7 @@ def _profile_tiny():
     model = DistributedDataParallel(GPT(GPTConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, max_seq_len=16)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batches = runner._make_batches(64, 2, 16, 2, 0, torch.distributed.get_rank(), torch.device("cpu"))
-    return runner._profile(model, optimizer, batches, torch.device("cpu"), runner.BenchOptions(), "t")
+    return runner._profile(model, optimizer, None, batches, torch.device("cpu"), runner.BenchOptions(), "t")
 
 
 def test_profile_gathers_every_rank():
@@ -231,6 +231,33 @@ def test_gradients_can_travel_in_bf16(tmp_path):
     assert bf16["loss_first"] == fp32["loss_first"]
     assert bf16["loss_last"] != fp32["loss_last"]
     assert abs(bf16["loss_last"] - fp32["loss_last"]) < 1.6e-2 * abs(fp32["loss_last"])
+
+
+def _bench_tiny_clipped(out: str, max_grad_norm: float):
+    opts = runner.BenchOptions(sizes=["tiny"], wrappers=["shardwise", "fsdp2", "shardwise-obo"], device=device().type,
+                               steps={"*": 3}, warmup={"*": 1}, profile_steps=0, max_grad_norm=max_grad_norm)
+    return cli.worker(opts, out, "test")
+
+
+def test_every_wrapper_clips_when_asked(tmp_path):
+    """--max-grad-norm clips under shardwise and FSDP2 alike (losses agree, and move away from the
+    unclipped run's); a BackwardOptimizer cannot clip, so its run is skipped with the reason."""
+    plain = run_distributed(_bench_tiny_clipped, 2, str(tmp_path / "plain"), 0.0)[0]
+    # AdamW hardly sees a uniform scale (m / sqrt(v)) until the clipped gradients fall below its eps
+    clipped = run_distributed(_bench_tiny_clipped, 2, str(tmp_path / "clipped"), 1e-7)[0]
+    ours, fsdp2, obo = clipped
+    assert ours["status"] == fsdp2["status"] == "ok" and obo["status"] == "skipped"
+    assert "cannot clip by the global norm" in obo["reason"]
+    # the CPU runs step with foreach AdamW: the factor is applied in place (fold needs a fused optimizer)
+    assert ours["clip_mode"] == fsdp2["clip_mode"] == "in-place" and plain[0]["clip_mode"] is None
+    assert ours["loss_first"] == plain[0]["loss_first"] and ours["loss_last"] != plain[0]["loss_last"]
+    assert abs(ours["loss_last"] - fsdp2["loss_last"]) < 2e-6 * abs(fsdp2["loss_last"])
+    assert abs(plain[0]["loss_last"] - fsdp2["loss_last"]) > 2e-5 * abs(fsdp2["loss_last"])
+
+
+def test_max_grad_norm_must_not_be_negative(capsys):
+    assert cli.main(["--device", "cpu", "--max-grad-norm", "-1"]) == 2
+    assert "--max-grad-norm -1.0: must be 0 (no clipping) or positive" in capsys.readouterr().err
 
 
 def test_unknown_grad_comm_dtype_is_refused():

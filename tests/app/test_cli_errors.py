@@ -179,6 +179,20 @@ def _clip_refusals() -> list[str]:
     except ValueError as e:
         messages.append(str(e))
 
+    # folding the factor into the step: a fused optimizer over exactly these parameters, once per step
+    fused = torch.optim.AdamW(model.parameters(), fused=True)
+    first = list(model.parameters())[:2]
+    for params, opt in ((model.parameters(), torch.optim.AdamW(model.parameters())),
+                        (first, fused), (model.parameters(), fused), (model.parameters(), fused)):
+        try:
+            shardwise.clip_grad_norm_(params, 1.0, optimizer=opt)
+            messages.append("folded")
+        except ValueError as e:
+            messages.append(str(e))
+    fused.step()
+    shardwise.clip_grad_norm_(model.parameters(), 1.0, optimizer=fused)  # a new step: fine again
+    messages.append(f"after step {hasattr(fused, 'grad_scale')}")
+
     from shardwise.app.train import check_optimizer_params
 
     early = torch.nn.Sequential(torch.nn.Linear(4, 4))
@@ -193,7 +207,7 @@ def _clip_refusals() -> list[str]:
     return messages
 
 
-def test_clip_grad_norm_refuses_bad_arguments_and_a_backward_optimizer():
+def test_clip_grad_norm_refuses_bad_arguments_a_backward_optimizer_and_an_unfit_optimizer():
     messages = run_distributed(_clip_refusals, 1)[0]
     assert "clip_grad_norm_: max_norm=-1.0 must be a non-negative number" in messages[0]
     assert "clip_grad_norm_: max_norm=nan must be a non-negative number" in messages[1]
@@ -201,8 +215,14 @@ def test_clip_grad_norm_refuses_bad_arguments_and_a_backward_optimizer():
     assert "clip_grad_norm_: norm_type=-2.0" in messages[3]
     assert messages[4] == "inf ok True"
     assert "clip_grad_norm_: 4 of the 4 parameters are stepped by a BackwardOptimizer" in messages[5]
-    assert "optimizer=AdamW: 2 of its 2 parameters are not parameters of the model" in messages[6]
-    assert "before fully_shard" in messages[6]
+    assert "clip_grad_norm_: optimizer=AdamW must be a fused torch optimizer" in messages[6]
+    assert "clip_grad_norm_: optimizer=AdamW steps 2 parameters with gradients that are not in parameters, " \
+           "and parameters has 0" in messages[7]
+    assert messages[8] == "folded"
+    assert "clip_grad_norm_: optimizer=AdamW already carries a clipping factor for its next step" in messages[9]
+    assert messages[10] == "after step True"
+    assert "optimizer=AdamW: 2 of its 2 parameters are not parameters of the model" in messages[11]
+    assert "before fully_shard" in messages[11]
     assert all("\n" not in m for m in messages)
 
 

@@ -166,3 +166,23 @@ def test_meta_init_trains_exactly_like_a_direct_build(tmp_path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         losses[flag] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert losses["--meta-init"] == losses["--no-meta-init"]
+
+
+def test_offloaded_run_clips_through_the_fused_step_as_the_device_run_clips_in_place(tmp_path):
+    # --offload steps with the fused CPU AdamW, which takes the clipping factor in its kernel;
+    # the plain CPU run scales the gradients in place. A tiny max norm makes every step clip.
+    records = {}
+    for flags in ((), ("--offload",)):
+        out = tmp_path / ("offload" if flags else "plain")
+        cmd = [sys.executable, "-m", "shardwise", "train", "--preset", "tiny", "--steps", "3", "--nproc", "2",
+               "--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1", "--ffn-hidden", "64",
+               "--seq-len", "32", "--micro-batch-size", "2", "--max-grad-norm", "0.01", *flags, "--out-dir", str(out)]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        records[flags] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    plain, offloaded = records[()], records[("--offload",)]
+    assert all(r["grad_norm"] > 0.1 for r in plain)  # clipped at every step
+    assert offloaded[0]["loss"] == plain[0]["loss"] and offloaded[0]["grad_norm"] == plain[0]["grad_norm"]
+    # fused and per-tensor AdamW round differently (~5e-7); an unapplied factor would move the loss by far more
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close([r[key] for r in offloaded], [r[key] for r in plain], rtol=1e-5, atol=0)

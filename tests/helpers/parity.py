@@ -112,7 +112,7 @@ def _train(model, opt, batch, steps, backward, rows: slice, micro_batches=1, hoo
         if hooks.after_backward is not None:
             hooks.after_backward(model)
         if clip is not None:
-            clip(model.parameters())
+            clip(model.parameters(), opt)
         opt.step()
         if hooks.after_step is not None:
             hooks.after_step(model)
@@ -136,6 +136,7 @@ def train_both(
     data_ranks: int | None = None,
     micro_batches: int = 1,
     clip: float | None = None,
+    clip_into_optimizer: bool = False,
     hooks: Hooks = Hooks(),
     loss_group=None,
     full_state: Callable = shardwise.full_state_dict,
@@ -152,7 +153,8 @@ def train_both(
       ``loss(model, *rows)`` the loss of some of its rows (default ``model(*rows)``).
     - The sharded run trains rows ``data_rank`` of ``data_ranks`` (default: this rank of the world)
       in ``micro_batches`` parts, each loss divided by ``micro_batches``, ``hooks`` around the step,
-      ``shardwise.clip_grad_norm_`` with ``clip``; its losses are averaged over ``loss_group`` (default:
+      ``shardwise.clip_grad_norm_`` with ``clip`` (the factor folded into the optimizer's step with
+      ``clip_into_optimizer``); its losses are averaged over ``loss_group`` (default:
       the world) and its state is ``full_state(model)``.
     - The reference trains the whole global batch in one part (``reference_backward(model, *batch)``
       computes its loss and gradients when that is not ``loss(...).backward()``), with
@@ -170,10 +172,11 @@ def train_both(
     rows = size // data_ranks
     sharded_steps = _train(sharded, opt, batch, steps, _backward(loss, micro_batches),
                            slice(data_rank * rows, (data_rank + 1) * rows), micro_batches, hooks,
-                           clip=None if clip is None else (lambda ps: shardwise.clip_grad_norm_(ps, clip)),
+                           clip=None if clip is None else (lambda ps, opt: shardwise.clip_grad_norm_(
+                               ps, clip, optimizer=opt if clip_into_optimizer else None)),
                            group=dist.group.WORLD if loss_group is None else loss_group)
     reference_steps = _train(ref, ref_opt, batch, steps, reference_backward or _backward(loss), slice(0, size),
-                             clip=None if clip is None else (lambda ps: torch.nn.utils.clip_grad_norm_(ps, clip)))
+                             clip=None if clip is None else (lambda ps, _: torch.nn.utils.clip_grad_norm_(ps, clip)))
     losses, ref_losses = [], []
     # step by step, the reference's after the sharded one's: on an oversubscribed CPU a rank's
     # reference step fills the time it would otherwise wait for the others in a collective
@@ -231,6 +234,7 @@ class Run:
     micro_batches: int = 1
     steps: int = 5
     clip: float | None = None
+    clip_into_optimizer: bool = False  # the clipping factor goes to the (fused) optimizer's step
     global_batch: int = 8
     model: TinyConfig = field(default_factory=TinyConfig)
 
@@ -287,7 +291,7 @@ def train_tiny(run: Run) -> tuple[Trained, Trained]:
         reference_kind = run.optimizer
     return train_both(
         build, wrap, optimizer, lambda step: batch(step, run.global_batch, config), run.steps,
-        micro_batches=run.micro_batches, clip=run.clip,
+        micro_batches=run.micro_batches, clip=run.clip, clip_into_optimizer=run.clip_into_optimizer,
         reference_optimizer=lambda model: _optimizer(reference_kind, model.parameters()),
         reference_backward=_bf16_reference_backward if run.bf16 else None,
     )

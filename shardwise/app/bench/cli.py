@@ -32,7 +32,7 @@ from ..launch import launch_local, under_launcher
 from .report import format_run, write_reports
 from .runner import COMPILE_MODES, GRAD_COMM_DTYPES, BenchOptions, run_benchmark
 from .sizes import SIZES
-from .wrappers import DEFAULT_ORDER, WRAPPERS, wrapper_version
+from .wrappers import CLIP_MODES, DEFAULT_ORDER, WRAPPERS, wrapper_version
 
 __all__ = ["build_parser", "parse_options", "worker", "main"]
 
@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "parameters (--offload = all), FSDP2 (CPUOffloadPolicy) all of them")
     p.add_argument("--grad-comm-dtype", default="fp32", choices=tuple(GRAD_COMM_DTYPES),
                    help="dtype shardwise's gradients travel in during reduction (accumulated in fp32 either way)")
+    p.add_argument("--max-grad-norm", type=float, default=0.0,
+                   help="clip the global gradient norm to this under every wrapper (0 = no clipping)")
+    p.add_argument("--clip-mode", default="fold", choices=CLIP_MODES,
+                   help="how shardwise applies the clipping factor: folded into the fused AdamW step, or "
+                        "gradients scaled in place (as the other wrappers do)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--nproc", type=int, default=0, help="local workers (0 = one per GPU, or 2 on CPU)")
     p.add_argument("--steps", default="", help="timed steps: N for every size, or SIZE=N,... (default: 10)")
@@ -127,6 +132,8 @@ def parse_options(argv) -> tuple[BenchOptions, argparse.Namespace]:
                              f"choose from {', '.join(backends)}")
     if not 0.0 <= args.offload <= 1.0:
         raise UsageError(f"--offload {args.offload}: must be a fraction in [0, 1]")
+    if not args.max_grad_norm >= 0.0:  # NaN too
+        raise UsageError(f"--max-grad-norm {args.max_grad_norm}: must be 0 (no clipping) or positive")
     for flag in ("repeats", "nproc", "profile_steps", "micro_batch", "seq_len"):
         value = getattr(args, flag)
         if value < (1 if flag == "repeats" else 0):
@@ -137,7 +144,7 @@ def parse_options(argv) -> tuple[BenchOptions, argparse.Namespace]:
         strategy=strategy, seed=args.seed, micro_batch=args.micro_batch, seq_len=args.seq_len,
         loss_rtol=args.loss_rtol, trace_dir=str(Path(args.out) / "traces") if args.save_traces else "",
         compile=args.compile, compile_backend=args.compile_backend, offload=args.offload,
-        grad_comm_dtype=args.grad_comm_dtype)
+        grad_comm_dtype=args.grad_comm_dtype, max_grad_norm=args.max_grad_norm, clip_mode=args.clip_mode)
     return opts, args
 
 

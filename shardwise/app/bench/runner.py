@@ -48,7 +48,7 @@ from ...device import device_for
 from ...models import GPT
 from ..memory import DoesNotFit, check_fits, estimate_for_run, host_available_bytes, host_peak_bytes, reset_host_peak
 from .sizes import SIZES, BenchSize, ddp_bytes_estimate, model_config
-from .wrappers import DEFAULT_ORDER, WRAPPERS, unavailable_reason
+from .wrappers import DEFAULT_ORDER, WRAPPERS, make_clip, unavailable_reason
 
 __all__ = ["BenchOptions", "run_benchmark", "run_one", "merge_intervals", "interval_length",
            "exposed_length", "kernel_intervals", "PEAK_FLOPS_PER_GPU", "COMPILE_MODES", "GRAD_COMM_DTYPES"]
@@ -81,6 +81,8 @@ class BenchOptions:
     compile_backend: str = "inductor"
     offload: float = 0.0  # share of parameters with main weights and optimizer state on the host (shardwise, fsdp2)
     grad_comm_dtype: str = "fp32"  # dtype shardwise's gradients travel in ("bf16": half the traffic, fp32 accumulation)
+    max_grad_norm: float = 0.0  # clip the global grad norm to this under every wrapper (0: no clipping)
+    clip_mode: str = "fold"  # shardwise: "fold" (the factor goes into the fused AdamW step) or "in-place"
 
     def compile_kwargs(self) -> dict:
         """What every wrapper passes to torch.compile: whole layers, static shapes (as torchtitan)."""
@@ -191,10 +193,12 @@ def _make_batches(vocab: int, micro_batch: int, seq_len: int, count: int, seed: 
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
 
 
-def _train_step(model, optimizer, batch) -> torch.Tensor:
+def _train_step(model, optimizer, batch, clip: Callable[[], None] | None = None) -> torch.Tensor:
     inputs, targets = batch
     loss = model(inputs, targets)
     loss.backward()
+    if clip is not None:
+        clip()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()
@@ -207,10 +211,13 @@ def _reduce(values: list[float], device: torch.device, op) -> list[float]:
 
 
 def _skip_reason(name: str, size: BenchSize, config, n_params: int, micro_batch: int, seq_len: int,
-                 device: torch.device, compiled: bool = False, offload: float = 0.0) -> str | None:
+                 device: torch.device, compiled: bool = False, offload: float = 0.0,
+                 clipped: bool = False) -> str | None:
     why = unavailable_reason(name, device, compiled)
     if why:
         return why
+    if clipped and name == "shardwise-obo":
+        return "a BackwardOptimizer steps each group inside backward: it cannot clip by the global norm"
     offloaded = (offload if name.startswith("shardwise") else 1.0 if name == "fsdp2" else 0.0) if offload else 0.0
     if offloaded and name == "fsdp2" and device.type != "cuda":
         return "FSDP2's CPUOffloadPolicy offloads from an accelerator; there is none here"
@@ -249,8 +256,10 @@ def run_one(name: str, size: BenchSize, opts: BenchOptions, device: torch.device
               "device": device.type, "params": n_params, "micro_batch": micro_batch, "seq_len": seq_len,
               "activation_checkpointing": config.activation_checkpointing, "steps": steps, "warmup": warmup,
               "tokens_per_step_per_gpu": micro_batch * seq_len, "compiled": compiled,
-              "compile_backend": opts.compile_backend if compiled else None}
-    why = _skip_reason(name, size, config, n_params, micro_batch, seq_len, device, compiled, opts.offload)
+              "compile_backend": opts.compile_backend if compiled else None,
+              "max_grad_norm": opts.max_grad_norm}
+    why = _skip_reason(name, size, config, n_params, micro_batch, seq_len, device, compiled, opts.offload,
+                       opts.max_grad_norm > 0)
     if why:
         return {**result, "status": "skipped", "reason": why}
     if name.startswith("shardwise") and device.type == "cuda":  # the estimate train prints, checked here
@@ -311,6 +320,7 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
     if compiled:
         extra["compile"] = opts.compile_kwargs()
     model, optimizer = WRAPPERS[name](model, device, **extra)
+    clip, clip_mode = make_clip(name, model, optimizer, opts.max_grad_norm, opts.clip_mode)
     model.train()
     _sync(device)
     wrap_s = time.perf_counter() - t1
@@ -328,7 +338,7 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
     first_step_s = None
     for i in range(warmup):
         step_start = time.perf_counter()
-        losses.append(_train_step(model, optimizer, batches[i]))
+        losses.append(_train_step(model, optimizer, batches[i], clip))
         if i == 0:  # compiles, when compiled
             _sync(device)
             first_step_s = time.perf_counter() - step_start
@@ -336,7 +346,7 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
     _, frames_warm = _dynamo_counts()
     start = time.perf_counter()
     for i in range(warmup, warmup + steps):
-        losses.append(_train_step(model, optimizer, batches[i]))
+        losses.append(_train_step(model, optimizer, batches[i], clip))
     _sync(device)
     elapsed = time.perf_counter() - start
     breaks_after, frames_after = _dynamo_counts()
@@ -347,8 +357,8 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
         peak_alloc, peak_reserved = host_peak, float("nan")
     first_loss, last_loss = (float(x) for x in torch.stack([losses[0], losses[-1]]).float().cpu())
 
-    exposed = _profile(model, optimizer, batches[warmup + steps:], device, opts, tag) if cuda else None
-    del model, optimizer, losses
+    exposed = _profile(model, optimizer, clip, batches[warmup + steps:], device, opts, tag) if cuda else None
+    del model, optimizer, clip, losses
 
     # Count only what this run added: a peer that leaks (megatron-fsdp keeps its buffers
     # alive after its run) must not inflate the next run's peak.
@@ -372,6 +382,7 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
                             "minus what was still allocated when the run started, max over ranks") if cuda else
                            ("host peak RSS of the whole process over warm-up and timed steps, max over ranks"),
         "loss_first": first_loss, "loss_last": last_loss, "first_step_s": first_step_s,
+        "clip_mode": clip_mode,  # how the clipping factor was applied: "fold", "in-place" or None (no clipping)
         "graph_breaks": breaks_after - breaks_before if compiled else None,
         "frames_compiled_timed": frames_after - frames_warm if compiled else None,
     }
@@ -380,7 +391,7 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
     return out
 
 
-def _profile(model, optimizer, batches, device, opts, tag) -> dict | None:
+def _profile(model, optimizer, clip, batches, device, opts, tag) -> dict | None:
     """Exposed communication over ``len(batches)`` profiled steps; runs on every rank (collectives)."""
     if not batches:
         return None
@@ -393,7 +404,7 @@ def _profile(model, optimizer, batches, device, opts, tag) -> dict | None:
     with profile(activities=activities) as prof:
         start = time.perf_counter()
         for batch in batches:
-            _train_step(model, optimizer, batch)
+            _train_step(model, optimizer, batch, clip)
         if cuda:
             torch.cuda.synchronize(device)
         window = time.perf_counter() - start

@@ -29,7 +29,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["WRAPPERS", "DEFAULT_ORDER", "CEILING", "COMPILES", "LR", "make_optimizer", "unavailable_reason",
+__all__ = ["WRAPPERS", "DEFAULT_ORDER", "CEILING", "COMPILES", "LR", "CLIP_MODES", "make_optimizer", "make_clip",
+           "unavailable_reason",
            "wrapper_version", "compile_layers", "wrap_shardwise", "wrap_shardwise_optimizer_in_backward",
            "wrap_fsdp2", "wrap_ddp", "wrap_none", "wrap_megatron_fsdp"]
 
@@ -45,6 +46,29 @@ def make_optimizer(params, device: torch.device) -> torch.optim.Optimizer:
     """AdamW, lr 1e-4: one fused kernel per step on CUDA, the foreach kernels on CPU."""
     impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **impl)
+
+
+CLIP_MODES = ("fold", "in-place")
+
+
+def make_clip(name: str, model: nn.Module, optimizer, max_norm: float,
+              mode: str = "fold") -> tuple[Callable[[], None] | None, str | None]:
+    """What clips wrapper ``name``'s gradients to ``max_norm`` between backward and step, and how it
+    applies the factor (``(None, None)``: no clipping).
+
+    shardwise: ``shardwise.clip_grad_norm_``, the factor folded into the optimizer's step with
+    ``mode="fold"`` when the optimizer is fused (on CUDA), else the gradients scaled in place; the
+    others: ``torch.nn.utils.clip_grad_norm_``, in place.
+    """
+    if max_norm <= 0:
+        return None, None
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name.startswith("shardwise"):
+        import shardwise
+
+        fold = optimizer if mode == "fold" and getattr(optimizer, "defaults", {}).get("fused") else None
+        return (lambda: shardwise.clip_grad_norm_(params, max_norm, optimizer=fold)), ("fold" if fold else "in-place")
+    return (lambda: torch.nn.utils.clip_grad_norm_(params, max_norm)), "in-place"
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
