@@ -13,6 +13,14 @@ other levels:
 - ``accumulate``: copy into an ``EMPTY`` buffer, add into one that holds values;
 - ``free`` / ``alloc``: drop and take back the storage (the views keep their shapes).
 
+An axis of one rank (one GPU, or a model-parallel layout with no data
+parallelism) splits nothing: the levels on either side of it hold the same
+rows, so moving across it is a copy, and no collective is issued for it.
+Where every axis between two levels has one rank and their slots are the
+same size (``Levels.same_layout``: always so on one GPU), the two are one
+buffer in all but name: a gather is one copy (or cast) of the flat buffer, a
+reduction is the values themselves, and a group lets one buffer serve both.
+
 Every collective goes through the group's ``Collectives``, one call per mesh
 axis and transition (one coalesced NCCL group of per-parameter collectives).
 The buffers of one group share a ``Levels``: the parameters' rows
@@ -65,6 +73,18 @@ class Levels:
             LevelLayout([p.slot_numel(level) for p in self.params]) for level in range(len(self.axes) + 1)
         ]
         self._gaps: dict[int, list[tuple[int, int]]] = {}
+        self._same_layout: dict[tuple[int, int], bool] = {}
+
+    def same_layout(self, a: int, b: int) -> bool:
+        """Whether levels ``a`` and ``b`` (either order) are one buffer in all but name: every axis between
+        them has one rank (the same rows) and their slots have the same sizes (the same offsets). A slot can
+        still differ where a one-rank axis meets a larger one (padding for the other axis's pieces)."""
+        lo, hi = min(a, b), max(a, b)
+        same = self._same_layout.get((lo, hi))
+        if same is None:
+            same = self._same_layout[(lo, hi)] = (all(self.axes[j].size == 1 for j in range(lo, hi))
+                                                  and self.layouts[lo].numels == self.layouts[hi].numels)
+        return same
 
     def gaps(self, level: int) -> list[tuple[int, int]]:
         """Flat ranges of a level's buffer outside every parameter's real rows."""
@@ -101,6 +121,17 @@ class Levels:
         buffer = self.streams.pool.take(total, dtype, self.device)
         staged.append(buffer)
         return DistributedBuffer(self, level, buffer[:total], BufferState.EMPTY)
+
+
+def _move(collective: Callable, outs: list[torch.Tensor], ins: list[torch.Tensor], axis) -> None:
+    """One transition's per-parameter collective over ``axis``; over an axis of one rank, where each
+    output is its input, a copy (nothing where they are the same memory)."""
+    if axis.size > 1:
+        collective(outs, ins, axis)
+        return
+    pairs = [(o, i) for o, i in zip(outs, ins) if o.data_ptr() != i.data_ptr()]
+    if pairs:
+        torch._foreach_copy_([o for o, _ in pairs], [i for _, i in pairs])
 
 
 class DistributedBuffer:
@@ -233,6 +264,11 @@ class DistributedBuffer:
         Returns the temporaries of the levels in between, which the stream still reads.
         """
         levels, bottom = self.levels, target.level
+        if levels.same_layout(bottom, self.level):  # one buffer in all but name: a copy (a cast), or nothing
+            if self.flat is not None:
+                target.flat.copy_(self.flat)
+            target.state = BufferState.HOLDS  # else this buffer is its own pieces inside target's slots
+            return []
         views, temps = self.views(), []
         for level in range(self.level, bottom, -1):
             if level - 1 == bottom:
@@ -241,7 +277,7 @@ class DistributedBuffer:
                 temp = torch.empty(levels.layouts[level - 1].total, dtype=views[0].dtype, device=levels.device)
                 temps.append(temp)
                 out_views = levels.layouts[level - 1].views(temp)
-            levels.collectives.gather(*levels.paired(level, out_views, views), levels.axes[level - 1])
+            _move(levels.collectives.gather, *levels.paired(level, out_views, views), levels.axes[level - 1])
             views = out_views
         target.state = BufferState.HOLDS
         return temps
@@ -266,7 +302,8 @@ class DistributedBuffer:
 
     def reduce_scatter(self, top: int, staged: list, into: "DistributedBuffer | None" = None) -> "DistributedBuffer":
         """Average this level's values up to level ``top`` over the axes in between, into staging-pool
-        temporaries (appended to ``staged``); itself when it is already at ``top``.
+        temporaries (appended to ``staged``); itself when it is already at ``top`` (or one buffer with it in
+        all but name, ``Levels.same_layout``).
 
         ``into`` (an ``EMPTY`` buffer of level ``top`` and this dtype) takes the
         last level's result directly, instead of a temporary that would only be
@@ -279,6 +316,12 @@ class DistributedBuffer:
         if into is not None and not (top > self.level and into.takes(top, self.flat.dtype)):
             raise ValueError(f"reduce_scatter into a {into.state.name} level-{into.level} {into.flat.dtype} buffer; "
                              f"it takes only an EMPTY level-{top} {self.flat.dtype} one above level {self.level}")
+        if levels.same_layout(self.level, top):  # one buffer in all but name: the average is the values
+            if into is None:
+                return self  # (the same rows and layout as level ``top``)
+            into.flat.copy_(self.flat)
+            into.state = BufferState.HOLDS
+            return into
         flat, views = self.flat, self.views()
         for level in range(self.level + 1, top + 1):
             if level == top and into is not None:
@@ -290,7 +333,7 @@ class DistributedBuffer:
                 out = buffer[:total]
                 out_views = levels.layouts[level].views(out)
             ins, outs = levels.paired(level, views, out_views)
-            levels.collectives.reduce_scatter(outs, ins, levels.axes[level - 1])
+            _move(levels.collectives.reduce_scatter, outs, ins, levels.axes[level - 1])
             flat, views = out, out_views
         if into is not None:
             into.state = BufferState.HOLDS
@@ -301,12 +344,15 @@ class DistributedBuffer:
 
     def takes(self, level: int, dtype: torch.dtype) -> bool:
         """Whether a result of ``level`` and ``dtype`` may be written straight into this buffer (it is ``EMPTY``
-        and of that level and dtype): no temporary and no copy."""
-        return self.state is BufferState.EMPTY and self.level == level and self.flat.dtype == dtype
+        and of that level, or of one the same across axes of one rank, and dtype): no temporary and no copy."""
+        same = self.levels.same_layout(level, self.level)
+        return self.state is BufferState.EMPTY and same and self.flat.dtype == dtype
 
     def all_reduce(self, axes: Sequence, average: bool = True) -> None:
-        """Average (or sum) the whole buffer in place over each of ``axes``."""
-        self.levels.collectives.all_reduce(self.flat, axes, average=average)
+        """Average (or sum) the whole buffer in place over each of ``axes`` (those of one rank change nothing)."""
+        axes = [axis for axis in axes if axis.size > 1]
+        if axes:
+            self.levels.collectives.all_reduce(self.flat, axes, average=average)
 
     def broadcast(self, axis) -> None:
         """Give every rank of ``axis`` the values of the axis's first rank (from the host through the device

@@ -242,6 +242,8 @@ class ParamGroup:
         """What the gather reads, made on the gather stream right before it."""
         model = self._model
         if model is None:  # ZeRO-3 mixed precision: cast the main shard right before the gather
+            if self.levels.same_layout(0, self._main.level):  # one rank per axis: the gather is the cast
+                return self._main
             return self._main.cast(self.compute_dtype, staged)
         if model.state is BufferState.OUTDATED:  # offloaded: the optimizer's update comes in right before the gather
             model.copy_from(self._main, non_blocking=True)
@@ -294,7 +296,7 @@ class ParamGroup:
             for i, was_cleared in enumerate(cleared):
                 if was_cleared:
                     self._main_grad.local(i).zero_()
-        if self.grad_level == m:
+        if self.levels.same_layout(self.grad_level, m):  # the same level, or one buffer with it in all but name
             self._grad_acc = self._main_grad
         else:  # a Partial accumulation buffer of its own, restarted every window
             self._grad_acc = self.levels.empty(self.grad_level, self.main_grad_dtype)
@@ -480,7 +482,9 @@ class ParamGroup:
             return
         # main weights that are this rank's pieces of the model shard gather in place; others are
         # cast (from the host when offloaded) first
-        source = self._main if self._main.flat is None else self._main.to(self.device, self.compute_dtype, True)
+        source = self._main
+        if source.flat is not None and not (source.flat.device == self.device and self.levels.same_layout(kp, m)):
+            source = source.to(self.device, self.compute_dtype, True)  # else the gather is the cast
         with torch.autograd._unsafe_preserve_version_counter(self._model.flat):
             source.gather_into(self._model)
 

@@ -321,7 +321,7 @@ def gloo_mesh():
         dist.destroy_process_group()
 
 
-def test_round_trip_over_gloo_with_the_default_collectives(gloo_mesh):
+def test_a_round_trip_over_axes_of_one_rank_communicates_nothing(gloo_mesh):
     plan = ShardingPlan(gloo_mesh, {"dp_outer": ZERO3, "dp_shard": ZERO3})
     fulls = _fulls(seed=3)
     params = [ShardedParam(ParamRef(f"p{i}", nn.Parameter(f.clone()), []), plan) for i, f in enumerate(fulls)]
@@ -330,7 +330,7 @@ def test_round_trip_over_gloo_with_the_default_collectives(gloo_mesh):
     main = _filled(levels, 2, fulls)
     full = levels.empty(0, torch.float32)
     full.flat.fill_(float("nan"))
-    assert len(main.gather_into(full)) == 1
+    assert main.gather_into(full) == []  # one rank per axis: a copy, no temporaries
     for i, f in enumerate(fulls):
         assert torch.equal(full.local(i), f)
     grads = levels.staged(0, torch.float32, staged := [])
@@ -344,12 +344,7 @@ def test_round_trip_over_gloo_with_the_default_collectives(gloo_mesh):
         assert torch.equal(acc.local(i), 4 * f)  # one rank: the average and the sum are the value
         dtensor = acc.dtensors()[i]
         assert dtensor.placements == (S, S) and torch.equal(dtensor.full_tensor(), 4 * f)
-    n = len(fulls)
-    assert counting.calls == [
-        ("gather", "dp_shard", n), ("gather", "dp_outer", n),
-        ("reduce_scatter", "dp_outer", n), ("reduce_scatter", "dp_shard", n),
-        ("all_reduce", ("dp_outer", "dp_shard"), False),
-    ]
+    assert counting.calls == []
 
 
 def test_a_group_is_made_of_buffers_and_states(gloo_mesh):
@@ -391,4 +386,4 @@ def test_a_group_is_made_of_buffers_and_states(gloo_mesh):
     for p in group.sharded_params:
         p.grad = None  # zero_grad: the gradient buffer goes with the last .grad
     assert group.resident_bytes()["main_grad"] == 0
-    assert [c[0] for c in counting.calls] == ["gather"] * 2 + ["reduce_scatter"] * 4 + ["all_reduce"]
+    assert counting.calls == []  # every axis has one rank: copies and casts only

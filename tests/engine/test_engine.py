@@ -544,7 +544,8 @@ def _with_collectives(collectives):
     world, rank = dist.get_world_size(), dist.get_rank()
     config = TinyConfig()
     torch.manual_seed(0)
-    model = shardwise.fully_shard(TinyLM(config).to(device()), mesh=shardwise.build_dp_mesh(outer=2),
+    mesh = shardwise.build_dp_mesh(outer=min(2, world))
+    model = shardwise.fully_shard(TinyLM(config).to(device()), mesh=mesh,
                                   strategy="optim_grads_params", outer_dp_sharding_strategy="no_shard",
                                   unit_modules=[Block], collectives=collectives)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -567,6 +568,17 @@ def test_injected_collectives_carry_every_transition():
     for (losses, _), (counted_losses, calls) in run_distributed(_both_collectives, 4):
         assert counted_losses == losses  # the same collectives, only counted
         assert calls["gather"] > 0 and calls["reduce_scatter"] > 0 and calls["all_reduce"] > 0, calls
+
+
+def _counted():
+    return _with_collectives(_CountingCollectives())[1]
+
+
+def test_axes_of_one_rank_issue_no_collectives():
+    # world 1: a (1, 1) mesh splits nothing; world 2: a (2, 1) mesh, only the outer replicas' all-reduce
+    assert run_distributed(_counted, 1) == [{}]
+    for calls in run_distributed(_counted, 2):
+        assert "gather" not in calls and "reduce_scatter" not in calls and calls["all_reduce"] > 0, calls
 
 
 def _wrap_with(collectives):
