@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Iterable
 
 import torch
@@ -116,7 +117,7 @@ def clip_grad_norm_(
         raise RuntimeError(f"the total norm of gradients is {total.item()}, which is not finite")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if optimizer is not None:
-        _fold_into_next_step(optimizer, coef)
+        _fold_into_next_step(optimizer, coef, parameters)
         return total
     grads = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in parameters if p.grad is not None]
     by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -128,7 +129,23 @@ def clip_grad_norm_(
     return total
 
 
-_FOLDED = "_shardwise_folded_clip"  # set on an optimizer while a clipping factor waits for its step
+_FOLDED = "_shardwise_folded_clip"  # on an optimizer whose next step carries a clipping factor: the grads it is for
+_FOLD_HOOK = "_shardwise_fold_hook"  # on an optimizer whose post-hook takes the factor away after each step
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad._local_tensor if isinstance(grad, DTensor) else grad
+
+
+def _grads_now(parameters: list) -> list[tuple]:
+    """Which gradients these are: each object (weakly) and its data's version counter."""
+    return [(weakref.ref(p.grad), _local(p.grad)._version) for p in parameters if p.grad is not None]
+
+
+def _same_grads(seen: list[tuple], parameters: list) -> bool:
+    now = [p.grad for p in parameters if p.grad is not None]
+    return len(now) == len(seen) and all(ref() is g and _local(g)._version == version
+                                         for (ref, version), g in zip(seen, now))
 
 
 def _check_foldable(optimizer: torch.optim.Optimizer, parameters: list) -> None:
@@ -141,9 +158,10 @@ def _check_foldable(optimizer: torch.optim.Optimizer, parameters: list) -> None:
             f"clip_grad_norm_: optimizer={name} must be a fused torch optimizer (e.g. AdamW(..., fused=True)), "
             f"whose step divides each gradient by optimizer.grad_scale; pass optimizer=None to scale the "
             f"gradients in place")
-    if getattr(optimizer, _FOLDED, False):
+    pending = getattr(optimizer, _FOLDED, None)
+    if pending is not None and _same_grads(pending, parameters):
         raise ValueError(
-            f"clip_grad_norm_: optimizer={name} already carries a clipping factor for its next step (clip_grad_norm_ "
+            f"clip_grad_norm_: optimizer={name} already carries a clipping factor for these gradients (clip_grad_norm_ "
             f"was called twice without optimizer.step() between): call step() first, or clip with optimizer=None")
     stepped = {id(p) for group in groups for p in group["params"] if p.grad is not None}
     clipped = {id(p) for p in parameters if p.grad is not None}
@@ -154,22 +172,24 @@ def _check_foldable(optimizer: torch.optim.Optimizer, parameters: list) -> None:
             f"the factor folded into its step must scale exactly the clipped gradients (or pass optimizer=None)")
 
 
-def _fold_into_next_step(optimizer: torch.optim.Optimizer, coef: torch.Tensor) -> None:
+def _fold_into_next_step(optimizer: torch.optim.Optimizer, coef: torch.Tensor, parameters: list) -> None:
     """Leave ``coef`` for the optimizer's next step as the divisor ``grad_scale`` (GradScaler's hook).
 
-    A GradScaler stepping the same optimizer multiplies its own scale in, and removes the attribute
-    after the step; otherwise the step's post-hook does.
+    A factor left by an earlier call for other gradients (a step skipped, say on a non-finite norm)
+    is replaced. The step's post-hook (registered once per optimizer, never removed while hooks run)
+    takes the factor away again, unless a GradScaler drives the step: it has multiplied its own
+    scale in and removes the attribute itself.
     """
     optimizer.grad_scale = torch.reciprocal(coef).float()
-    setattr(optimizer, _FOLDED, True)
-    handle = None
+    setattr(optimizer, _FOLDED, _grads_now(parameters))
+    if not getattr(optimizer, _FOLD_HOOK, False):
+        optimizer.register_step_post_hook(_clear_folded)
+        setattr(optimizer, _FOLD_HOOK, True)
 
-    def clear(opt, args, kwargs):
-        opt.__dict__.pop("grad_scale", None)
-        opt.__dict__.pop(_FOLDED, None)
-        handle.remove()
 
-    handle = optimizer.register_step_post_hook(clear)
+def _clear_folded(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if optimizer.__dict__.pop(_FOLDED, None) is not None and "found_inf" not in optimizer.__dict__:
+        optimizer.__dict__.pop("grad_scale", None)
 
 
 class BackwardOptimizer:

@@ -219,7 +219,7 @@ def test_clip_grad_norm_refuses_bad_arguments_a_backward_optimizer_and_an_unfit_
     assert "clip_grad_norm_: optimizer=AdamW steps 2 parameters with gradients that are not in parameters, " \
            "and parameters has 0" in messages[7]
     assert messages[8] == "folded"
-    assert "clip_grad_norm_: optimizer=AdamW already carries a clipping factor for its next step" in messages[9]
+    assert "clip_grad_norm_: optimizer=AdamW already carries a clipping factor for these gradients" in messages[9]
     assert messages[10] == "after step True"
     assert "optimizer=AdamW: 2 of its 2 parameters are not parameters of the model" in messages[11]
     assert "before fully_shard" in messages[11]

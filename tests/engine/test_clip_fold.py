@@ -56,3 +56,39 @@ def test_the_step_applies_the_factor_and_leaves_the_clipped_gradients(offload):
         # the fused step wrote the clipped values back; Adam's update turns their rounding into ~1e-7
         assert_close_states(folded["grads"], in_place["grads"], rtol=1e-6)
         assert_close_states(folded["weights"], in_place["weights"], rtol=1e-6)
+
+
+def _skip_then_step(fold: bool, scaler: bool) -> dict:
+    """Without ``scaler``, step 0 is skipped after clipping (as on a non-finite norm); with it, every step
+    goes through a GradScaler (unscale_, clip, scaler.step: the scaler then owns ``grad_scale``)."""
+    torch.manual_seed(0)
+    model = shardwise.fully_shard(TinyLM(TinyConfig()).to(device()), unit_modules=[Block])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    amp = torch.amp.GradScaler("cpu", init_scale=4.0) if scaler else None
+    for step in range(STEPS):
+        tokens, targets = (t.to(device()) for t in batch(step, 1, TinyConfig()))
+        loss = model(tokens, targets)
+        (amp.scale(loss) if amp else loss).backward()
+        if amp:
+            amp.unscale_(opt)
+        shardwise.clip_grad_norm_(model.parameters(), MAX_NORM, optimizer=opt if fold else None)
+        if amp or step > 0:
+            if amp:
+                amp.step(opt)
+                amp.update()
+            else:
+                opt.step()
+        opt.zero_grad()
+    return {"weights": {n: p.detach().full_tensor() for n, p in model.named_parameters()},
+            "left": sorted(k for k in vars(opt) if "grad_scale" in k or "folded" in k or k == "found_inf")}
+
+
+def _skipped(scaler: bool) -> tuple[dict, dict]:
+    return _skip_then_step(False, scaler), _skip_then_step(True, scaler)
+
+
+@pytest.mark.parametrize("scaler", [False, True])
+def test_a_skipped_step_leaves_no_stale_factor_and_a_grad_scaler_keeps_its_own(scaler):
+    (in_place, folded), = run_distributed(_skipped, 1, scaler)
+    assert folded["left"] == []  # nothing left on the optimizer after the last step
+    assert_close_states(folded["weights"], in_place["weights"], rtol=1e-6)
