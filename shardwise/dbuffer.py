@@ -123,15 +123,20 @@ class Levels:
         return DistributedBuffer(self, level, buffer[:total], BufferState.EMPTY)
 
 
-def _move(collective: Callable, outs: list[torch.Tensor], ins: list[torch.Tensor], axis) -> None:
-    """One transition's per-parameter collective over ``axis``; over an axis of one rank, where each
-    output is its input, a copy (nothing where they are the same memory)."""
-    if axis.size > 1:
-        collective(outs, ins, axis)
-        return
+def _copy(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor]) -> None:
+    """``outs[i] = ins[i]`` in one kernel, skipping pairs that are the same memory."""
     pairs = [(o, i) for o, i in zip(outs, ins) if o.data_ptr() != i.data_ptr()]
     if pairs:
         torch._foreach_copy_([o for o, _ in pairs], [i for _, i in pairs])
+
+
+def _move(collective: Callable, outs: list[torch.Tensor], ins: list[torch.Tensor], axis) -> None:
+    """One transition's per-parameter collective over ``axis``; over an axis of one rank, where each
+    output is its input, a copy."""
+    if axis.size > 1:
+        collective(outs, ins, axis)
+    else:
+        _copy(outs, ins)
 
 
 class DistributedBuffer:
@@ -267,7 +272,9 @@ class DistributedBuffer:
         if levels.same_layout(bottom, self.level):  # one buffer in all but name: a copy (a cast), or nothing
             if self.flat is not None:
                 target.flat.copy_(self.flat)
-            target.state = BufferState.HOLDS  # else this buffer is its own pieces inside target's slots
+            else:  # pieces inside another buffer's slots: nothing to move when that buffer is the target
+                _copy(target.views(), self.views())
+            target.state = BufferState.HOLDS
             return []
         views, temps = self.views(), []
         for level in range(self.level, bottom, -1):
