@@ -174,7 +174,7 @@ def test_offloaded_run_clips_through_the_fused_step_as_the_device_run_clips_in_p
     records = {}
     for flags in ((), ("--offload",)):
         out = tmp_path / ("offload" if flags else "plain")
-        cmd = [sys.executable, "-m", "shardwise", "train", "--preset", "tiny", "--steps", "3", "--nproc", "2",
+        cmd = [sys.executable, "-m", "shardwise", "train", "--preset", "tiny", "--steps", "3", "--nproc", "1",
                "--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1", "--ffn-hidden", "64",
                "--seq-len", "32", "--micro-batch-size", "2", "--max-grad-norm", "0.01", *flags, "--out-dir", str(out)]
         proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)

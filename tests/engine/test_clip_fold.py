@@ -16,7 +16,7 @@ MAX_NORM = 0.05  # below every step's norm here, so every step clips
 STEPS = 3
 
 
-@pytest.mark.parametrize("world,outer", [(1, None), (2, None), (4, "optim")])
+@pytest.mark.parametrize("world,outer", [(1, None), (4, "optim")])  # 2 ranks: against in-place clipping below
 def test_folded_clipping_trains_as_torch_clips(world, outer):
     run_distributed(assert_parity, world, Run(clip=MAX_NORM, clip_into_optimizer=True, optimizer="adamw_fused",
                                               outer=outer))
