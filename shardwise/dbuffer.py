@@ -350,8 +350,8 @@ class DistributedBuffer:
         return DistributedBuffer(levels, top, flat, views=views)
 
     def takes(self, level: int, dtype: torch.dtype) -> bool:
-        """Whether a result of ``level`` and ``dtype`` may be written straight into this buffer (it is ``EMPTY``
-        and of that level, or of one the same across axes of one rank, and dtype): no temporary and no copy."""
+        """Whether a result of ``level`` and ``dtype`` may be written straight into this buffer (it is ``EMPTY``,
+        of that dtype, and of that level or one buffer with it in all but name): no temporary and no copy."""
         same = self.levels.same_layout(level, self.level)
         return self.state is BufferState.EMPTY and same and self.flat.dtype == dtype
 

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Shard
 from .device import device_for
 from .engine import sharded_state
 
-__all__ = ["clip_grad_norm_", "grad_norm"]
+__all__ = ["clip_grad_norm_", "grad_norm", "takes_clip_factor"]
 
 
 def _shard_groups(param: torch.Tensor) -> tuple:
@@ -148,12 +148,19 @@ def _same_grads(seen: list[tuple], parameters: list) -> bool:
                                          for (ref, version), g in zip(seen, now))
 
 
+def takes_clip_factor(optimizer) -> bool:
+    """Whether ``clip_grad_norm_(..., optimizer=optimizer)`` can hand it the clipping factor: a fused torch
+    optimizer, whose step divides each gradient by ``optimizer.grad_scale``."""
+    groups = getattr(optimizer, "param_groups", None)
+    return (isinstance(groups, list) and getattr(optimizer, "_step_supports_amp_scaling", False)
+            and all(group.get("fused") for group in groups))
+
+
 def _check_foldable(optimizer: torch.optim.Optimizer, parameters: list) -> None:
     """Refuse an optimizer whose next step would not apply the clipping factor to exactly these gradients."""
     name = type(optimizer).__name__
-    groups = getattr(optimizer, "param_groups", None)
-    if not (isinstance(groups, list) and getattr(optimizer, "_step_supports_amp_scaling", False)
-            and all(group.get("fused") for group in groups)):
+    groups = optimizer.param_groups if takes_clip_factor(optimizer) else None
+    if groups is None:
         raise ValueError(
             f"clip_grad_norm_: optimizer={name} must be a fused torch optimizer (e.g. AdamW(..., fused=True)), "
             f"whose step divides each gradient by optimizer.grad_scale; pass optimizer=None to scale the "

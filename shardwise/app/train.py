@@ -51,6 +51,7 @@ from ..checkpoint import CheckpointManager
 from ..device import device_for
 from .data import DATA_DTYPES, TokenLoader, check_data_path, load_tokens
 from ..models import GPT, GPTConfig
+from ..optim import takes_clip_factor
 from .launch import (EXIT_INTERRUPTED, WorkerError, describe_collective_error, launch_local, one_line_warnings,
                      run_guarded, shutdown_process_groups, under_launcher)
 from .presets import PRESETS
@@ -814,7 +815,7 @@ def _loop(cfg, model, optimizer, loader, checkpoints, schedule, start, grad_accu
         if cfg.max_grad_norm > 0:
             # fused: the factor goes into the step's kernel instead of a pass over the gradients
             grad_norm = shardwise.clip_grad_norm_(model.parameters(), cfg.max_grad_norm,
-                                                  optimizer=optimizer if optimizer.defaults.get("fused") else None)
+                                                  optimizer=optimizer if takes_clip_factor(optimizer) else None)
         else:
             grad_norm = shardwise.grad_norm(model.parameters())
         phase(f"step {step}, optimizer step")

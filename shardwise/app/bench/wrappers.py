@@ -65,8 +65,9 @@ def make_clip(name: str, model: nn.Module, optimizer, max_norm: float,
     params = [p for p in model.parameters() if p.requires_grad]
     if name.startswith("shardwise"):
         import shardwise
+        from shardwise.optim import takes_clip_factor
 
-        fold = optimizer if mode == "fold" and getattr(optimizer, "defaults", {}).get("fused") else None
+        fold = optimizer if mode == "fold" and takes_clip_factor(optimizer) else None
         return (lambda: shardwise.clip_grad_norm_(params, max_norm, optimizer=fold)), ("fold" if fold else "in-place")
     return (lambda: torch.nn.utils.clip_grad_norm_(params, max_norm)), "in-place"
 
