@@ -16,6 +16,7 @@ import contextlib
 import importlib
 import importlib.util
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
@@ -33,9 +34,15 @@ from ..precision import MixedPrecisionPolicy
 from ..registry import LAYER, module_types
 from .config import OUTER_SHARDING_STRATEGIES, DistributedDataParallelConfig, TransformerConfig
 from .meshes import _DATA_PARALLEL_PLACEMENTS, EP_AXIS, INNER_AXIS, OUTER_AXIS, TP_AXIS
+from .buffer_view import ParamAndGradBufferView
 from .process_groups import group_size
 
 __all__ = ["_BaseDataParallel", "_ShardedDataParallel", "expert_plan_fn", "is_expert_param", "logger"]
+
+# Megatron-Core marks the parameters Megatron-FSDP manages with this attribute; its optimizer
+# (grad-norm, zero counting) then reads their gradients' local shards and reduces the norm over
+# the distributed optimizer's group itself instead of over each DTensor's mesh.
+FSDP_PARAM_ATTR = "__fsdp_param__"
 
 # Named after the module Megatron users know; V1, V2 and the factory all log here.
 logger = logging.getLogger("shardwise.megatron.mcore_fsdp_adapter")
@@ -94,6 +101,26 @@ def _mixed_precision(cfg: TransformerConfig, ddp: DistributedDataParallelConfig)
         main_grads_dtype=_dtype(ddp.megatron_fsdp_main_grads_dtype, "megatron_fsdp_main_grads_dtype") or torch.float32,
         grad_comm_dtype=comm,
     )
+
+
+def check_module(module: Any, who: str) -> None:
+    """``module`` must be a ``torch.nn.Module`` (refused by name before anything reads it)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{who}: module={module!r} must be a torch.nn.Module (the model chunk to shard)")
+
+
+def warn_if_not_megatron_fsdp(ddp: DistributedDataParallelConfig, who: str) -> None:
+    """``use_megatron_fsdp=False`` asks Megatron for plain DDP, yet this wrapper shards the model:
+    say so (once per process). Megatron's optimizer and ``finalize_model_grads`` take their
+    Megatron-FSDP paths only when it is True."""
+    if not ddp.use_megatron_fsdp:
+        warnings.warn(
+            f"{who}: ddp_config.use_megatron_fsdp=False (plain DDP in Megatron), but this wrapper shards "
+            "the model with shardwise; set use_megatron_fsdp=True so Megatron's optimizer and "
+            "finalize_model_grads treat it as Megatron-FSDP",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _check_strategies(ddp: DistributedDataParallelConfig, who: str) -> None:
@@ -296,6 +323,9 @@ class _ShardedDataParallel(_BaseDataParallel):
         )
         if initializer is not None:
             initializer.finish()
+        for param in module.parameters():
+            setattr(param, FSDP_PARAM_ATTR, True)
+        self.param_and_grad_buffer = ParamAndGradBufferView(module)
 
     @property
     def sharded_state(self) -> ShardedState:

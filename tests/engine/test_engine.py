@@ -339,6 +339,11 @@ def _bad_inputs():
 
     capture("megatron_bool", lambda: TransformerConfig(bf16="false"))
     capture("megatron_int", lambda: DistributedDataParallelConfig(bucket_size=True))
+    from shardwise.megatron import FullyShardedDataParallel
+
+    capture("megatron_module", lambda: FullyShardedDataParallel(
+        TransformerConfig(), DistributedDataParallelConfig(use_megatron_fsdp=True), "x"))
+    capture("megatron_tp_str", lambda: TransformerConfig(tensor_model_parallel_size="2"))
     return errors
 
 
@@ -365,6 +370,8 @@ EXPECTED_ERRORS = {
     "init_fn": "init_fn=5",
     "megatron_bool": "TransformerConfig.bf16='false' must be bool",
     "megatron_int": "DistributedDataParallelConfig.bucket_size=True must be None or int",
+    "megatron_module": "module='x' must be a torch.nn.Module",
+    "megatron_tp_str": "TransformerConfig.tensor_model_parallel_size='2' must be int",
 }
 
 
