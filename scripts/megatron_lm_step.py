@@ -186,7 +186,7 @@ def main(argv=None) -> dict:
         "layers": args.layers, "hidden": args.hidden, "seq": args.seq, "start_step": start_step,
         "tokens_per_s_per_gpu": round(tokens * len(timed) / sum(timed), 1),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
-        "losses": [round(x, 5) for x in losses], "grad_norms": [round(x, 5) for x in grad_norms],
+        "losses": losses, "grad_norms": grad_norms,  # full precision: resume checks compare bits
     }
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)

@@ -272,8 +272,41 @@ class _BaseDataParallel(nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict)
 
 
+class _MegatronFSDPLevel(nn.Module):
+    """The module level Megatron-FSDP's ``MegatronFSDP`` takes between its adapter and the model.
+
+    With it a wrapper's parameter names are Megatron's adapter's exactly
+    (``module.module.<model fqn>``; Megatron's optimizer keys its ``fsdp_dtensor``
+    state by them) and so are the keys of ``state_dict_for_save_checkpoint()``:
+    a checkpoint either wrapper writes, the other loads.
+    """
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+
 class _ShardedDataParallel(_BaseDataParallel):
-    """V1 and V2's common ground: shard with the engine, clear/scale grads, load full state dicts."""
+    """V1 and V2's common ground: shard with the engine, clear/scale grads, load full state dicts.
+
+    ``.module`` is the model (what ``fully_shard`` wrapped); the registered child
+    ``module`` is a :class:`_MegatronFSDPLevel` holding it, as in Megatron's adapter.
+    """
+
+    def __init__(self, config: Any, module: nn.Module):
+        super().__init__(config, _MegatronFSDPLevel(module))
+
+    @property
+    def module(self) -> nn.Module:
+        return self._modules["module"].module
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
+        """The model's state under Megatron-FSDP's checkpoint keys (``module.<model key>``), as
+        Megatron-LM's ``fsdp_dtensor`` format saves a Megatron-FSDP chunk."""
+        return self._modules["module"].state_dict(prefix=prefix, keep_vars=keep_vars)
 
     # ----------------------------------------------------------------- wrapping
     def _shard(
@@ -362,7 +395,12 @@ class _ShardedDataParallel(_BaseDataParallel):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True):
         """Load model weights: the sharded tensors ``state_dict()`` returns, or full (unsharded) tensors.
 
-        Full tensors are cut to this rank's shard locally (no communication);
-        the engine refreshes the compute weights at the next forward.
+        Keys are the model's own, or those of ``state_dict_for_save_checkpoint()``
+        (``module.``-prefixed, Megatron-FSDP's). Full tensors are cut to this rank's
+        shard locally (no communication); the engine refreshes the compute weights
+        at the next forward.
         """
+        own = set(self.module.state_dict().keys())
+        if state_dict and not own & set(state_dict) and all(k.startswith("module.") for k in state_dict):
+            state_dict = {k[len("module."):]: v for k, v in state_dict.items()}
         return load_full_state_dict(self.module, state_dict, strict=strict)
