@@ -52,6 +52,7 @@ from ..device import device_for
 from .data import DATA_DTYPES, TokenLoader, check_data_path, load_tokens
 from ..models import GPT, GPTConfig
 from ..optim import takes_clip_factor
+from ..replaced import check_optimizer_params
 from .launch import (EXIT_INTERRUPTED, WorkerError, describe_collective_error, launch_local, one_line_warnings,
                      run_guarded, shutdown_process_groups, under_launcher)
 from .presets import PRESETS
@@ -536,22 +537,6 @@ def _param_groups(model: torch.nn.Module, matrix_names: set[str], weight_decay: 
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def check_optimizer_params(model: torch.nn.Module, optimizer) -> None:
-    """Refuse an optimizer that holds tensors which are not ``model``'s parameters.
-
-    ``fully_shard`` replaces every parameter by a sharded one; an optimizer built before it
-    keeps (and would step) the discarded originals while the model never changes.
-    """
-    current = {id(p) for p in model.parameters()}
-    stale = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in current]
-    if stale:
-        total = sum(len(g["params"]) for g in optimizer.param_groups)
-        raise ValueError(
-            f"optimizer={type(optimizer).__name__}: {len(stale)} of its {total} parameters are not parameters of "
-            f"the model (was it built before fully_shard, which replaces every parameter?); build the optimizer "
-            f"from model.parameters() after fully_shard")
-
-
 def _memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -746,7 +731,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     _limit_collective_waits(model, cfg.timeout)
     optimizer = torch.optim.AdamW(_param_groups(model, matrices, cfg.weight_decay),
                                   lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **({"fused": True} if fused else {}))
-    check_optimizer_params(model, optimizer)
+    check_optimizer_params(optimizer, model)
     torch.manual_seed(cfg.seed + 1 + rank)  # dropout differs per rank
     loader = TokenLoader(load_tokens(cfg.data or None, cfg.data_dtype), cfg.seq_len,
                          cfg.micro_batch_size, rank, world, cfg.seed, device)

@@ -193,17 +193,33 @@ def _clip_refusals() -> list[str]:
     shardwise.clip_grad_norm_(model.parameters(), 1.0, optimizer=fused)  # a new step: fine again
     messages.append(f"after step {hasattr(fused, 'grad_scale')}")
 
-    from shardwise.app.train import check_optimizer_params
-
     early = torch.nn.Sequential(torch.nn.Linear(4, 4))
     optimizer = torch.optim.AdamW(early.parameters())  # built before fully_shard: holds the originals
     early = shardwise.fully_shard(early)
+    early(torch.ones(2, 4)).sum().backward()
     try:
-        check_optimizer_params(early, optimizer)
-        messages.append("accepted a stale optimizer")
+        optimizer.step()  # refused at its first step, for every user (torch's global step pre-hook)
+        messages.append("stepped a stale optimizer")
     except ValueError as e:
         messages.append(str(e))
-    check_optimizer_params(early, torch.optim.AdamW(early.parameters()))  # built after: fine
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    on_meta = torch.optim.SGD(meta.parameters(), lr=0.1)  # before fully_shard of a meta model
+    meta = shardwise.fully_shard(meta, init_fn=shardwise.MetaInitializer(meta))
+    try:
+        on_meta.step()
+        messages.append("stepped a stale optimizer of meta parameters")
+    except ValueError as e:
+        messages.append(str(e))
+    try:
+        shardwise.check_optimizer_params(torch.optim.AdamW(meta.parameters()), early)  # another model's
+        messages.append("accepted another model's optimizer")
+    except ValueError as e:
+        messages.append(str(e))
+    after = torch.optim.AdamW(early.parameters())  # built after: steps, and is looked at once only
+    after.step()
+    from shardwise.replaced import _checked
+    messages.append(f"after fully_shard ok {after in _checked}")
     return messages
 
 
@@ -221,8 +237,12 @@ def test_clip_grad_norm_refuses_bad_arguments_a_backward_optimizer_and_an_unfit_
     assert messages[8] == "folded"
     assert "clip_grad_norm_: optimizer=AdamW already carries a clipping factor for these gradients" in messages[9]
     assert messages[10] == "after step True"
-    assert "optimizer=AdamW: 2 of its 2 parameters are not parameters of the model" in messages[11]
-    assert "before fully_shard" in messages[11]
+    assert ("optimizer=AdamW: 2 of its 2 parameters were replaced by fully_shard after the optimizer was built, "
+            "so its step would update discarded tensors") in messages[11]
+    assert "build the optimizer from model.parameters() after fully_shard" in messages[11]
+    assert "optimizer=SGD: 2 of its 2 parameters were replaced by meta materialization" in messages[12]
+    assert "optimizer=AdamW: 2 of its 2 parameters are not parameters of the model" in messages[13]
+    assert messages[14] == "after fully_shard ok True"
     assert all("\n" not in m for m in messages)
 
 
