@@ -90,6 +90,14 @@ def strategy():
     _check(Net(), strategy=["optim_grads_params", "optim_grads"][_rank()])
 
 
+def zero1_and_zero2():  # e.g. under no_sync: the gradients would stay Partial on one rank only
+    _check(Net(), strategy=[1, "optim_grads"][_rank()])
+
+
+def one_strategy_by_two_names():
+    _check(Net(), strategy=["optim", 1][_rank()])
+
+
 def unit_modules():
     net = Net()
     _check(net, unit_modules=[Block] if _rank() == 0 else [net.layers[0]])
@@ -145,6 +153,10 @@ def mesh_differs_between_ranks():
 
 def expert_mesh_not_covering_the_world():
     _check(_moe(ep_group=None), expert_mesh=_own_mesh("dp_shard", "ep"), unit_modules=None)
+
+
+def mesh_not_a_mesh_on_one_rank():
+    _check(Net(), mesh=None if _rank() == 0 else "dp")
 
 
 def unit_modules_not_describable_on_one_rank():
@@ -222,7 +234,11 @@ CASES = {
     extra_layer: "parameter 'layers.2.w.weight' exists on rank 1 but not on rank 0 (10 parameters on rank 0, 14 on rank 1)",
     hidden_size: "parameter 'layers.0.w.weight' has shape (4, 8) on rank 0 but (4, 16) on rank 1",
     same_numel_other_shape: "parameter 'layers.1.w.weight' has shape (4, 8) on rank 0 but (8, 4) on rank 1",
-    strategy: "the placements (strategy): dp_shard[S,S,S] on rank 0 but dp_shard[R,S,S] on rank 1",
+    strategy: "strategy='optim_grads_params' (placements dp_shard[S,S,S]) on rank 0 but strategy='optim_grads' "
+    "(placements dp_shard[R,S,S]) on rank 1",
+    zero1_and_zero2: "strategy=1 (placements dp_shard[R,P,S]) on rank 0 but strategy='optim_grads' "
+    "(placements dp_shard[R,S,S]) on rank 1",
+    one_strategy_by_two_names: None,
     unit_modules: "module 'layers.1' is a unit (unit_modules) on rank 0 but not on rank 1",
     requires_grad: "parameter 'layers.0.v.bias' has requires_grad True on rank 0 but False on rank 1",
     dtype: "parameter 'layers.0.w.weight' has dtype float32 on rank 0 but bfloat16 on rank 1",
@@ -237,6 +253,8 @@ CASES = {
     expert_mesh_of_the_wrong_size: "(expert parallelism over 2 ranks), but the expert mesh axis 'ep' has 1 rank (on",
     mesh_differs_between_ranks: "ranks disagree before sharding: the mesh covers ranks [0, 1] on rank 0 but [1] on rank 1",
     expert_mesh_not_covering_the_world: "the expert mesh covers ranks [0], but the mesh covers [0, 1]",
+    mesh_not_a_mesh_on_one_rank: "mesh='dp' must be a torch.distributed.DeviceMesh or None (e.g. "
+    "shardwise.build_dp_mesh() or shardwise.build_expert_mesh(ep)), got a str (on rank 1)",
     unit_modules_not_describable_on_one_rank: "rank 1 could not describe its model and arguments: TypeError:",
     same_everywhere: None,
     tp_slices_on_a_tp_mesh: None,

@@ -335,6 +335,7 @@ def _bad_inputs():
     capture("prefetch_int", lambda: shardwise.fully_shard(model(), prefetch=1))
     capture("reduction", lambda: shardwise.fully_shard(model(), gradient_reduction="avg"))
     capture("init_fn", lambda: shardwise.fully_shard(model(), init_fn=5))
+    capture("mesh_str", lambda: shardwise.fully_shard(model(), mesh="dp"))
     from shardwise.megatron import DistributedDataParallelConfig, TransformerConfig
 
     capture("megatron_bool", lambda: TransformerConfig(bf16="false"))
@@ -363,6 +364,7 @@ EXPECTED_ERRORS = {
     "prefetch_int": "prefetch=1 must be a bool",
     "reduction": "gradient_reduction='avg'",
     "init_fn": "init_fn=5",
+    "mesh_str": "ValueError: mesh='dp' must be a torch.distributed.DeviceMesh or None",
     "megatron_bool": "TransformerConfig.bf16='false' must be bool",
     "megatron_int": "DistributedDataParallelConfig.bucket_size=True must be None or int",
 }
