@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CheckpointManager
+from ..checkpoint import CheckpointError, CheckpointManager
 from ..device import device_for
 from .data import DATA_DTYPES, TokenLoader, check_data_path, load_tokens
 from ..models import GPT, GPTConfig
@@ -613,6 +613,8 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = Non
             why = describe_collective_error(e, cfg.timeout, peers)
         if why:
             raise WorkerError(f"{phase.now}: {why}") from None
+        if isinstance(e, CheckpointError):  # its message names the folder and the cause: one line, no traceback
+            raise WorkerError(f"{phase.now}: {e}") from None
         raise
     finally:
         if owns_group:
