@@ -92,6 +92,30 @@ def test_config_file_accepts_whole_floats_and_resume_bools(tmp_path):
     assert cfg.resume == ""
 
 
+# ------------------------------------------------------------------ shardwise ckpt
+@pytest.mark.parametrize("layout,target,message", [
+    ("run", "run/checkpoints", "{t}: no such checkpoint folder; the run folder {r} has no checkpoints: shardwise "
+     "train writes checkpoints (into <run folder>/checkpoints/) only with --save-every N"),
+    ("run", "run", "{t} holds no complete checkpoint; the run folder {r} has no checkpoints"),
+    ("", "run/checkpoints", "{t}: no such checkpoint folder; there is no run folder {r}: shardwise train writes"),
+    ("empty", "run/checkpoints", "{t} holds no complete checkpoint; {r} is not a run folder"),
+])
+def test_ckpt_without_a_checkpoint_says_where_it_looked(layout, target, message, tmp_path, capsys):
+    from shardwise.app.ckpt import main as ckpt_main
+
+    run = tmp_path / "run"
+    if layout == "run":  # what `train` without --save-every leaves
+        run.mkdir()
+        (run / "config.json").write_text("{}")
+        (run / "metrics.jsonl").write_text("")
+    elif layout == "empty":
+        (run / "checkpoints").mkdir(parents=True)
+    assert ckpt_main(["export", str(tmp_path / target), str(tmp_path / "out"), "--format", "hf"]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith("shardwise ckpt export: error: ")
+    assert message.format(t=tmp_path / target, r=run) in line, line
+
+
 # ------------------------------------------------------------------ learning-rate schedule
 def test_warmup_is_capped_by_steps_and_a_short_run_decays():
     cfg, _ = resolve_config(["--preset", "tiny", "--steps", "30"])  # the preset warms up for 30 steps
