@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardwise train", description="Train a reference model with shardwise.fully_shard.",
         argument_default=argparse.SUPPRESS,
-        epilog="Defaults shown are the dataclass defaults; --preset (default tiny) overrides many.")
+        epilog="Defaults shown are what runs: a value the default preset (tiny) sets is shown as its; another "
+               "--preset sets its own (--list-presets shows them).")
     parser.add_argument("--config", help="JSON file of field -> value overrides (applied after --preset)")
     parser.add_argument("--list-presets", action="store_true", help="print the presets and exit")
     for title, group_fields in (("training", _TRAIN_FIELDS), ("model", _MODEL_FIELDS)):
@@ -165,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
         for name, f in group_fields.items():
             flag = "--" + name.replace("_", "-")
             kind = _CASTS[str(f.type)]
-            text = f"{f.metadata.get('help')} (default: {f.default!r})"
+            text = f.metadata.get("help")
+            if "(default" not in text:  # a help that says its default itself keeps it
+                text += f" ({_shown_default(name, f.default)})"
             if name == "resume":
                 group.add_argument(flag, dest=name, nargs="?", const="auto", metavar="auto|required",
                                    help=text.replace("(default: '')", "(default: no)"))
@@ -181,6 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
             else:
                 group.add_argument(flag, dest=name, type=kind, metavar=kind.__name__.upper(), help=text)
     return parser
+
+
+def _shown_default(name: str, default) -> str:
+    """What runs when the flag is not given: the default preset's value where it sets one."""
+    preset = TrainConfig.preset
+    if name not in PRESETS[preset]:
+        return f"default: {default!r}"
+    others = "" if all(name in p for p in PRESETS.values()) else f", {default!r} under one that does not set it"
+    return f"default: {PRESETS[preset][name]!r}, from the preset {preset}; other presets set their own{others}"
 
 
 def _coerce(name: str, value, source: str):

@@ -81,6 +81,18 @@ def test_config_file_values_must_have_the_field_type(field, value, message, tmp_
     assert f"--config {path}" in str(e.value) and message in str(e.value)
 
 
+def test_help_shows_the_defaults_that_run():
+    from shardwise.app.train import build_parser
+
+    cfg, model_cfg = resolve_config([])  # what runs without flags: the tiny preset
+    helps = {a.dest: a.help for a in build_parser()._actions if a.help}
+    for name in ("steps", "lr", "warmup_steps", "weight_decay", "beta1", "dim", "n_layers", "vocab_size"):
+        value = getattr(cfg if hasattr(cfg, name) else model_cfg, name)
+        assert f"(default: {value!r}" in helps[name], (name, value, helps[name])
+    assert "from the preset tiny" in helps["steps"] and "0.1 under one that does not set it" in helps["weight_decay"]
+    assert [n for n, h in helps.items() if h.count("(default") > 1] == []  # said once
+
+
 def test_config_file_accepts_whole_floats_and_resume_bools(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"steps": 20.0, "lr": 1, "resume": True, "name": "x"}))
