@@ -492,7 +492,10 @@ class LRSchedule:
         if self.warmup_end > self.start:
             parts.append(f"linear warm-up to {self.peak:.3g} over steps {self.start + 1}-{self.warmup_end}")
         begin = max(self.warmup_end, self.start)
-        parts.append(f"cosine decay from {self.top:.3g} to {self.floor:.3g} over steps {begin + 1}-{self.end}")
+        if math.isclose(self.top, self.floor, rel_tol=1e-6):
+            parts.append(f"constant at the floor {self.floor:.3g} over steps {begin + 1}-{self.end}")
+        else:
+            parts.append(f"cosine decay from {self.top:.3g} to {self.floor:.3g} over steps {begin + 1}-{self.end}")
         return "lr: " + ", then ".join(parts) + (f" ({self.note})" if self.note else "")
 
     def to_dict(self) -> dict:
@@ -531,6 +534,10 @@ def resumed_schedule(saved: LRSchedule | None, cfg: TrainConfig, step: int) -> L
     changed = ", ".join(f"--{k.replace('_', '-')} {old[k]:g} -> {getattr(cfg, k):g}" for k in old
                         if old[k] != getattr(cfg, k))
     note = f"changed since the checkpoint: {changed}" if changed else ""
+    if cfg.steps > step and math.isclose(lr_now, fresh.floor, rel_tol=1e-6):  # it would train flat at the floor
+        note += (f"; the rate already decayed to its floor {lr_now:.3g} by step {step}, so steps {step + 1}-"
+                 f"{cfg.steps} stay there: for a decay over all {cfg.steps} steps, start a new run with --steps "
+                 f"{cfg.steps} (the first launch's --steps sets the schedule)")
     if step < saved.warmup_end and step < fresh.warmup_end:  # still warming up: go on to the peak
         return replace(fresh, start=step, start_lr=lr_now, note=note)
     return replace(fresh, start=step, start_lr=lr_now, warmup_end=step, top=lr_now, note=note)

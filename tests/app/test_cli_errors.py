@@ -156,6 +156,10 @@ def test_resuming_with_other_steps_keeps_the_rate_continuous(old_steps, new_step
     assert abs(after[0] - before) <= 2 * step_size, (before, after[:3])  # no jump
     assert after[-1] == pytest.approx(new.lr * new.min_lr_ratio) or new_steps <= resume_at
     assert "--steps" in schedule.describe() and f"at step {resume_at}" in schedule.describe()
+    at_floor = f"the rate already decayed to its floor 0.1 by step {resume_at}, so steps {resume_at + 1}-{new_steps} " \
+               f"stay there: for a decay over all {new_steps} steps, start a new run with --steps {new_steps}"
+    assert (at_floor in schedule.describe()) == (resume_at == old_steps), schedule.describe()  # said when flat
+    assert "\n" not in schedule.describe()
     assert resumed_schedule(saved, old, resume_at) is saved  # same flags: the same schedule, exactly
 
 
