@@ -778,7 +778,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     # One bar per process: a thread lock will do. tqdm's default multiprocessing lock is a named
     # semaphore, which a killed rank leaks (and the resource tracker warns about at exit).
     tqdm.set_lock(threading.RLock())
-    bar = tqdm(total=cfg.steps, initial=min(start - 1, cfg.steps), desc=f"{cfg.preset} x{world}",
+    bar = tqdm(total=cfg.steps, initial=min(start - 1, cfg.steps), desc=f"{_model_label(cfg)} x{world}",
                disable=rank != 0, dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
     try:
         trained = _loop(cfg, model, optimizer, loader, checkpoints, schedule, start, grad_accum, tokens, device,
@@ -889,16 +889,25 @@ def summarize(records: list[dict]) -> dict:
     }
 
 
+def _model_label(cfg: TrainConfig) -> str:
+    """What the run trains (summary, progress bar, plot): the preset, or the Hugging Face config or folder it
+    came from (whose model is not the preset's; the preset gave only the training settings)."""
+    if cfg.hf_config and cfg.hf_config != cfg.init_from:
+        return f"hf-config:{Path(cfg.hf_config).name}"
+    return f"init-from:{Path(cfg.init_from).name}" if cfg.init_from else cfg.preset
+
+
 def _finish(out_dir: Path, cfg: TrainConfig, n_params: int, world: int, wall_time: float) -> dict:
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    summary = {"preset": cfg.preset, "params": n_params, "world_size": world, **summarize(records),
+    label = _model_label(cfg)
+    summary = {"model": label, "preset": None if label != cfg.preset else cfg.preset, "params": n_params, "world_size": world, **summarize(records),
                "wall_time_s": wall_time, "out_dir": str(out_dir)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _plot(out_dir / "loss.png", records, summary["resumed_at"], cfg)
     mfu = f", MFU {100 * summary['mfu']:.1f}%" if summary["mfu"] is not None else ""
     resumed = f" (resumed at step {', '.join(map(str, summary['resumed_at']))})" if summary["resumed_at"] else ""
     speed = f"{summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else "tokens/s n/a"
-    print(f"\n{cfg.preset}: {n_params / 1e6:.2f}M params, {world} ranks, {summary['steps']} steps{resumed}\n"
+    print(f"\n{label}: {n_params / 1e6:.2f}M params, {world} ranks, {summary['steps']} steps{resumed}\n"
           f"  loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} "
           f"(last-10 mean {summary['last10_mean_loss']:.3f})\n"
           f"  {speed}{mfu}, peak mem {summary['peak_mem_gib']:.2f} GiB\n"
@@ -916,7 +925,7 @@ def _plot(path: Path, records: list[dict], resumed_at: list[int], cfg: TrainConf
     fig, (ax_loss, ax_speed) = plt.subplots(1, 2, figsize=(10, 4))
     steps = [r["step"] for r in records]
     ax_loss.plot(steps, [r["loss"] for r in records])
-    ax_loss.set(xlabel="step", ylabel="loss (nats/token)", title=f"{cfg.preset}: training loss")
+    ax_loss.set(xlabel="step", ylabel="loss (nats/token)", title=f"{_model_label(cfg)}: training loss")
     ax_speed.plot(steps, [r["tokens_per_s"] for r in records])
     ax_speed.set(xlabel="step", ylabel="tokens/s (all ranks)", title="throughput")
     for ax in (ax_loss, ax_speed):
