@@ -710,7 +710,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
             grad_accum=cfg.grad_accum, optimizer="fused" if fused else "default",
             build_on_device=not cfg.meta_init, ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         if rank == 0:
-            _say(f"memory estimate: {estimate.describe()}")
+            _say(f"memory estimate: {estimate.describe(device.type)}")
         if device.type == "cuda":  # on every rank, before any rank allocates: a clear error, not an OOM
             note = check_fits(estimate, torch.cuda.mem_get_info(device)[0], host_available_bytes())
             if note and rank == 0:
