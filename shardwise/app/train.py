@@ -435,10 +435,11 @@ def prepare_run_folder(cfg: TrainConfig, rank0: bool = True, announce: bool = Tr
         shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
         if announce:
             _say(f"--overwrite: deleted the earlier run in {out_dir} ({', '.join(earlier)})")
+    ckpt_dir = out_dir / "checkpoints"
+    made = [p for p in (ckpt_dir, out_dir) if not p.exists()]  # removed again (if empty) when the run is refused
     why = _check_writable(out_dir)
     if why:
         raise ConfigError(flag, value, f"{folder}{why}")
-    ckpt_dir = out_dir / "checkpoints"
     if cfg.save_every or cfg.resume:
         why = _check_writable(ckpt_dir)
         if why:
@@ -450,6 +451,9 @@ def prepare_run_folder(cfg: TrainConfig, rank0: bool = True, announce: bool = Tr
         except TypeError:
             latest = manager.latest()
         if latest is None and cfg.resume == "required":
+            for path in made:
+                with contextlib.suppress(OSError):
+                    path.rmdir()
             raise ConfigError("--resume=required", "", f"no complete checkpoint in {ckpt_dir}")
         if latest is None and announce:
             metrics = [item for item in earlier if item.startswith("metrics.jsonl")]

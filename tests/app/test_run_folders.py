@@ -82,6 +82,11 @@ def test_resume_without_a_checkpoint_says_so_or_fails_when_required(tmp_path, ca
     assert main(TINY + ["--data", data, "--out-dir", str(folder), "--resume=required"]) == 2
     assert _error_line(capsys) == (f"shardwise train: error: --resume=required: no complete checkpoint in "
                                    f"{folder / 'checkpoints'}")
+    assert not folder.exists()  # refused: no empty folders left behind
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine\n")
+    assert main(TINY + ["--data", data, "--out-dir", str(folder), "--resume=required"]) == 2
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"] and "--resume=required" in _error_line(capsys)
     (folder / "checkpoints" / "step_00000004.tmp").mkdir(parents=True)  # a save that never finished
     cfg, _ = resolve_config(TINY + ["--data", data, "--out-dir", str(folder), "--resume"])
     prepare_run_folder(cfg)
