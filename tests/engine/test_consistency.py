@@ -180,6 +180,12 @@ def expert_mesh_without_expert_params():  # e.g. experts that carry neither the 
     _check(Net(), expert_mesh=_mesh("ep2"))
 
 
+def fully_shard_onto_an_expert_mesh_nothing_goes_on():  # the whole wrap: refused before anything is sharded
+    import shardwise
+
+    shardwise.fully_shard(Net(), unit_modules=[Block], expert_mesh=_mesh("ep2"), plan_fn=lambda fqn, p: "dense")
+
+
 def experts_on_their_expert_mesh():
     _check(_moe(ep_group=dist.group.WORLD), expert_mesh=_mesh("ep2"), unit_modules=None)
 
@@ -260,6 +266,7 @@ CASES = {
     tp_slices_on_a_tp_mesh: None,
     gpt_marked_tp_at_size_one: None,
     expert_mesh_without_expert_params: "an expert_mesh was given, but plan_fn puts no parameter on it",
+    fully_shard_onto_an_expert_mesh_nothing_goes_on: "an expert_mesh was given, but plan_fn puts no parameter on it",
     experts_on_their_expert_mesh: None,
     megatron_dp_cp_of_one_rank: "pg_collection.dp_cp has 1 rank(s) [0] on rank 0, but a world of 2 ranks with "
     "tp=1 x pp=1 needs 2 data-parallel ranks per group",
