@@ -6,9 +6,9 @@ ones: its ``step()`` updates tensors the model no longer uses, which never get
 a gradient, so the loss stays flat and nothing says why. Each replaced
 parameter carries a mark, and a global optimizer step pre-hook (registered
 once, at the first replacement) looks at an optimizer's parameters the first
-time it steps; an optimizer found clean is never looked at again (one set
-lookup per step after that), so every torch optimizer is covered at no
-measurable cost.
+time it steps; an optimizer found clean is not looked at again unless it
+gains a parameter group (one dictionary lookup per step after that), so every
+torch optimizer is covered at no measurable cost.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 __all__ = ["mark_replaced", "check_optimizer_params"]
 
 _MARK = "_shardwise_replaced_by"
-_checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()  # -> its groups
 _hook = None
 
 
@@ -35,10 +35,11 @@ def mark_replaced(param: torch.Tensor, by: str) -> None:
 
 
 def _check_at_first_step(optimizer, args, kwargs) -> None:
-    if optimizer in _checked:
+    if _checked.get(optimizer) == len(optimizer.param_groups):
         return
     check_optimizer_params(optimizer)
-    _checked.add(optimizer)  # clean: not looked at again (a failed one is checked at every step)
+    # Clean: not looked at again until add_param_group adds a group (a failed one is checked at every step).
+    _checked[optimizer] = len(optimizer.param_groups)
 
 
 def check_optimizer_params(optimizer, model: torch.nn.Module | None = None) -> None:

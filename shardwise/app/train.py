@@ -157,8 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardwise train", description="Train a reference model with shardwise.fully_shard.",
         argument_default=argparse.SUPPRESS,
-        epilog="Defaults shown are what runs: a value the default preset (tiny) sets is shown as its; another "
-               "--preset sets its own (--list-presets shows them).")
+        epilog="Defaults shown are what runs without the flag: where the default preset (tiny) sets a field, "
+               "its value; another --preset sets its own (--list-presets shows them).")
     parser.add_argument("--config", help="JSON file of field -> value overrides (applied after --preset)")
     parser.add_argument("--list-presets", action="store_true", help="print the presets and exit")
     for title, group_fields in (("training", _TRAIN_FIELDS), ("model", _MODEL_FIELDS)):

@@ -259,7 +259,13 @@ def _clip_refusals() -> list[str]:
     after = torch.optim.AdamW(early.parameters())  # built after: steps, and is looked at once only
     after.step()
     from shardwise.replaced import _checked
-    messages.append(f"after fully_shard ok {after in _checked}")
+    messages.append(f"after fully_shard ok {_checked.get(after) == 1}")
+    after.add_param_group({"params": list(on_meta.param_groups[0]["params"])})  # a stale group added later
+    try:
+        after.step()
+        messages.append("stepped a stale parameter group")
+    except ValueError as e:
+        messages.append(str(e))
     return messages
 
 
@@ -283,6 +289,7 @@ def test_clip_grad_norm_refuses_bad_arguments_a_backward_optimizer_and_an_unfit_
     assert "optimizer=SGD: 2 of its 2 parameters were replaced by meta materialization" in messages[12]
     assert "optimizer=AdamW: 2 of its 2 parameters are not parameters of the model" in messages[13]
     assert messages[14] == "after fully_shard ok True"
+    assert "optimizer=AdamW: 2 of its 4 parameters were replaced by meta materialization" in messages[15]
     assert all("\n" not in m for m in messages)
 
 
