@@ -7,7 +7,8 @@
   of the bf16 gather;
 - an FP8 GPT's loss and gradients under shardwise (bf16 or FP8 gather) are those of one process running the
   same torchao model on the same micro-batches (gradients by SQNR, torchao's measure);
-- its checkpoints resume bit-exact, reshard into a bf16 model, and export plain weights.
+- its checkpoints resume bit-exact, reshard into a bf16 model, and export plain weights;
+- compiled units (``compile_units``) compile once, with no graph break, and train as eager.
 """
 
 from __future__ import annotations
@@ -338,3 +339,44 @@ def test_convert_to_fp8_checks_its_arguments():
     assert done.converted == [] and "output" in done.skipped and len(done.skipped) == 8, done
     kept = shardwise.convert_to_fp8(model, "rowwise", filter_fn=shardwise.fp8.skip_modules("output", "w2"))
     assert "layers.0.mlp.w2" in kept.skipped and kept.fp8_gathered == [] and len(kept.converted) == 12, kept
+
+
+# ------------------------------------------------------------------ compiled units
+def _compiled_case(compiled: bool, all_gather: bool) -> dict:
+    import torch._dynamo
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from shardwise.models import TransformerLayer
+
+    model, _ = _fp8_gpt(all_gather)
+    model = shardwise.fully_shard(model, unit_modules=[TransformerLayer], mixed_precision=BF16)
+    names = shardwise.compile_units(model, backend="aot_eager") if compiled else []
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch._dynamo.reset()
+    counters.clear()
+    rank, losses, frames = dist.get_rank(), [], []
+    try:
+        for step in range(3):
+            if step == 1:  # compiled in the first step; a recompile now raises
+                torch.compiler.set_stance("fail_on_recompile")
+            t = _tokens(step)[rank * 4:(rank + 1) * 4]
+            loss = model(t, t)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            frames.append(counters["frames"]["ok"])
+    finally:
+        torch.compiler.set_stance("default")
+    return dict(losses=losses, frames=frames, breaks=dict(counters["graph_break"]), units=names)
+
+
+def test_fp8_units_compile_once_without_graph_breaks_and_train_like_eager():
+    # with the FP8 gather: the parameters the compiled code reads are the same Float8TrainingTensors every step
+    eager = run_distributed(_compiled_case, 2, False, True)[0]
+    compiled = run_distributed(_compiled_case, 2, True, True)[0]
+    assert compiled["units"] == ["layers.0", "layers.1"], compiled
+    assert compiled["breaks"] == {}, compiled["breaks"]
+    assert compiled["frames"][0] > 0 and compiled["frames"][-1] == compiled["frames"][0], compiled["frames"]
+    torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-5, atol=0)
