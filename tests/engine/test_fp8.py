@@ -380,3 +380,62 @@ def test_fp8_units_compile_once_without_graph_breaks_and_train_like_eager():
     assert compiled["breaks"] == {}, compiled["breaks"]
     assert compiled["frames"][0] > 0 and compiled["frames"][-1] == compiled["frames"][0], compiled["frames"]
     torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-5, atol=0)
+
+
+# ------------------------------------------------------------------ tied weights
+class Tied(nn.Module):
+    """Two linears sharing one weight (both FP8), and an embedding tied to a third linear's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.first = nn.Linear(16, 16, bias=False)
+        self.second = nn.Linear(16, 16, bias=False)
+        self.second.weight = self.first.weight
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(self.second(self.first(self.embed(tokens)).relu()))
+
+
+def _tied_case() -> dict:
+    import copy
+
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = Tied()
+    conversion = shardwise.convert_to_fp8(model, "tensorwise", filter_fn=lambda m, fqn: True)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():  # as in _parity_case: bf16 weights, fp32 for the FP8-gathered ones
+        for name, p in reference.named_parameters():
+            if name != "first.weight":
+                p.data = p.data.to(torch.bfloat16)
+    model = shardwise.fully_shard(model, unit_modules=[model.first], mixed_precision=BF16)
+    groups = {g.name: g.fqns for g in shardwise.sharded_state(model).groups}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(3))
+    mine = tokens[rank * 2:(rank + 1) * 2]
+    loss = model(mine).float().square().mean()
+    loss.backward()
+    ref_loss = 0.0
+    for r in range(world):
+        piece = reference(tokens[r * 2:(r + 1) * 2]).float().square().mean() / world
+        piece.backward()
+        ref_loss += piece.item()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    worst = min(sqnr(r.grad.float(), grads[n]) for n, r in reference.named_parameters())
+    return dict(gathered=conversion.fp8_gathered, groups=groups, loss=total.item() / world, ref_loss=ref_loss,
+                grad_sqnr=worst)
+
+
+def test_tied_weights_gather_in_fp8_only_when_every_holder_is_an_fp8_linear():
+    out = run_distributed(_tied_case, 2)[0]
+    # first/second share a weight (gathered in FP8 once, by the root); head's is the embedding's (bf16)
+    assert out["gathered"] == ["first.weight"], out
+    assert out["groups"]["<root>[float32,fp8]"] == ["first.weight"], out["groups"]
+    assert abs(out["loss"] - out["ref_loss"]) <= 1e-5 * abs(out["ref_loss"]), out
+    assert out["grad_sqnr"] >= 40.0, out
