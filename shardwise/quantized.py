@@ -89,6 +89,7 @@ class QuantizedGather:
         self.scales = torch.ones(len(self.marks), dtype=torch.float32, device=levels.device)
         self.stale = True  # the main weights changed since the scales were taken
         self._nonempty: tuple | None = None
+        self._slot_sizes: torch.Tensor | None = None
 
     def update_scales(self, main: DistributedBuffer) -> None:
         """Every parameter's global amax (one all-reduce over the group's axes), then its scale."""
@@ -107,10 +108,17 @@ class QuantizedGather:
         self.stale = False
 
     def quantize(self, main: DistributedBuffer, out: DistributedBuffer) -> None:
-        """Cast ``main``'s pieces into ``out`` (uint8, same level or one buffer with it), slot by slot."""
-        for i, (piece, slot) in enumerate(zip(main.locals(), out.views())):
-            if piece.numel():
-                cast_to_e4m3(piece, self.scales[i], slot[: piece.numel()].view(E4M3).view(piece.shape))
+        """Cast ``main``'s slots into ``out``'s (uint8, the same slot sizes) in a few whole-buffer kernels:
+        each element times its parameter's scale (the scales spread over the slots), saturated, cast.
+        Padding casts too (zeros in the main buffer); nothing reads it."""
+        layout = main.layout
+        if self._slot_sizes is None:  # each slot with the alignment gap after it
+            ends = layout.offsets[1:] + [layout.total]
+            spans = [end - start for start, end in zip(layout.offsets, ends)]
+            spans[0] += layout.offsets[0] if layout.offsets else 0
+            self._slot_sizes = torch.tensor(spans, dtype=torch.long, device=self.levels.device)
+        per_element = torch.repeat_interleave(self.scales, self._slot_sizes, output_size=layout.total)
+        cast_to_e4m3(main.flat, per_element, out.flat.view(E4M3))
 
     def source(self, main: DistributedBuffer, unsharded: DistributedBuffer, staged: list) -> DistributedBuffer:
         """What the gather into ``unsharded`` reads: the cast main pieces (scales first if stale)."""
