@@ -227,7 +227,8 @@ def test_fp8_gpt_matches_one_process_torchao(all_gather, world, outer):
 # ------------------------------------------------------------------ checkpoints
 def _checkpoint_case(folder: str) -> dict:
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from shardwise.checkpoint import CheckpointManager
     from shardwise.checkpoint.export import export_safetensors
@@ -262,12 +263,20 @@ def _checkpoint_case(folder: str) -> dict:
     assert set(get_model_state_dict(model)) == plain_keys  # the torchao model's keys are the plain model's
     steps(model, opt, [0, 1])
     manager.save(2, model, opt)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=folder + "-dcp")  # plain DCP too
     at_two = shardwise.full_state_dict(model)
     straight = steps(model, opt, [2, 3])
 
     resumed_model, resumed_opt = wrapped(7)  # another init: every value comes from the checkpoint
     manager.load_latest(resumed_model, resumed_opt)
     resumed = steps(resumed_model, resumed_opt, [2, 3])
+
+    by_torch, _ = wrapped(8)  # torch's own functions around plain DCP
+    sd = get_model_state_dict(by_torch)
+    dcp.load({"model": sd}, checkpoint_id=folder + "-dcp")
+    set_model_state_dict(by_torch, sd)
+    loaded = shardwise.full_state_dict(by_torch)
+    same_dcp = all(torch.equal(loaded[k], at_two[k]) for k in at_two)
 
     plain, _ = wrapped(9, fp8=False, strategy="optim_grads")  # resharded into the unconverted model, ZeRO-2
     manager.load_latest(plain)
@@ -283,14 +292,14 @@ def _checkpoint_case(folder: str) -> dict:
         fresh.load_state_dict(load_file(str(files[0])), strict=True)
         exported_ok = all(torch.equal(fresh.state_dict()[k], at_two[k]) for k in at_two)
     dist.barrier()
-    return dict(straight=straight, resumed=resumed, same_plain=same_plain, exported_ok=exported_ok)
+    return dict(straight=straight, resumed=resumed, same_plain=same_plain, same_dcp=same_dcp, exported_ok=exported_ok)
 
 
 def test_fp8_checkpoints_resume_bit_exact_reshard_and_export_plain_weights(tmp_path):
     results = run_distributed(_checkpoint_case, 2, str(tmp_path / "ckpt"))
     for out in results:
         assert out["resumed"] == out["straight"], out
-        assert out["same_plain"], out
+        assert out["same_plain"] and out["same_dcp"], out
     assert results[0]["exported_ok"], results[0]
 
 
