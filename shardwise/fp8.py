@@ -156,19 +156,20 @@ def convert_to_fp8(
     recipe: str = "tensorwise",
     *,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
-    all_gather: bool | None = None,
+    all_gather: bool = False,
 ) -> Fp8Conversion:
     """Swap ``model``'s chosen linears for torchao ``Float8Linear`` s in place (call before ``fully_shard``).
 
     ``recipe``: ``"tensorwise"`` or ``"rowwise"`` (torchao's recipes). ``filter_fn(module, fqn)`` returns
     whether to convert a linear (default :data:`default_filter`: all but the output head and unaligned
-    sizes). ``all_gather`` (default: on for tensorwise) marks the converted weights for shardwise's FP8
-    weight all-gather. Returns what was done (:class:`Fp8Conversion`).
+    sizes). ``all_gather=True`` (tensorwise only) marks the converted weights for shardwise's FP8 weight
+    all-gather: half the gathered bytes, for several GPUs. It is off by default because on one H200 it
+    made a compiled 2.8B step 3.2x slower than the bf16 gather (5,247 against 16,878 tokens/s; FP8
+    linears with the bf16 gather: 18,392; ``docs/performance.md``). Returns what was done
+    (:class:`Fp8Conversion`).
     """
     if recipe not in RECIPES:
         raise ValueError(f"convert_to_fp8(recipe={recipe!r}): use one of {', '.join(RECIPES)}")
-    if all_gather is None:
-        all_gather = recipe == "tensorwise"
     if all_gather and recipe != "tensorwise":
         raise ValueError(f"convert_to_fp8(recipe={recipe!r}, all_gather=True): the FP8 weight all-gather is built "
                          "for tensorwise scaling only (one scale per weight); rowwise weights gather in bf16")

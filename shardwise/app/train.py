@@ -100,8 +100,9 @@ class TrainConfig:
         "'shardwise[fp8]'); turns --compile on unless --no-compile"))
     fp8_skip: str = field(default="output,lm_head", metadata=_help(
         "with --fp8: comma list of linears (names or last name parts) kept in bf16"))
-    fp8_all_gather: bool = field(default=True, metadata=_help(
-        "with --fp8 tensorwise: gather the weights as FP8 bytes (half of bf16's); rowwise always gathers bf16"))
+    fp8_all_gather: bool = field(default=False, metadata=_help(
+        "with --fp8 tensorwise: gather the weights as FP8 bytes (half of bf16's, for several GPUs; 3.2x slower "
+        "than the bf16 gather on one H200 today, docs/performance.md); rowwise always gathers bf16"))
     offload: bool = field(default=False, metadata=_help(
         "keep fp32 main weights, grads and AdamW state in host memory; the optimizer steps on the CPU"))
     offload_fraction: float = field(default=1.0, metadata=_help(

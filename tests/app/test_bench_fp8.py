@@ -36,7 +36,7 @@ def test_fp8_rows_compare_within_their_mode():
 
 
 def _bench_fp8(out: str):
-    opts = runner.BenchOptions(sizes=["tiny"], wrappers=["shardwise", "fsdp2-fp8ag", "megatron-fsdp"],
+    opts = runner.BenchOptions(sizes=["tiny"], wrappers=["shardwise-fp8ag", "fsdp2-fp8ag", "megatron-fsdp"],
                                device=device().type, steps={"*": 2}, warmup={"*": 1}, profile_steps=1,
                                fp8=("tensorwise",))
     return cli.worker(opts, out, "test")
@@ -45,8 +45,8 @@ def _bench_fp8(out: str):
 def test_tiny_fp8_benchmark_shardwise_and_fsdp2_fp8_gathers_agree(tmp_path):
     runs = {r["wrapper"]: r for r in run_distributed(_bench_fp8, 2, str(tmp_path))[0]}
     assert runs["megatron-fsdp"]["status"] == "skipped"
-    mine, theirs = runs["shardwise"], runs["fsdp2-fp8ag"]
+    mine, theirs = runs["shardwise-fp8ag"], runs["fsdp2-fp8ag"]
     assert mine["status"] == theirs["status"] == "ok" and mine["fp8"] == "tensorwise"
     # both cast each weight from its fp32 main values with the global amax: the same FP8 training
     assert mine["loss_last"] == pytest.approx(theirs["loss_last"], rel=1e-4), (mine, theirs)
-    assert "shardwise +fp8 tensorwise" in (tmp_path / "bench.md").read_text()
+    assert "shardwise-fp8ag +fp8 tensorwise" in (tmp_path / "bench.md").read_text()

@@ -19,10 +19,11 @@ BF16 = ["--precision", "bf16"]
 @pytest.mark.parametrize("argv, message", [
     (["--fp8", "fp4"] + BF16, "--fp8 fp4: use one of tensorwise, rowwise"),
     (["--fp8", "tensorwise"], "--fp8 tensorwise: needs --precision bf16"),
-    (["--fp8", "tensorwise", "--strategy", "optim_grads"] + BF16,
+    (["--fp8", "tensorwise", "--fp8-all-gather", "--strategy", "optim_grads"] + BF16,
      "--fp8-all-gather: needs --strategy optim_grads_params (parameters sharded like the main weights), not "
      "optim_grads; add --no-fp8-all-gather"),
-    (["--fp8", "tensorwise", "--offload"] + BF16, "--fp8-all-gather: is not built for offloaded main weights"),
+    (["--fp8", "tensorwise", "--fp8-all-gather", "--offload"] + BF16,
+     "--fp8-all-gather: is not built for offloaded main weights"),
     (["--fp8", "rowwise", "--hf-config", "x"] + BF16, "--fp8 rowwise: with --hf-config / --init-from is not built"),
 ])
 def test_bad_fp8_flags_name_flag_and_value(argv, message, capsys, tmp_path):
@@ -45,7 +46,8 @@ def test_fp8_compiles_units_unless_told_not_to():
     assert resolve_config(["--fp8", "rowwise", *BF16, "--no-compile"])[0].compile == ""
     assert resolve_config(["--fp8", "rowwise", *BF16, "--compile", "aot_eager"])[0].compile == "aot_eager"
     cfg = resolve_config(["--fp8", "rowwise", *BF16, "--fp8-skip", "output,w2"])[0]
-    assert cfg.fp8_skip == "output,w2" and cfg.fp8_all_gather
+    assert cfg.fp8_skip == "output,w2" and not cfg.fp8_all_gather  # the FP8 gather is opt-in
+    assert resolve_config(["--fp8", "tensorwise", *BF16, "--fp8-all-gather"])[0].fp8_all_gather
     assert resolve_config([])[0].fp8 == ""
 
 

@@ -3,8 +3,8 @@
 Every wrapper gets the same linears in FP8 (``shardwise.fp8.convert_to_fp8``:
 all but the output head), before it wraps the model:
 
-- ``shardwise``: with tensorwise, the weights gathered as FP8 bytes (ZeRO-3);
-  ``shardwise-bf16ag`` the same model gathering bf16 weights (the FP8 linears cast them);
+- ``shardwise``: gathers bf16 weights, the FP8 linears cast them; ``shardwise-fp8ag``: with
+  tensorwise, the weights gathered as FP8 bytes (ZeRO-3; opt-in, as in ``convert_to_fp8``);
 - ``fsdp2``: FSDP2 gathers bf16 weights, the FP8 linears cast them;
   ``fsdp2-fp8ag``: torchao's FP8 all-gather for FSDP2 (``enable_fsdp_float8_all_gather``:
   the weights wrapped as torchao asks, their scales precomputed after each optimizer step
@@ -23,7 +23,7 @@ from torch import nn
 __all__ = ["FP8_MODES", "FP8_WRAPPERS", "unavailable_reason", "prepare"]
 
 FP8_MODES = ("off", "tensorwise", "rowwise")
-FP8_WRAPPERS = ("shardwise-bf16ag", "fsdp2-fp8ag")  # wrappers that exist only to compare FP8 gathers
+FP8_WRAPPERS = ("shardwise-fp8ag", "fsdp2-fp8ag")  # wrappers that exist only to compare FP8 gathers
 _NO_FP8 = ("megatron-fsdp",)
 ZERO3 = "optim_grads_params"
 
@@ -46,8 +46,7 @@ def prepare(name: str, model: nn.Module, fp8: str, strategy: str = ZERO3,
 
     if fp8 == "off":
         return None
-    shardwise_gather = (name in ("shardwise", "shardwise-obo") and fp8 == "tensorwise" and strategy == ZERO3
-                        and not offload)
+    shardwise_gather = name == "shardwise-fp8ag" and fp8 == "tensorwise" and strategy == ZERO3 and not offload
     shardwise.convert_to_fp8(model, fp8, all_gather=shardwise_gather)
     if name != "fsdp2-fp8ag":
         return None

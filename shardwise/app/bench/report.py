@@ -202,7 +202,7 @@ def _notes(meta: dict) -> list[str]:
         "(shardwise.compile_units; the others torch.compile(layer) before wrapping, as torchtitan does). "
         "+fp8 = torchao Float8Linear for every linear but the output head (shardwise bench --fp8); within an "
         "FP8 mode, FSDP2 and the ceiling are FP8 too (fsdp2-fp8ag: with torchao's FP8 all-gather; "
-        "shardwise-bf16ag: shardwise gathering bf16 weights).",
+        "shardwise-fp8ag: shardwise gathering FP8 bytes).",
         "",
     ]
 

@@ -233,13 +233,13 @@ WRAPPERS: dict[str, Callable] = {
     "fsdp2": wrap_fsdp2,
     "fsdp2-fp8ag": wrap_fsdp2,  # with --fp8 tensorwise: torchao's FP8 all-gather (bench/fp8.py converts the model)
     "shardwise": wrap_shardwise,
-    "shardwise-bf16ag": wrap_shardwise,  # with --fp8 tensorwise: shardwise gathering bf16 weights
+    "shardwise-fp8ag": wrap_shardwise,  # with --fp8 tensorwise: shardwise gathering FP8 bytes
     "shardwise-obo": wrap_shardwise_optimizer_in_backward,
     "ddp": wrap_ddp,
     "megatron-fsdp": wrap_megatron_fsdp,
     "none": wrap_none,
 }
-COMPILES = ("fsdp2", "fsdp2-fp8ag", "shardwise", "shardwise-bf16ag", "shardwise-obo", "ddp", "none")  # the wrappers that take compile=
+COMPILES = ("fsdp2", "fsdp2-fp8ag", "shardwise", "shardwise-fp8ag", "shardwise-obo", "ddp", "none")  # the wrappers that take compile=
 
 
 def unavailable_reason(name: str, device: torch.device, compiled: bool = False, fp8: str = "off") -> str | None:
