@@ -112,6 +112,10 @@ def resolve_tokenizer(cfg, model, explicit: dict):
     if cfg.eos_token and path is None:
         raise _error("eos_token", cfg.eos_token, "needs --tokenizer (text trains as bytes, with no EOS)")
     if path is None:
+        for flag, source in _sources(cfg):
+            if source and Path(source).suffix in (".jsonl", ".parquet"):
+                raise _error(flag, source, f"{Path(source).suffix} documents are read with a tokenizer: add "
+                                           f"--tokenizer PATH (byte tokens come from text files)")
         return model
     tokenizer = _load(cfg)
     if not (cfg.init_from or cfg.hf_config) and "vocab_size" not in explicit:

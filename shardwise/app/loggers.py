@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import secrets
 from pathlib import Path
 
 __all__ = ["missing_package", "RunLoggers", "TENSORBOARD_DIR", "WANDB_ID_FILE", "SCALARS"]
@@ -58,7 +59,8 @@ class RunLoggers:
             import wandb
 
             id_file = out_dir / WANDB_ID_FILE
-            run_id = id_file.read_text().strip() if start_step > 1 and id_file.is_file() else wandb.util.generate_id()
+            resumed = start_step > 1 and id_file.is_file()
+            run_id = id_file.read_text().strip() if resumed else secrets.token_hex(4)
             id_file.write_text(run_id + "\n")
             self.wandb_run = wandb.init(
                 project=os.environ.get("WANDB_PROJECT", "shardwise"), name=out_dir.name, id=run_id,

@@ -105,7 +105,8 @@ class TrainConfig:
         "with --offload: the share of the parameters offloaded, unit by unit from the first layer"))
     seed: int = field(default=0, metadata=_help("seed for init and data order"))
     data: str = field(default="", metadata=_help(
-        "text file, folder of text files, or .bin token file (default: Python stdlib sources as bytes)"))
+        "text file, folder of text files, or .bin token file (default: Python stdlib sources as bytes); with "
+        "--tokenizer also .jsonl and .parquet files"))
     data_dtype: str = field(default="", metadata=_help(
         "token dtype of a .bin file: uint8, uint16 or uint32 (default: its <file>.bin.json sidecar's, else uint16)"))
     tokenizer: str = field(default="", metadata=_help(

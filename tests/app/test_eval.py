@@ -167,3 +167,49 @@ def test_a_logger_whose_package_is_missing_says_how_to_install_it(flag, module, 
     assert (f"shardwise train: error: --{flag}: needs the {flag} package, which is not installed (an optional "
             f"extra): pip install 'shardwise[{flag}]' (or pip install {flag})") in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_wandb_logs_offline_and_a_resumed_run_continues_the_same_run(tmp_path, monkeypatch):
+    """The W&B calls, against a stand-in module (wandb itself is no test dependency; its offline run was
+    checked by hand with wandb 0.31)."""
+    import types
+
+    from shardwise.app.loggers import RunLoggers
+    from shardwise.app.train import resolve_config
+
+    calls = []
+
+    class Run:
+        def log(self, values, step):
+            calls.append(("log", values, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(**kwargs):
+        calls.append(("init", kwargs))
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg, _ = resolve_config(["--wandb"])
+    first = RunLoggers(cfg, tmp_path, 1, {"train": {"steps": 4}})
+    first.log({"step": 1, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 100.0, "mem_gib": 0.1,
+               "mfu": None})
+    first.log({"step": 2, "loss": 2.0, "lr": 1e-3, "grad_norm": 0.4, "tokens_per_s": 90.0, "mem_gib": 0.1,
+               "mfu": None, "eval_loss": 2.2, "eval_perplexity": 9.0})
+    first.close()
+    (_, opened), *_ = calls
+    run_id = (tmp_path / "wandb-run-id").read_text().strip()
+    assert opened["mode"] == "offline" and opened["dir"] == str(tmp_path) and opened["id"] == run_id
+    assert opened["config"] == {"train": {"steps": 4}} and opened["resume"] == "allow"
+    assert calls[1] == ("log", {"train/loss": 2.5, "train/lr": 1e-3, "train/grad_norm": 0.5,
+                                "train/tokens_per_s": 100.0, "train/mem_gib": 0.1}, 1)
+    assert calls[2][1]["eval/loss"] == 2.2 and calls[2][1]["eval/perplexity"] == 9.0 and calls[-1] == ("finish",)
+    monkeypatch.setenv("WANDB_MODE", "online")
+    calls.clear()
+    RunLoggers(cfg, tmp_path, 3, {}).close()  # resumed at step 3: the same W&B run
+    assert calls[0][1]["id"] == run_id and calls[0][1]["mode"] == "online"
+    calls.clear()
+    RunLoggers(cfg, tmp_path, 1, {}).close()  # a new run in the folder (--overwrite): a new id
+    assert calls[0][1]["id"] != run_id

@@ -173,6 +173,7 @@ def test_tokenizer_errors(tmp_path, tok, capsys):
         (["--tokenizer", str(tok), "--vocab-size", "100"],
          f"--tokenizer {tok}: has 300 tokens but the model's vocabulary is 100 (--vocab-size): its ids would not fit"),
         (["--eos-token", EOS], "--eos-token <|endoftext|>: needs --tokenizer"),
+        ([], f"--data {data}: .jsonl documents are read with a tokenizer: add --tokenizer PATH"),
     ]:
         assert main(argv + out) == 2, argv
         assert message in capsys.readouterr().err, argv
@@ -196,8 +197,8 @@ def test_init_from_folder_tokenizer_is_the_default_and_must_fit_the_vocabulary(t
     assert f"--tokenizer {folder}: the tokenizer of the --init-from folder" in err
     assert (f"--tokenizer {folder}: has 300 tokens but the model's vocabulary is 256 (the --init-from config's "
             f"vocab_size): its ids would not fit") in err
-    cfg, _ = resolve_config(["--init-from", str(folder), "--data", data, "--tokenizer", "bytes"])
-    assert cfg.tokenizer == "bytes"  # byte tokens on request
+    cfg, _ = resolve_config(["--init-from", str(folder), "--tokenizer", "bytes"])
+    assert cfg.tokenizer == "bytes"  # byte tokens on request (the stdlib corpus here)
     from tokenizers import models, pre_tokenizers
 
     small = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", EOS, *sorted(set(" ".join(
