@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import CACHE_DIR_NAME, check_data_path, load_tokens, stdlib_files
+from .data import CACHE_DIR_NAME, check_data_path, load_tokens, stdlib_files, text_files
 from .tokenized import (TokenizeError, Tokenizer, build_cache, cache_file, cached_tokens, input_files,
                         load_tokenizer, tokenizer_in_folder)
 
@@ -116,6 +116,9 @@ def resolve_tokenizer(cfg, model, explicit: dict):
             if source and Path(source).suffix in (".jsonl", ".parquet"):
                 raise _error(flag, source, f"{Path(source).suffix} documents are read with a tokenizer: add "
                                            f"--tokenizer PATH (byte tokens come from text files)")
+            if source and Path(source).is_dir() and not text_files(Path(source)):
+                raise _error(flag, source, "holds only .parquet files, whose documents are read with a tokenizer: "
+                                           "add --tokenizer PATH")
         return model
     tokenizer = _load(cfg)
     if not (cfg.init_from or cfg.hf_config) and "vocab_size" not in explicit:

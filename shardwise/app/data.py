@@ -138,7 +138,7 @@ def check_data_path(path: str | None, data_dtype: str = "") -> str | None:
     if data_dtype and data_dtype not in DATA_DTYPES:
         return f"unknown --data-dtype {data_dtype!r} (use {'/'.join(DATA_DTYPES)})"
     if p.is_dir():
-        if not text_files(p):
+        if not text_files(p) and not any(f.suffix == ".parquet" for f in _sorted_files(p)):
             return "folder holds no text files"
     elif p.suffix == ".bin":
         try:

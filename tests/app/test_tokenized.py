@@ -15,7 +15,7 @@ import torch
 
 from shardwise.app import corpus, tokenized
 from shardwise.app.data import TokenLoader, load_tokens, write_tokens
-from shardwise.app.train import main, resolve_config
+from shardwise.app.train import ConfigError, main, resolve_config
 
 from tests.helpers.text_data import EOS, documents, expected_stream, train_tokenizer, write_jsonl
 
@@ -68,6 +68,13 @@ def test_text_folders_and_parquet_give_the_same_stream(tmp_path, tok):
     pq.write_table(pa.table({"content": texts, "n": list(range(30))}), tmp_path / "docs.parquet", row_group_size=7)
     stream = _data(["--data", str(tmp_path / "docs.parquet"), "--text-key", "content", "--tokenizer", str(tok), *TINY])
     assert stream[0].tolist() == expected_stream(tok, texts)
+    shards = tmp_path / "shards"  # a dataset's parquet shards, in file name order
+    shards.mkdir()
+    for i in range(3):
+        pq.write_table(pa.table({"text": texts[i * 10:(i + 1) * 10]}), shards / f"train-{i:05d}-of-00003.parquet")
+    assert _data(["--data", str(shards), "--tokenizer", str(tok), *TINY])[0].tolist() == expected_stream(tok, texts)
+    with pytest.raises(ConfigError, match="holds only .parquet files, whose documents are read with a tokenizer"):
+        resolve_config(["--data", str(shards)])
 
 
 def test_cache_is_reused_and_replaced_by_another_tokenizer_or_changed_data(tmp_path, tok, monkeypatch):
