@@ -213,3 +213,17 @@ def test_wandb_logs_offline_and_a_resumed_run_continues_the_same_run(tmp_path, m
     calls.clear()
     RunLoggers(cfg, tmp_path, 1, {}).close()  # a new run in the folder (--overwrite): a new id
     assert calls[0][1]["id"] != run_id
+
+
+def test_overwrite_deletes_the_earlier_runs_logger_files(tmp_path):
+    from shardwise.app.train import prepare_run_folder, resolve_config
+
+    out = tmp_path / "run"
+    (out / "tensorboard").mkdir(parents=True)
+    (out / "tensorboard" / "events.out.tfevents.1").write_bytes(b"old")
+    (out / "wandb").mkdir()
+    (out / "wandb-run-id").write_text("abc\n")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "notes.txt").write_text("mine")
+    prepare_run_folder(resolve_config(["--out-dir", str(out), "--overwrite"])[0], announce=False)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # a new run does not mix with the old curves

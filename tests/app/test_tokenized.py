@@ -217,3 +217,12 @@ def test_init_from_folder_tokenizer_is_the_default_and_must_fit_the_vocabulary(t
     corpus.check_world(cfg, model, build=True)
     train, _ = corpus.open_data(cfg, 0, 1)
     assert int(train.max()) < small.get_vocab_size() and (train == 1).sum() == 10  # transformers' EOS id
+
+
+def test_resuming_on_other_data_says_so():
+    state = TokenLoader(np.arange(1000), 16, 2).state_dict()
+    assert state["windows"] == 62
+    TokenLoader(np.arange(1000), 16, 2).load_state_dict(state)  # the same data: silent
+    with pytest.warns(UserWarning, match="the data has 124 windows of seq_len\\+1 tokens where the checkpoint's "
+                                         "had 62: the data or --seq-len changed"):
+        TokenLoader(np.arange(2000), 16, 2).load_state_dict(state)
