@@ -83,7 +83,7 @@ def test_eval_loss_is_the_same_on_1_and_2_processes_and_every_zero_stage(text, t
         evals = _evals(records)
         assert evals.keys() == reference.keys()
         for step, loss in evals.items():  # same windows, same weights up to float rounding of the steps
-            assert loss == pytest.approx(reference[step], rel=2e-6, abs=0), (key, step)
+            assert loss == pytest.approx(reference[step], rel=2e-7, abs=0), (key, step)  # seen: <= 3e-9
     # step 1's eval sees the weights after one step: the loss moved, so it measured the model
     assert reference[2] < reference[1]
 
