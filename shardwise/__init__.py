@@ -19,6 +19,7 @@ from .optim import BackwardOptimizer, clip_grad_norm_, grad_norm
 from .placements import AxisPlacements, STRATEGY_PLACEMENTS, resolve_strategy, strategy_placements
 from .offload import OffloadPolicy
 from .precision import MixedPrecisionPolicy
+from .replaced import check_optimizer_params
 from .state_dict import full_state_dict
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "check_mesh_ranks_and_group_ranks_are_consistent",
     "clip_grad_norm_",
     "BackwardOptimizer",
+    "check_optimizer_params",
     "grad_norm",
     "full_state_dict",
 ]

@@ -18,7 +18,7 @@ No rank can stop before the exchange (describing never raises: a problem found
 locally travels in the exchange), so no rank is left waiting in a collective.
 
 Local problems, found without communication and raised on every rank:
-an expert mesh with no parameter for it (``plan_fn`` chose none),
+a mesh or expert mesh that is not a DeviceMesh, an expert mesh with no parameter for it (``plan_fn`` chose none),
 tensor-parallel slices (``tensor_model_parallel=True``) of a TP group of more
 than one rank wrapped on a mesh without the ``tp`` axis (or built with another
 TP group than the mesh's), expert-parallel models whose experts per rank do
@@ -136,6 +136,17 @@ def _effective_placements(mesh, placements, strategy, outer) -> str:
     return describe_placements(resolved)
 
 
+def _given_strategy(placements, strategy, outer) -> str:
+    """The placement arguments as the user wrote them, to name in a difference (not compared: ``strategy=1``
+    and ``strategy="optim"`` agree)."""
+    if placements is not None and not isinstance(placements, (str, int)):
+        return "placements={...}"
+    given = [f"placements={placements!r}"] if placements is not None else []
+    given += [f"strategy={strategy!r}"] if strategy is not None or placements is None else []
+    given += [f"outer_dp_sharding_strategy={outer!r}"] if outer is not None else []
+    return ", ".join(given) + (" (the default, ZeRO-3)" if placements is None and strategy is None else "")
+
+
 def _resolve(mesh, placements, strategy, outer) -> Optional[dict]:
     """``fully_shard``'s placement resolution, without raising (``None`` for invalid arguments)."""
     names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else None
@@ -239,6 +250,7 @@ def describe(
         "mesh": _describe_mesh(mesh, world, f"the default 1-D dp_shard mesh over {world} ranks"),
         "expert_mesh": _describe_mesh(expert_mesh, world, "none"),
         "placements": _effective_placements(mesh, placements, strategy, outer_dp_sharding_strategy),
+        "given": _given_strategy(placements, strategy, outer_dp_sharding_strategy),
         "expert_placements": "taken from the placements" if expert_placements is None
         else _effective_placements(None, expert_placements, None, None),
         "axes": (tp_axis, ep_axis),
@@ -250,7 +262,8 @@ def describe(
 
 
 def _digest(description: dict) -> str:
-    return hashlib.blake2b(repr(description).encode(), digest_size=16).hexdigest()
+    compared = {k: v for k, v in description.items() if k != "given"}
+    return hashlib.blake2b(repr(compared).encode(), digest_size=16).hexdigest()
 
 
 # ------------------------------------------------------- naming a difference
@@ -264,6 +277,9 @@ def _show(value: Any) -> str:
 def first_difference(a: dict, b: dict, ra: int, rb: int) -> Optional[str]:
     """The first field where descriptions ``a`` (rank ``ra``) and ``b`` (rank ``rb``) differ, in words."""
     for key, label in _SCALAR_FIELDS:
+        if a[key] != b[key] and key == "placements" and a.get("given") != b.get("given"):  # name what was passed
+            return (f"{a.get('given')} (placements {a[key]}) on rank {ra} but {b.get('given')} (placements {b[key]}) "
+                    f"on rank {rb}")
         if a[key] != b[key]:
             return f"{label}: {_show(a[key])} on rank {ra} but {_show(b[key])} on rank {rb}"
     pa, pb = a["params"], b["params"]
@@ -447,6 +463,19 @@ def _local_problem(module, mesh, expert_mesh, tp_axis, ep_axis, me, world, data_
 
 
 # ---------------------------------------------------------------- the check
+class _NotAMesh(TypeError):
+    pass
+
+
+def _check_mesh_types(**meshes) -> None:
+    """Name a mesh argument that is not a DeviceMesh (``mesh="dp"``), before anything reads its attributes."""
+    for name, value in meshes.items():
+        if value is not None and not isinstance(value, DeviceMesh):
+            raise _NotAMesh(
+                f"{name}={value!r} must be a torch.distributed.DeviceMesh or None (e.g. shardwise.build_dp_mesh() "
+                f"or shardwise.build_expert_mesh(ep)), got a {type(value).__name__}")
+
+
 def check_rank_consistency(
     module: nn.Module,
     *,
@@ -477,6 +506,7 @@ def check_rank_consistency(
     me, world = _world()
     description, problem = None, None
     try:  # never raise before the exchange: a rank that stops here would strand the others
+        _check_mesh_types(mesh=mesh, expert_mesh=expert_mesh)
         description = describe(
             module, mesh=mesh, placements=placements, strategy=strategy,
             outer_dp_sharding_strategy=outer_dp_sharding_strategy, unit_modules=unit_modules,
@@ -494,6 +524,8 @@ def check_rank_consistency(
                 "takes the parameters marked allreduce=False); pass plan_fn=... to say which are experts"
             )
         peers = tuple(sorted(_mesh_ranks(mesh, world)))
+    except _NotAMesh as err:
+        problem, peers = str(err), tuple(range(world))
     except Exception as err:  # noqa: BLE001 - reported on every rank below
         problem = f"rank {me} could not describe its model and arguments: {type(err).__name__}: {err}"
         peers = tuple(range(world))

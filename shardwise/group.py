@@ -37,6 +37,7 @@ from .mesh import ShardingPlan
 from .offload import HostMemory
 from .param import ParamRef, ShardedParam
 from .precision import MixedPrecisionPolicy
+from .replaced import mark_replaced
 
 __all__ = ["ParamRef", "ParamGroup", "ModuleParams", "WeightState", "RefreshState", "GradState"]
 
@@ -202,6 +203,7 @@ class ParamGroup:
         """Replace the original parameters in their modules and drop our references to them."""
         self.use_sharded()
         for ref in self.refs:
+            mark_replaced(ref.param, "fully_shard")  # an optimizer built before it is refused at its first step
             ref.param = None
 
     def use_unsharded(self) -> None:

@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from .device import device_for
+from .replaced import mark_replaced
 from .rng import set_torch_generator_states, torch_generator_states
 
 __all__ = [
@@ -95,6 +96,7 @@ def allocate_meta_tensors(module: nn.Module, params: list[str], buffers: list[st
             new = nn.Parameter(torch.empty_like(old, device=device), requires_grad=old.requires_grad)
             new.__dict__.update(old.__dict__)  # keeps TP marks (tensor_model_parallel, partition_dim, ...)
             memo[id(old)] = (old, new)  # holding `old` keeps its id from being reused
+            mark_replaced(old, "meta materialization")  # an optimizer built before holds it
             fresh = True
         else:
             new = known[1]

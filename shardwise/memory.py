@@ -103,15 +103,16 @@ class MemoryEstimate:
         """The ``count`` largest GPU terms, largest first."""
         return sorted(((k, v) for k, v in self.parts.items() if v > 0), key=lambda kv: -kv[1])[:count]
 
-    def describe(self) -> str:
-        """One line: per GPU (terms of 1% or more, largest first) at its peak moment, and per host."""
+    def describe(self, device_type: str = "cuda") -> str:
+        """One line: per GPU (terms of 1% or more, largest first) at its peak moment, and per host. On the
+        CPU (``device_type="cpu"``) the device memory is each rank's own: "per rank", and no empty host part."""
         unit, name = _unit(self.gpu_bytes)
         terms = ", ".join(f"{k} {_amount(b, unit)}" for k, b in self.dominant(len(self.parts))
                           if b >= self.gpu_bytes / 100)
         where = f" at {self.phase}" if self.phase else ""
-        line = f"per GPU {_amount(self.gpu_bytes, unit)} {name}{where} ({terms})"
+        line = f"per {'GPU' if device_type == 'cuda' else 'rank'} {_amount(self.gpu_bytes, unit)} {name}{where} ({terms})"
         if not self.host_bytes:
-            return line + ", per host 0 GiB"
+            return line + (", per host 0 GiB" if device_type == "cuda" else "")
         unit, name = _unit(self.host_bytes)
         host_terms = ", ".join(f"{k} {_amount(v, unit)}" for k, v in self.host_parts.items() if v > 0)
         ranks = f" for {self.ranks_per_host} ranks" if self.ranks_per_host > 1 else ""

@@ -130,11 +130,12 @@ def set_rng_tracker(tracker: Any) -> None:
 
 def get_rng_tracker() -> Any:
     """The tracker in use: one set by :func:`set_rng_tracker`, else Megatron-Core's when the
-    program already imported ``megatron.core.tensor_parallel``, else shardwise's own."""
+    program already imported ``megatron.core.tensor_parallel`` and CUDA is there (Megatron's
+    tracker holds CUDA generator states only), else shardwise's own."""
     if _USER_TRACKER is not None:
         return _USER_TRACKER
     megatron_tp = sys.modules.get("megatron.core.tensor_parallel")
-    if megatron_tp is not None and hasattr(megatron_tp, "get_cuda_rng_tracker"):
+    if megatron_tp is not None and hasattr(megatron_tp, "get_cuda_rng_tracker") and torch.cuda.is_available():
         return megatron_tp.get_cuda_rng_tracker()
     return _DEFAULT_TRACKER
 

@@ -21,6 +21,7 @@ import resource
 import sys
 import time
 import warnings
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -75,6 +76,21 @@ def _verify(target: str) -> int:
     return 1 if bad else 0
 
 
+def _where_checkpoints_come_from(target: str) -> str:
+    """For a CKPT_DIR with no checkpoint: which run folder was looked in, and that ``train`` writes
+    checkpoints only with ``--save-every`` ("" when CKPT_DIR holds step folders: the error says enough)."""
+    path = Path(target)
+    if path.is_file() or (path.is_dir() and any(path.glob("step_*"))):
+        return ""
+    run = path.parent.parent if path.name.startswith("step_") else path.parent if path.name == "checkpoints" else path
+    if any((run / name).is_file() for name in ("config.json", "metrics.jsonl")):
+        looked = f"the run folder {run} has no checkpoints"
+    else:
+        looked = f"{run} is not a run folder" if run.is_dir() else f"there is no run folder {run}"
+    return (f"; {looked}: shardwise train writes checkpoints (into <run folder>/checkpoints/) only with "
+            f"--save-every N")
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     with warnings.catch_warnings():
@@ -84,7 +100,7 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    from ..checkpoint.export import checkpoint_info, export_safetensors, format_info, parse_size
+    from ..checkpoint.export import checkpoint_info, export_safetensors, format_info, parse_size, resolve_checkpoint
     from ..checkpoint.integrity import CheckpointError
 
     try:
@@ -97,6 +113,7 @@ def _run(args) -> int:
         if args.max_shard_size is not None:
             parse_size(args.max_shard_size)
         started = time.perf_counter()
+        args.ckpt = str(resolve_checkpoint(args.ckpt))  # a folder of checkpoints: its latest, named below
         if args.format == "hf":
             from ..hf.export import export_hf
 
@@ -107,12 +124,13 @@ def _run(args) -> int:
                                        include_tied=not args.tied_once, verify=not args.no_verify)
     except (FileNotFoundError, ValueError, KeyError, CheckpointError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"shardwise ckpt {args.action}: error: {message}", file=sys.stderr)
+        hint = _where_checkpoints_come_from(args.ckpt) if isinstance(e, FileNotFoundError) else ""
+        print(f"shardwise ckpt {args.action}: error: {message}{hint}", file=sys.stderr)
         return 2
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
     total = sum(f.stat().st_size for f in files)
-    print(f"wrote {len(files)} file(s), {total / 1e6:.1f} MB in {time.perf_counter() - started:.1f}s "
-          f"(peak RSS {peak:.0f} MiB):")
+    print(f"exported {args.ckpt}: wrote {len(files)} file(s), {total / 1e6:.1f} MB in "
+          f"{time.perf_counter() - started:.1f}s (peak RSS {peak:.0f} MiB):")
     for f in files:
         print(f"  {f}")
     return 0

@@ -50,12 +50,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CheckpointManager
+from ..checkpoint import CheckpointError, CheckpointManager
 from ..device import device_for
 from .corpus import check_flags as check_data_flags, check_world as check_data, open_data, resolve_tokenizer
 from .data import DATA_DTYPES, TokenLoader, check_data_path
 from ..models import GPT, GPTConfig
 from ..optim import takes_clip_factor
+from ..replaced import check_optimizer_params
 from .launch import (EXIT_INTERRUPTED, WorkerError, describe_collective_error, launch_local, one_line_warnings,
                      run_guarded, shutdown_process_groups, under_launcher)
 from .presets import PRESETS
@@ -180,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardwise train", description="Train a reference model with shardwise.fully_shard.",
         argument_default=argparse.SUPPRESS,
-        epilog="Defaults shown are the dataclass defaults; --preset (default tiny) overrides many.")
+        epilog="Defaults shown are what runs without the flag: where the default preset (tiny) sets a field, "
+               "its value; another --preset sets its own (--list-presets shows them).")
     parser.add_argument("--config", help="JSON file of field -> value overrides (applied after --preset)")
     parser.add_argument("--list-presets", action="store_true", help="print the presets and exit")
     for title, group_fields in (("training", _TRAIN_FIELDS), ("model", _MODEL_FIELDS)):
@@ -188,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
         for name, f in group_fields.items():
             flag = "--" + name.replace("_", "-")
             kind = _CASTS[str(f.type)]
-            text = f"{f.metadata.get('help')} (default: {f.default!r})"
+            text = f.metadata.get("help")
+            if "(default" not in text:  # a help that says its default itself keeps it
+                text += f" ({_shown_default(name, f.default)})"
             if name == "resume":
                 group.add_argument(flag, dest=name, nargs="?", const="auto", metavar="auto|required",
                                    help=text.replace("(default: '')", "(default: no)"))
@@ -204,6 +208,15 @@ def build_parser() -> argparse.ArgumentParser:
             else:
                 group.add_argument(flag, dest=name, type=kind, metavar=kind.__name__.upper(), help=text)
     return parser
+
+
+def _shown_default(name: str, default) -> str:
+    """What runs when the flag is not given: the default preset's value where it sets one."""
+    preset = TrainConfig.preset
+    if name not in PRESETS[preset]:
+        return f"default: {default!r}"
+    others = "" if all(name in p for p in PRESETS.values()) else f", {default!r} under one that does not set it"
+    return f"default: {PRESETS[preset][name]!r}, from the preset {preset}; other presets set their own{others}"
 
 
 def _coerce(name: str, value, source: str):
@@ -452,10 +465,11 @@ def prepare_run_folder(cfg: TrainConfig, rank0: bool = True, announce: bool = Tr
             shutil.rmtree(out_dir / name, ignore_errors=True)
         if announce:
             _say(f"--overwrite: deleted the earlier run in {out_dir} ({', '.join(earlier)})")
+    ckpt_dir = out_dir / "checkpoints"
+    made = [p for p in (ckpt_dir, out_dir) if not p.exists()]  # removed again (if empty) when the run is refused
     why = _check_writable(out_dir)
     if why:
         raise ConfigError(flag, value, f"{folder}{why}")
-    ckpt_dir = out_dir / "checkpoints"
     if cfg.save_every or cfg.resume:
         why = _check_writable(ckpt_dir)
         if why:
@@ -467,6 +481,9 @@ def prepare_run_folder(cfg: TrainConfig, rank0: bool = True, announce: bool = Tr
         except TypeError:
             latest = manager.latest()
         if latest is None and cfg.resume == "required":
+            for path in made:
+                with contextlib.suppress(OSError):
+                    path.rmdir()
             raise ConfigError("--resume=required", "", f"no complete checkpoint in {ckpt_dir}")
         if latest is None and announce:
             metrics = [item for item in earlier if item.startswith("metrics.jsonl")]
@@ -509,7 +526,10 @@ class LRSchedule:
         if self.warmup_end > self.start:
             parts.append(f"linear warm-up to {self.peak:.3g} over steps {self.start + 1}-{self.warmup_end}")
         begin = max(self.warmup_end, self.start)
-        parts.append(f"cosine decay from {self.top:.3g} to {self.floor:.3g} over steps {begin + 1}-{self.end}")
+        if math.isclose(self.top, self.floor, rel_tol=1e-6):
+            parts.append(f"constant at the floor {self.floor:.3g} over steps {begin + 1}-{self.end}")
+        else:
+            parts.append(f"cosine decay from {self.top:.3g} to {self.floor:.3g} over steps {begin + 1}-{self.end}")
         return "lr: " + ", then ".join(parts) + (f" ({self.note})" if self.note else "")
 
     def to_dict(self) -> dict:
@@ -548,6 +568,10 @@ def resumed_schedule(saved: LRSchedule | None, cfg: TrainConfig, step: int) -> L
     changed = ", ".join(f"--{k.replace('_', '-')} {old[k]:g} -> {getattr(cfg, k):g}" for k in old
                         if old[k] != getattr(cfg, k))
     note = f"changed since the checkpoint: {changed}" if changed else ""
+    if cfg.steps > step and math.isclose(lr_now, fresh.floor, rel_tol=1e-6):  # it would train flat at the floor
+        note += (f"; the rate already decayed to its floor {lr_now:.3g} by step {step}, so steps {step + 1}-"
+                 f"{cfg.steps} stay there: for a decay over all {cfg.steps} steps, start a new run with --steps "
+                 f"{cfg.steps} (the first launch's --steps sets the schedule)")
     if step < saved.warmup_end and step < fresh.warmup_end:  # still warming up: go on to the peak
         return replace(fresh, start=step, start_lr=lr_now, note=note)
     return replace(fresh, start=step, start_lr=lr_now, warmup_end=step, top=lr_now, note=note)
@@ -564,22 +588,6 @@ def _param_groups(model: torch.nn.Module, matrix_names: set[str], weight_decay: 
     for name, p in model.named_parameters():
         (decay if name in matrix_names else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def check_optimizer_params(model: torch.nn.Module, optimizer) -> None:
-    """Refuse an optimizer that holds tensors which are not ``model``'s parameters.
-
-    ``fully_shard`` replaces every parameter by a sharded one; an optimizer built before it
-    keeps (and would step) the discarded originals while the model never changes.
-    """
-    current = {id(p) for p in model.parameters()}
-    stale = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in current]
-    if stale:
-        total = sum(len(g["params"]) for g in optimizer.param_groups)
-        raise ValueError(
-            f"optimizer={type(optimizer).__name__}: {len(stale)} of its {total} parameters are not parameters of "
-            f"the model (was it built before fully_shard, which replaces every parameter?); build the optimizer "
-            f"from model.parameters() after fully_shard")
 
 
 def _memory_gib(device: torch.device) -> float:
@@ -658,6 +666,8 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = Non
             why = describe_collective_error(e, cfg.timeout, peers)
         if why:
             raise WorkerError(f"{phase.now}: {why}") from None
+        if isinstance(e, CheckpointError):  # its message names the folder and the cause: one line, no traceback
+            raise WorkerError(f"{phase.now}: {e}") from None
         raise
     finally:
         if owns_group:
@@ -736,7 +746,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
             grad_accum=cfg.grad_accum, optimizer="fused" if fused else "default",
             build_on_device=not cfg.meta_init, ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         if rank == 0:
-            _say(f"memory estimate: {estimate.describe()}")
+            _say(f"memory estimate: {estimate.describe(device.type)}")
         if device.type == "cuda":  # on every rank, before any rank allocates: a clear error, not an OOM
             note = check_fits(estimate, torch.cuda.mem_get_info(device)[0], host_available_bytes())
             if note and rank == 0:
@@ -778,7 +788,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     _limit_collective_waits(model, cfg.timeout)
     optimizer = torch.optim.AdamW(_param_groups(model, matrices, cfg.weight_decay),
                                   lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **({"fused": True} if fused else {}))
-    check_optimizer_params(model, optimizer)
+    check_optimizer_params(optimizer, model)
     torch.manual_seed(cfg.seed + 1 + rank)  # dropout differs per rank
     loader = TokenLoader(train_tokens, cfg.seq_len, cfg.micro_batch_size, rank, world, cfg.seed, device)
     checkpoints = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.keep_checkpoints)
@@ -816,7 +826,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     # One bar per process: a thread lock will do. tqdm's default multiprocessing lock is a named
     # semaphore, which a killed rank leaks (and the resource tracker warns about at exit).
     tqdm.set_lock(threading.RLock())
-    bar = tqdm(total=cfg.steps, initial=min(start - 1, cfg.steps), desc=f"{cfg.preset} x{world}",
+    bar = tqdm(total=cfg.steps, initial=min(start - 1, cfg.steps), desc=f"{_model_label(cfg)} x{world}",
                disable=rank != 0, dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
     try:
         trained = _loop(cfg, model, optimizer, loader, checkpoints, schedule, start, grad_accum, tokens, device,
@@ -949,9 +959,18 @@ def summarize(records: list[dict]) -> dict:
     }
 
 
+def _model_label(cfg: TrainConfig) -> str:
+    """What the run trains (summary, progress bar, plot): the preset, or the Hugging Face config or folder it
+    came from (whose model is not the preset's; the preset gave only the training settings)."""
+    if cfg.hf_config and cfg.hf_config != cfg.init_from:
+        return f"hf-config:{Path(cfg.hf_config).name}"
+    return f"init-from:{Path(cfg.init_from).name}" if cfg.init_from else cfg.preset
+
+
 def _finish(out_dir: Path, cfg: TrainConfig, n_params: int, world: int, wall_time: float) -> dict:
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    summary = {"preset": cfg.preset, "params": n_params, "world_size": world, **summarize(records),
+    label = _model_label(cfg)
+    summary = {"model": label, "preset": None if label != cfg.preset else cfg.preset, "params": n_params, "world_size": world, **summarize(records),
                "wall_time_s": wall_time, "out_dir": str(out_dir)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _plot(out_dir / "loss.png", records, summary["resumed_at"], cfg)
@@ -960,7 +979,7 @@ def _finish(out_dir: Path, cfg: TrainConfig, n_params: int, world: int, wall_tim
     speed = f"{summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else "tokens/s n/a"
     evaluated = (f"  eval loss {summary['eval_loss']:.3f} (perplexity {summary['eval_perplexity']:.2f}) at step "
                  f"{summary['eval_step']}\n" if "eval_loss" in summary else "")
-    print(f"\n{cfg.preset}: {n_params / 1e6:.2f}M params, {world} ranks, {summary['steps']} steps{resumed}\n"
+    print(f"\n{label}: {n_params / 1e6:.2f}M params, {world} ranks, {summary['steps']} steps{resumed}\n"
           f"  loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} "
           f"(last-10 mean {summary['last10_mean_loss']:.3f})\n"
           f"{evaluated}"
@@ -985,7 +1004,7 @@ def _plot(path: Path, records: list[dict], resumed_at: list[int], cfg: TrainConf
         ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", markersize=3, label="eval")
         ax_loss.legend(loc="upper center", fontsize=8)
     ax_loss.set(xlabel="step", ylabel="loss (nats/token)",
-                title=f"{cfg.preset}: training{' and eval' if evals else ''} loss")
+                title=f"{_model_label(cfg)}: training{' and eval' if evals else ''} loss")
     ax_speed.plot(steps, [r["tokens_per_s"] for r in records])
     ax_speed.set(xlabel="step", ylabel="tokens/s (all ranks)", title="throughput")
     for ax in (ax_loss, ax_speed):

@@ -145,8 +145,9 @@ class CheckpointManager:
 
     def __init__(self, directory: str | os.PathLike, keep_last: int | None = 3, *,
                  process_group=None, save_rng: bool = True, verify: bool = True):
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last={keep_last} must be at least 1 (or None to keep every checkpoint)")
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last={keep_last!r} must be a whole number of at least 1 (or None to keep every "
+                             f"checkpoint)")
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.process_group = process_group
@@ -260,7 +261,7 @@ class CheckpointManager:
                 self._prune(step)
             except Exception as e:  # tell the other ranks before raising here
                 error = f"rank 0 could not complete checkpoint {final}: {type(e).__name__}: {e}"
-                log.exception(error)
+                log.debug(error, exc_info=True)  # the error says it in one line; the traceback only for debugging
         error = self._from_rank0(error)
         if error:
             raise CheckpointSaveError(error, final)

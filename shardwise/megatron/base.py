@@ -16,6 +16,7 @@ import contextlib
 import importlib
 import importlib.util
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
@@ -33,9 +34,15 @@ from ..precision import MixedPrecisionPolicy
 from ..registry import LAYER, module_types
 from .config import OUTER_SHARDING_STRATEGIES, DistributedDataParallelConfig, TransformerConfig
 from .meshes import _DATA_PARALLEL_PLACEMENTS, EP_AXIS, INNER_AXIS, OUTER_AXIS, TP_AXIS
+from .buffer_view import ParamAndGradBufferView
 from .process_groups import group_size
 
 __all__ = ["_BaseDataParallel", "_ShardedDataParallel", "expert_plan_fn", "is_expert_param", "logger"]
+
+# Megatron-Core marks the parameters Megatron-FSDP manages with this attribute; its optimizer
+# (grad-norm, zero counting) then reads their gradients' local shards and reduces the norm over
+# the distributed optimizer's group itself instead of over each DTensor's mesh.
+FSDP_PARAM_ATTR = "__fsdp_param__"
 
 # Named after the module Megatron users know; V1, V2 and the factory all log here.
 logger = logging.getLogger("shardwise.megatron.mcore_fsdp_adapter")
@@ -94,6 +101,26 @@ def _mixed_precision(cfg: TransformerConfig, ddp: DistributedDataParallelConfig)
         main_grads_dtype=_dtype(ddp.megatron_fsdp_main_grads_dtype, "megatron_fsdp_main_grads_dtype") or torch.float32,
         grad_comm_dtype=comm,
     )
+
+
+def check_module(module: Any, who: str) -> None:
+    """``module`` must be a ``torch.nn.Module`` (refused by name before anything reads it)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{who}: module={module!r} must be a torch.nn.Module (the model chunk to shard)")
+
+
+def warn_if_not_megatron_fsdp(ddp: DistributedDataParallelConfig, who: str) -> None:
+    """``use_megatron_fsdp=False`` asks Megatron for plain DDP, yet this wrapper shards the model:
+    say so (once per process). Megatron's optimizer and ``finalize_model_grads`` take their
+    Megatron-FSDP paths only when it is True."""
+    if not ddp.use_megatron_fsdp:
+        warnings.warn(
+            f"{who}: ddp_config.use_megatron_fsdp=False (plain DDP in Megatron), but this wrapper shards "
+            "the model with shardwise; set use_megatron_fsdp=True so Megatron's optimizer and "
+            "finalize_model_grads treat it as Megatron-FSDP",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _check_strategies(ddp: DistributedDataParallelConfig, who: str) -> None:
@@ -245,8 +272,41 @@ class _BaseDataParallel(nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict)
 
 
+class _MegatronFSDPLevel(nn.Module):
+    """The module level Megatron-FSDP's ``MegatronFSDP`` takes between its adapter and the model.
+
+    With it a wrapper's parameter names are Megatron's adapter's exactly
+    (``module.module.<model fqn>``; Megatron's optimizer keys its ``fsdp_dtensor``
+    state by them) and so are the keys of ``state_dict_for_save_checkpoint()``:
+    a checkpoint either wrapper writes, the other loads.
+    """
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+
 class _ShardedDataParallel(_BaseDataParallel):
-    """V1 and V2's common ground: shard with the engine, clear/scale grads, load full state dicts."""
+    """V1 and V2's common ground: shard with the engine, clear/scale grads, load full state dicts.
+
+    ``.module`` is the model (what ``fully_shard`` wrapped); the registered child
+    ``module`` is a :class:`_MegatronFSDPLevel` holding it, as in Megatron's adapter.
+    """
+
+    def __init__(self, config: Any, module: nn.Module):
+        super().__init__(config, _MegatronFSDPLevel(module))
+
+    @property
+    def module(self) -> nn.Module:
+        return self._modules["module"].module
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
+        """The model's state under Megatron-FSDP's checkpoint keys (``module.<model key>``), as
+        Megatron-LM's ``fsdp_dtensor`` format saves a Megatron-FSDP chunk."""
+        return self._modules["module"].state_dict(prefix=prefix, keep_vars=keep_vars)
 
     # ----------------------------------------------------------------- wrapping
     def _shard(
@@ -296,6 +356,9 @@ class _ShardedDataParallel(_BaseDataParallel):
         )
         if initializer is not None:
             initializer.finish()
+        for param in module.parameters():
+            setattr(param, FSDP_PARAM_ATTR, True)
+        self.param_and_grad_buffer = ParamAndGradBufferView(module)
 
     @property
     def sharded_state(self) -> ShardedState:
@@ -332,7 +395,12 @@ class _ShardedDataParallel(_BaseDataParallel):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True):
         """Load model weights: the sharded tensors ``state_dict()`` returns, or full (unsharded) tensors.
 
-        Full tensors are cut to this rank's shard locally (no communication);
-        the engine refreshes the compute weights at the next forward.
+        Keys are the model's own, or those of ``state_dict_for_save_checkpoint()``
+        (``module.``-prefixed, Megatron-FSDP's). Full tensors are cut to this rank's
+        shard locally (no communication); the engine refreshes the compute weights
+        at the next forward.
         """
+        own = set(self.module.state_dict().keys())
+        if state_dict and not own & set(state_dict) and all(k.startswith("module.") for k in state_dict):
+            state_dict = {k[len("module."):]: v for k, v in state_dict.items()}
         return load_full_state_dict(self.module, state_dict, strict=strict)

@@ -1,20 +1,25 @@
-"""Megatron-Core's two configuration objects, with Megatron's field names.
+"""Megatron-Core's two configuration objects, with Megatron's field names and types.
 
 ``TransformerConfig`` carries the model and model-parallel settings the adapter
 reads; ``DistributedDataParallelConfig`` the data-parallel and sharding ones.
-A Megatron user can pass these, or Megatron's own objects: the adapter reads
+A Megatron user can pass these, or Megatron-Core's own objects: the adapter reads
 every field through :func:`as_transformer_config` / :func:`as_ddp_config`,
 which copy whatever fields the given object has over the defaults below
 (duck typing; ``megatron.core`` is never imported).
 
-Only fields that the adapter reads or must reject are here. Unknown extra
-attributes on a passed-in object are ignored.
+Each field's annotation and default are Megatron-Core's own, read from its
+source for every supported release (0.16.1 and 0.19.2; ``scripts/
+megatron_core_fields.py`` records them and ``tests/megatron/
+test_megatron_core_real.py`` holds this mirror to them). Fields a release does
+not have keep the defaults below. Only fields the adapter reads or must reject
+are mirrored; unknown extra attributes of a passed-in object are ignored.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, Optional
+import re
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Literal, Optional, Tuple
 
 import torch
 
@@ -28,32 +33,46 @@ __all__ = [
 ]
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
 
-# The type each annotation admits (bool is not an int here: ``bucket_size=True`` is a mistake).
+# What a declared type admits (bool is not an int here: ``bucket_size=True`` is a mistake).
 _ADMITS = {
     "bool": (bool,),
     "int": (int,),
+    "float": (int, float),
     "str": (str,),
     "torch.dtype": (torch.dtype,),
 }
 
 
+def _declared_kind(annotation: str) -> tuple[str, bool]:
+    """``(kind, optional)`` of an annotation string: ``Optional[Literal['a', 'b']]`` -> ``("str", True)``."""
+    optional = annotation.startswith("Optional[")
+    kind = annotation[len("Optional["):-1] if optional else annotation
+    if kind.startswith("Literal["):
+        kind = "str" if re.fullmatch(r"Literal\[('[^']*'(, )?)+\]", kind) else kind
+    return kind, optional
+
+
 def _check_field_types(config) -> None:
-    """Refuse a field whose value is not of its declared type (``bf16="false"`` is truthy)."""
+    """Refuse a value whose type is not the one Megatron-Core declares (``bf16="false"`` is truthy).
+
+    ``None`` passes where the field is ``Optional`` or where Megatron's own
+    default is ``None`` (``suggested_communication_unit_size: int = None``):
+    every value the real classes hold by default is accepted.
+    """
     for f in fields(config):
         value = getattr(config, f.name)
-        declared = str(f.type)
-        optional = declared.startswith("Optional[")
-        kind = declared[len("Optional[") : -1] if optional else declared
+        kind, optional = _declared_kind(str(f.type))
         admits = _ADMITS.get(kind)
-        if admits is None or (optional and value is None):
+        if admits is None or (value is None and (optional or f.default is None)):
             continue
         wrong_bool = isinstance(value, bool) and bool not in admits
         if wrong_bool or not isinstance(value, admits):
+            nullable = optional or f.default is None
             raise TypeError(
-                f"{type(config).__name__}.{f.name}={value!r} must be {'None or ' if optional else ''}{kind}"
+                f"{type(config).__name__}.{f.name}={value!r} must be {'None or ' if nullable else ''}{kind}"
             )
-OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
 
 
 @dataclass
@@ -66,7 +85,7 @@ class TransformerConfig:
     num_attention_heads: int = 0
     ffn_hidden_size: Optional[int] = None
     num_query_groups: Optional[int] = None
-    # model parallelism
+    # model parallelism (Megatron's ModelParallelConfig)
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
@@ -81,10 +100,10 @@ class TransformerConfig:
     params_dtype: torch.dtype = torch.float32
     bf16: bool = False
     fp16: bool = False
-    fp8: Optional[str] = None
-    fp8_recipe: str = "delayed"
+    fp8: Optional[Literal['e4m3', 'hybrid']] = None
+    fp8_recipe: Optional[Literal['tensorwise', 'delayed', 'mxfp8', 'blockwise', 'custom']] = "delayed"
     fp8_param: bool = False
-    fp4: Optional[str] = None
+    fp4: Optional[Literal['e2m1']] = None
     # initialization
     init_model_with_meta_device: bool = False
     use_cpu_initialization: bool = False
@@ -94,8 +113,8 @@ class TransformerConfig:
     gradient_accumulation_fusion: bool = False
     delay_wgrad_compute: bool = False
     gated_linear_unit: bool = False
-    # CUDA graphs: "none", "local", "transformer_engine" or "full_iteration"
-    cuda_graph_impl: str = "none"
+    # CUDA graphs ("full_iteration" is 0.19's)
+    cuda_graph_impl: Literal['none', 'local', 'transformer_engine', 'full_iteration'] = "none"
     enable_cuda_graph: bool = False
 
     def __post_init__(self) -> None:
@@ -111,8 +130,12 @@ class DistributedDataParallelConfig:
     (ZeRO-2), ``optim_grads_params`` (ZeRO-3). With
     ``num_distributed_optimizer_instances > 1`` the data-parallel domain is split
     into that many replicas: ``outer_dp_sharding_strategy="no_shard"`` across
-    them is HSDP, ``"optim"`` is HFSDP. ``megatron_fsdp_version`` picks the V1 or
-    V2 wrapper in :func:`FullyShardedDataParallel`.
+    them is HSDP, ``"optim"`` is HFSDP. ``megatron_fsdp_version`` (not in
+    Megatron-Core 0.19 yet; the adapter's next API) picks the V1 or V2 wrapper
+    in :func:`FullyShardedDataParallel`. Megatron-Core's default for
+    ``megatron_fsdp_main_grads_dtype`` is ``None`` (its gradients then follow the
+    compute dtype); shardwise keeps fp32 gradients for ``None``, which is what
+    ``torch.float32`` asks Megatron for.
     """
 
     # gradient reduction
@@ -127,14 +150,17 @@ class DistributedDataParallelConfig:
     bucket_size: Optional[int] = None
     num_buckets: Optional[int] = None
     pad_buckets_for_high_nccl_busbw: bool = False
+    reduce_scatter_with_fp32_accumulation: bool = False
+    param_name_patterns_for_fp32_local_accumulation: Tuple[str, ...] = ()
     average_in_collective: bool = False
     gradient_reduce_div_fusion: bool = True
-    suggested_communication_unit_size: Optional[int] = None
+    suggested_communication_unit_size: int = None
     delay_wgrad_compute: bool = False
     # low-precision parameter gathers
     fp8_param_gather: bool = False
     fp4_param_gather: bool = False
-    preserve_fp32_weights: bool = True
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    preserve_fp32_weights: bool = True  # 0.16's; gone in 0.19
     keep_fp8_transpose_cache: bool = False
     # Megatron-FSDP
     use_megatron_fsdp: bool = False
@@ -144,12 +170,12 @@ class DistributedDataParallelConfig:
     outer_dp_sharding_strategy: str = "no_shard"
     expert_data_parallel_sharding_strategy: Optional[str] = None
     megatron_fsdp_main_params_dtype: Optional[torch.dtype] = torch.float32
-    megatron_fsdp_main_grads_dtype: Optional[torch.dtype] = torch.float32
+    megatron_fsdp_main_grads_dtype: Optional[torch.dtype] = None
     megatron_fsdp_grad_comm_dtype: Optional[torch.dtype] = None
     megatron_fsdp_use_decoupled_grad: bool = False
     megatron_fsdp_enable_fine_grained_param_gather: bool = False
     megatron_fsdp_max_pool_double_buffer: bool = False
-    megatron_fsdp_cuda_graph_mode: Optional[str] = None
+    megatron_fsdp_cuda_graph_mode: bool = False
     fsdp_all_gather_in_start_param_sync: bool = True
     # communication buffers (NCCL user buffers, double buffering)
     nccl_ub: bool = False
@@ -165,6 +191,7 @@ class DistributedDataParallelConfig:
 
 def _copy_fields(cls, obj: Any):
     if isinstance(obj, cls):
+        _check_field_types(obj)  # fields may have been assigned after construction
         return obj
     if obj is None:
         return cls()
@@ -173,10 +200,15 @@ def _copy_fields(cls, obj: Any):
 
 
 def as_transformer_config(config: Any) -> TransformerConfig:
-    """``config`` itself when it is ours; else a copy of the fields it has (e.g. Megatron's own)."""
+    """``config`` itself when it is ours; else a copy of the fields it has (e.g. Megatron-Core's own)."""
     return _copy_fields(TransformerConfig, config)
 
 
 def as_ddp_config(ddp_config: Any) -> DistributedDataParallelConfig:
     """``ddp_config`` itself when it is ours; else a copy of the fields it has."""
     return _copy_fields(DistributedDataParallelConfig, ddp_config)
+
+
+def mirrored_fields(cls) -> dict[str, tuple[str, Any]]:
+    """``{field: (annotation, default)}`` of one mirror class, for the checks against Megatron's source."""
+    return {f.name: (str(f.type), None if f.default is MISSING else f.default) for f in fields(cls)}

@@ -17,6 +17,8 @@ from ..placements import AxisPlacements
 from ..registry import EXPERTS, module_types
 from ..rng import sync_rng_states
 from .base import (
+    check_module,
+    warn_if_not_megatron_fsdp,
     _check_strategies,
     _default_unit_types,
     _device_type,
@@ -126,10 +128,12 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         device: Optional[torch.device] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
     ):
-        super().__init__(config=config, module=module)
+        check_module(module, "FullyShardedDataParallelV1")
         cfg, ddp = as_transformer_config(config), as_ddp_config(ddp_config)
+        super().__init__(config=config, module=module)
         self.ddp_config = ddp_config
         logger.info("Setting up FullyShardedDataParallelV1 with config %s", ddp)
+        warn_if_not_megatron_fsdp(ddp, "FullyShardedDataParallelV1")
         _check_strategies(ddp, "FullyShardedDataParallelV1")
         sizes = self._reject_unbuilt(cfg, ddp, pg_collection, module)
         self.device_type = _device_type(device)

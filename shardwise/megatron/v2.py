@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 
 from .base import (
+    check_module,
+    warn_if_not_megatron_fsdp,
     _check_strategies,
     _default_unit_types,
     _device_type,
@@ -48,6 +50,11 @@ _V2_UNSUPPORTED_FLAGS = (
     ("ddp_config", "megatron_fsdp_max_pool_double_buffer", "the max-pool double buffer is not supported"),
     ("ddp_config", "fsdp_db_use_persist_buf_on_alloc_fail", "communication buffers come from PyTorch's allocator"),
     ("ddp_config", "fsdp_trace_pool", "the trace pool allocator is not supported"),
+    ("ddp_config", "reduce_scatter_with_fp32_accumulation",
+     "gradients are reduced in megatron_fsdp_grad_comm_dtype (fp32 by default); set that instead"),
+    ("ddp_config", "param_name_patterns_for_fp32_local_accumulation",
+     "gradients are accumulated in megatron_fsdp_main_grads_dtype for every parameter"),
+    ("ddp_config", "reuse_grad_buf_for_mxfp8_param_ag", "MXFP8 parameter gathers are not supported"),
 )
 
 
@@ -89,6 +96,7 @@ class FullyShardedDataParallelV2(_ShardedDataParallel):
                 the config or the mesh, or the configuration requests a feature V2
                 does not support (the message names the field).
         """
+        check_module(module, "FullyShardedDataParallelV2")
         if pg_collection is None:
             raise ValueError(
                 "FullyShardedDataParallelV2 needs an explicit pg_collection (ProcessGroupCollection); "
@@ -99,6 +107,7 @@ class FullyShardedDataParallelV2(_ShardedDataParallel):
         cfg, ddp = as_transformer_config(config), as_ddp_config(ddp_config)
         self.ddp_config = ddp_config
         logger.info("Setting up FullyShardedDataParallelV2 with config %s", ddp)
+        warn_if_not_megatron_fsdp(ddp, "FullyShardedDataParallelV2")
         device_type = _device_type(device)
         for field in ("nccl_ub", "fsdp_double_buffer"):
             if getattr(ddp, field):

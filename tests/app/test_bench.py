@@ -113,7 +113,23 @@ def test_repeats_average_and_compare_per_repeat(tmp_path):
     assert "1,200, 1,000" in report.markdown_table(rows)
 
 
+def test_cpu_runs_are_reported_per_rank(tmp_path):
+    runs = [{**_run("0.9b", "fsdp2"), "device": "cpu"}, {**_run("0.9b", "shardwise", tok=900), "device": "cpu"}]
+    assert "1,000 tok/s/rank" in report.format_run(runs[0]) and "GPU" not in report.format_run(runs[0])
+    report.write_reports(tmp_path, {"date": "today", "loss_rtol": 1.6e-2}, runs)
+    md = (tmp_path / "bench.md").read_text()
+    assert "| tokens/s/rank |" in md and "tokens/s/GPU" not in md and "a smoke test" in md
+    assert "tok/s/GPU" in report.format_run(_run("0.9b", "fsdp2"))  # on GPUs it stays per GPU
+
+
 # ------------------------------------------------------------------ options
+def test_help_says_each_default_once():
+    parser = cli.build_parser()
+    helps = {a.dest: parser._get_formatter()._expand_help(a) for a in parser._actions if a.help}
+    assert [d for d, h in helps.items() if h.count("(default") > 1] == []
+    assert helps["steps"].endswith("(default: 10)") and helps["seed"].endswith("(default: 0)")
+
+
 def test_options_per_size_steps_and_errors(capsys):
     opts, _ = cli.parse_options(["--device", "cpu", "--steps", "7,tiny=2", "--warmup", "0", "--size", "tiny"])
     assert opts.compile == "off" and "none" in opts.wrappers

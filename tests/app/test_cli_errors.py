@@ -81,6 +81,18 @@ def test_config_file_values_must_have_the_field_type(field, value, message, tmp_
     assert f"--config {path}" in str(e.value) and message in str(e.value)
 
 
+def test_help_shows_the_defaults_that_run():
+    from shardwise.app.train import build_parser
+
+    cfg, model_cfg = resolve_config([])  # what runs without flags: the tiny preset
+    helps = {a.dest: a.help for a in build_parser()._actions if a.help}
+    for name in ("steps", "lr", "warmup_steps", "weight_decay", "beta1", "dim", "n_layers", "vocab_size"):
+        value = getattr(cfg if hasattr(cfg, name) else model_cfg, name)
+        assert f"(default: {value!r}" in helps[name], (name, value, helps[name])
+    assert "from the preset tiny" in helps["steps"] and "0.1 under one that does not set it" in helps["weight_decay"]
+    assert [n for n, h in helps.items() if h.count("(default") > 1] == []  # said once
+
+
 def test_config_file_accepts_whole_floats_and_resume_bools(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"steps": 20.0, "lr": 1, "resume": True, "name": "x"}))
@@ -90,6 +102,30 @@ def test_config_file_accepts_whole_floats_and_resume_bools(tmp_path):
     assert cfg.resume == "required"
     cfg, _ = resolve_config(["--name", "x", "--resume", "--no-resume"])
     assert cfg.resume == ""
+
+
+# ------------------------------------------------------------------ shardwise ckpt
+@pytest.mark.parametrize("layout,target,message", [
+    ("run", "run/checkpoints", "{t}: no such checkpoint folder; the run folder {r} has no checkpoints: shardwise "
+     "train writes checkpoints (into <run folder>/checkpoints/) only with --save-every N"),
+    ("run", "run", "{t} holds no complete checkpoint; the run folder {r} has no checkpoints"),
+    ("", "run/checkpoints", "{t}: no such checkpoint folder; there is no run folder {r}: shardwise train writes"),
+    ("empty", "run/checkpoints", "{t} holds no complete checkpoint; {r} is not a run folder"),
+])
+def test_ckpt_without_a_checkpoint_says_where_it_looked(layout, target, message, tmp_path, capsys):
+    from shardwise.app.ckpt import main as ckpt_main
+
+    run = tmp_path / "run"
+    if layout == "run":  # what `train` without --save-every leaves
+        run.mkdir()
+        (run / "config.json").write_text("{}")
+        (run / "metrics.jsonl").write_text("")
+    elif layout == "empty":
+        (run / "checkpoints").mkdir(parents=True)
+    assert ckpt_main(["export", str(tmp_path / target), str(tmp_path / "out"), "--format", "hf"]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith("shardwise ckpt export: error: ")
+    assert message.format(t=tmp_path / target, r=run) in line, line
 
 
 # ------------------------------------------------------------------ learning-rate schedule
@@ -120,6 +156,10 @@ def test_resuming_with_other_steps_keeps_the_rate_continuous(old_steps, new_step
     assert abs(after[0] - before) <= 2 * step_size, (before, after[:3])  # no jump
     assert after[-1] == pytest.approx(new.lr * new.min_lr_ratio) or new_steps <= resume_at
     assert "--steps" in schedule.describe() and f"at step {resume_at}" in schedule.describe()
+    at_floor = f"the rate already decayed to its floor 0.1 by step {resume_at}, so steps {resume_at + 1}-{new_steps} " \
+               f"stay there: for a decay over all {new_steps} steps, start a new run with --steps {new_steps}"
+    assert (at_floor in schedule.describe()) == (resume_at == old_steps), schedule.describe()  # said when flat
+    assert "\n" not in schedule.describe()
     assert resumed_schedule(saved, old, resume_at) is saved  # same flags: the same schedule, exactly
 
 
@@ -193,17 +233,39 @@ def _clip_refusals() -> list[str]:
     shardwise.clip_grad_norm_(model.parameters(), 1.0, optimizer=fused)  # a new step: fine again
     messages.append(f"after step {hasattr(fused, 'grad_scale')}")
 
-    from shardwise.app.train import check_optimizer_params
-
     early = torch.nn.Sequential(torch.nn.Linear(4, 4))
     optimizer = torch.optim.AdamW(early.parameters())  # built before fully_shard: holds the originals
     early = shardwise.fully_shard(early)
+    early(torch.ones(2, 4)).sum().backward()
     try:
-        check_optimizer_params(early, optimizer)
-        messages.append("accepted a stale optimizer")
+        optimizer.step()  # refused at its first step, for every user (torch's global step pre-hook)
+        messages.append("stepped a stale optimizer")
     except ValueError as e:
         messages.append(str(e))
-    check_optimizer_params(early, torch.optim.AdamW(early.parameters()))  # built after: fine
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    on_meta = torch.optim.SGD(meta.parameters(), lr=0.1)  # before fully_shard of a meta model
+    meta = shardwise.fully_shard(meta, init_fn=shardwise.MetaInitializer(meta))
+    try:
+        on_meta.step()
+        messages.append("stepped a stale optimizer of meta parameters")
+    except ValueError as e:
+        messages.append(str(e))
+    try:
+        shardwise.check_optimizer_params(torch.optim.AdamW(meta.parameters()), early)  # another model's
+        messages.append("accepted another model's optimizer")
+    except ValueError as e:
+        messages.append(str(e))
+    after = torch.optim.AdamW(early.parameters())  # built after: steps, and is looked at once only
+    after.step()
+    from shardwise.replaced import _checked
+    messages.append(f"after fully_shard ok {_checked.get(after) == 1}")
+    after.add_param_group({"params": list(on_meta.param_groups[0]["params"])})  # a stale group added later
+    try:
+        after.step()
+        messages.append("stepped a stale parameter group")
+    except ValueError as e:
+        messages.append(str(e))
     return messages
 
 
@@ -221,8 +283,13 @@ def test_clip_grad_norm_refuses_bad_arguments_a_backward_optimizer_and_an_unfit_
     assert messages[8] == "folded"
     assert "clip_grad_norm_: optimizer=AdamW already carries a clipping factor for these gradients" in messages[9]
     assert messages[10] == "after step True"
-    assert "optimizer=AdamW: 2 of its 2 parameters are not parameters of the model" in messages[11]
-    assert "before fully_shard" in messages[11]
+    assert ("optimizer=AdamW: 2 of its 2 parameters were replaced by fully_shard after the optimizer was built, "
+            "so its step would update discarded tensors") in messages[11]
+    assert "build the optimizer from model.parameters() after fully_shard" in messages[11]
+    assert "optimizer=SGD: 2 of its 2 parameters were replaced by meta materialization" in messages[12]
+    assert "optimizer=AdamW: 2 of its 2 parameters are not parameters of the model" in messages[13]
+    assert messages[14] == "after fully_shard ok True"
+    assert "optimizer=AdamW: 2 of its 4 parameters were replaced by meta materialization" in messages[15]
     assert all("\n" not in m for m in messages)
 
 

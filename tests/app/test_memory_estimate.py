@@ -51,6 +51,9 @@ def test_the_peak_is_where_the_profiles_put_it():
     big = _bench_estimate("8b")
     assert [name for name, _ in big.dominant(3)] == ["optimizer", "main", "grads"]
     assert big.describe().startswith("per GPU 63.7 GiB at end of backward (optimizer 29.9, main 15.0, grads 15.0")
+    assert big.describe().endswith(", per host 0 GiB")
+    on_cpu = big.describe("cpu")  # one memory: each rank's, and no empty host part
+    assert on_cpu.startswith("per rank 63.7 GiB at end of backward") and "GPU" not in on_cpu and "host" not in on_cpu
     # the whole fp32 model built on the GPU before sharding (the benchmark, --no-meta-init) is a moment too
     built = _bench_estimate("8b", build_on_device=True)
     assert built.phases["model build"] == 8_030_261_248 * 4 + big.parts["main"]

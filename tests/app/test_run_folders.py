@@ -82,6 +82,11 @@ def test_resume_without_a_checkpoint_says_so_or_fails_when_required(tmp_path, ca
     assert main(TINY + ["--data", data, "--out-dir", str(folder), "--resume=required"]) == 2
     assert _error_line(capsys) == (f"shardwise train: error: --resume=required: no complete checkpoint in "
                                    f"{folder / 'checkpoints'}")
+    assert not folder.exists()  # refused: no empty folders left behind
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine\n")
+    assert main(TINY + ["--data", data, "--out-dir", str(folder), "--resume=required"]) == 2
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"] and "--resume=required" in _error_line(capsys)
     (folder / "checkpoints" / "step_00000004.tmp").mkdir(parents=True)  # a save that never finished
     cfg, _ = resolve_config(TINY + ["--data", data, "--out-dir", str(folder), "--resume"])
     prepare_run_folder(cfg)
@@ -116,6 +121,31 @@ def test_a_checkpoint_folder_that_cannot_be_made_is_found_at_start(tmp_path, cap
     assert main(TINY + ["--data", data, "--out-dir", str(read_only), "--resume"]) == 2
     assert _error_line(capsys) == (f"shardwise train: error: --out-dir {read_only}: checkpoint folder "
                                    f"{read_only / 'checkpoints'}: cannot write there: Read-only file system")
+
+
+def test_a_checkpoint_folder_that_fails_mid_run_is_one_line(tmp_path, capsys, monkeypatch, data):
+    """Read-only (or full) after the first save: the run stops with one line, no traceback, step 2 kept."""
+    from shardwise.app.launch import free_port
+
+    for var, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(var, value)  # under a launcher: this process is the one worker
+    out = tmp_path / "run"
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        if self.name == "step_00000004.tmp":
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    assert main(TINY + ["--data", data, "--out-dir", str(out), "--steps", "4", "--save-every", "2"]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and not line.startswith("tiny")]
+    tmp = out / "checkpoints" / "step_00000004.tmp"
+    assert err[-1] == (f"shardwise train: error: step 4, checkpoint save: cannot create {tmp}: [Errno 30] "
+                       f"Read-only file system: '{tmp}'"), err
+    assert not any("Traceback" in line for line in err), err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]
 
 
 # ------------------------------------------------------------------ a resumed run is one run

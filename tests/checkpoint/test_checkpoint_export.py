@@ -44,6 +44,7 @@ def test_export_loads_into_the_unwrapped_model_with_the_same_outputs(tmp_path, c
 
     # fp32, one file, every state_dict key; the folder of checkpoints means its latest one.
     assert ckpt_main(["export", str(root), str(tmp_path / "fp32")]) == 0
+    assert f"exported {root / 'step_00000002'}: wrote 1 file(s)" in capsys.readouterr().out  # which one it took
     exported = load_file(tmp_path / "fp32" / "model.safetensors")
     assert set(exported) == set(full) and all(torch.equal(exported[k], full[k]) for k in full)
     plain = TinyLM(TinyConfig())

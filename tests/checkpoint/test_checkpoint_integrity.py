@@ -210,6 +210,24 @@ def test_a_write_failure_is_one_error_naming_the_folder(tmp_path):
     assert name == "step_00000002" and steps == [2]
 
 
+# ------------------------------------------------------------------ arguments
+@pytest.mark.parametrize("keep_last,message", [
+    ("3", "keep_last='3' must be a whole number of at least 1"),
+    (0, "keep_last=0 must be a whole number of at least 1"),
+    (True, "keep_last=True must be a whole number"),
+    (2.5, "keep_last=2.5 must be a whole number"),
+    (None, None),  # keep every checkpoint
+    (1, None),
+])
+def test_manager_arguments_are_named(tmp_path, keep_last, message):
+    if message is None:
+        assert CheckpointManager(tmp_path, keep_last=keep_last).keep_last == keep_last
+        return
+    with pytest.raises(ValueError) as e:
+        CheckpointManager(tmp_path, keep_last=keep_last)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
 # ------------------------------------------------------------------ optimizer type
 def _optimizer_body(root: str):
     model, opt = _build(seed=0)

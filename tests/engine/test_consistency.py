@@ -90,6 +90,14 @@ def strategy():
     _check(Net(), strategy=["optim_grads_params", "optim_grads"][_rank()])
 
 
+def zero1_and_zero2():  # e.g. under no_sync: the gradients would stay Partial on one rank only
+    _check(Net(), strategy=[1, "optim_grads"][_rank()])
+
+
+def one_strategy_by_two_names():
+    _check(Net(), strategy=["optim", 1][_rank()])
+
+
 def unit_modules():
     net = Net()
     _check(net, unit_modules=[Block] if _rank() == 0 else [net.layers[0]])
@@ -147,6 +155,10 @@ def expert_mesh_not_covering_the_world():
     _check(_moe(ep_group=None), expert_mesh=_own_mesh("dp_shard", "ep"), unit_modules=None)
 
 
+def mesh_not_a_mesh_on_one_rank():
+    _check(Net(), mesh=None if _rank() == 0 else "dp")
+
+
 def unit_modules_not_describable_on_one_rank():
     _check(Net(), unit_modules=[Block] if _rank() == 0 else 5)
 
@@ -166,6 +178,12 @@ def gpt_marked_tp_at_size_one():  # GPT marks TP slices even without a TP group:
 
 def expert_mesh_without_expert_params():  # e.g. experts that carry neither the mark nor a plan_fn
     _check(Net(), expert_mesh=_mesh("ep2"))
+
+
+def fully_shard_onto_an_expert_mesh_nothing_goes_on():  # the whole wrap: refused before anything is sharded
+    import shardwise
+
+    shardwise.fully_shard(Net(), unit_modules=[Block], expert_mesh=_mesh("ep2"), plan_fn=lambda fqn, p: "dense")
 
 
 def experts_on_their_expert_mesh():
@@ -222,7 +240,11 @@ CASES = {
     extra_layer: "parameter 'layers.2.w.weight' exists on rank 1 but not on rank 0 (10 parameters on rank 0, 14 on rank 1)",
     hidden_size: "parameter 'layers.0.w.weight' has shape (4, 8) on rank 0 but (4, 16) on rank 1",
     same_numel_other_shape: "parameter 'layers.1.w.weight' has shape (4, 8) on rank 0 but (8, 4) on rank 1",
-    strategy: "the placements (strategy): dp_shard[S,S,S] on rank 0 but dp_shard[R,S,S] on rank 1",
+    strategy: "strategy='optim_grads_params' (placements dp_shard[S,S,S]) on rank 0 but strategy='optim_grads' "
+    "(placements dp_shard[R,S,S]) on rank 1",
+    zero1_and_zero2: "strategy=1 (placements dp_shard[R,P,S]) on rank 0 but strategy='optim_grads' "
+    "(placements dp_shard[R,S,S]) on rank 1",
+    one_strategy_by_two_names: None,
     unit_modules: "module 'layers.1' is a unit (unit_modules) on rank 0 but not on rank 1",
     requires_grad: "parameter 'layers.0.v.bias' has requires_grad True on rank 0 but False on rank 1",
     dtype: "parameter 'layers.0.w.weight' has dtype float32 on rank 0 but bfloat16 on rank 1",
@@ -237,11 +259,14 @@ CASES = {
     expert_mesh_of_the_wrong_size: "(expert parallelism over 2 ranks), but the expert mesh axis 'ep' has 1 rank (on",
     mesh_differs_between_ranks: "ranks disagree before sharding: the mesh covers ranks [0, 1] on rank 0 but [1] on rank 1",
     expert_mesh_not_covering_the_world: "the expert mesh covers ranks [0], but the mesh covers [0, 1]",
+    mesh_not_a_mesh_on_one_rank: "mesh='dp' must be a torch.distributed.DeviceMesh or None (e.g. "
+    "shardwise.build_dp_mesh() or shardwise.build_expert_mesh(ep)), got a str (on rank 1)",
     unit_modules_not_describable_on_one_rank: "rank 1 could not describe its model and arguments: TypeError:",
     same_everywhere: None,
     tp_slices_on_a_tp_mesh: None,
     gpt_marked_tp_at_size_one: None,
     expert_mesh_without_expert_params: "an expert_mesh was given, but plan_fn puts no parameter on it",
+    fully_shard_onto_an_expert_mesh_nothing_goes_on: "an expert_mesh was given, but plan_fn puts no parameter on it",
     experts_on_their_expert_mesh: None,
     megatron_dp_cp_of_one_rank: "pg_collection.dp_cp has 1 rank(s) [0] on rank 0, but a world of 2 ranks with "
     "tp=1 x pp=1 needs 2 data-parallel ranks per group",

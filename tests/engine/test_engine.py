@@ -335,10 +335,16 @@ def _bad_inputs():
     capture("prefetch_int", lambda: shardwise.fully_shard(model(), prefetch=1))
     capture("reduction", lambda: shardwise.fully_shard(model(), gradient_reduction="avg"))
     capture("init_fn", lambda: shardwise.fully_shard(model(), init_fn=5))
+    capture("mesh_str", lambda: shardwise.fully_shard(model(), mesh="dp"))
     from shardwise.megatron import DistributedDataParallelConfig, TransformerConfig
 
     capture("megatron_bool", lambda: TransformerConfig(bf16="false"))
     capture("megatron_int", lambda: DistributedDataParallelConfig(bucket_size=True))
+    from shardwise.megatron import FullyShardedDataParallel
+
+    capture("megatron_module", lambda: FullyShardedDataParallel(
+        TransformerConfig(), DistributedDataParallelConfig(use_megatron_fsdp=True), "x"))
+    capture("megatron_tp_str", lambda: TransformerConfig(tensor_model_parallel_size="2"))
     return errors
 
 
@@ -363,8 +369,11 @@ EXPECTED_ERRORS = {
     "prefetch_int": "prefetch=1 must be a bool",
     "reduction": "gradient_reduction='avg'",
     "init_fn": "init_fn=5",
+    "mesh_str": "ValueError: mesh='dp' must be a torch.distributed.DeviceMesh or None",
     "megatron_bool": "TransformerConfig.bf16='false' must be bool",
     "megatron_int": "DistributedDataParallelConfig.bucket_size=True must be None or int",
+    "megatron_module": "module='x' must be a torch.nn.Module",
+    "megatron_tp_str": "TransformerConfig.tensor_model_parallel_size='2' must be int",
 }
 
 
@@ -440,7 +449,7 @@ def _freed_when_dropped():
     import gc
     import weakref
 
-    from torch.optim.optimizer import _global_optimizer_post_hooks
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
     world, rank = dist.get_world_size(), dist.get_rank()
     config = TinyConfig()
@@ -453,13 +462,15 @@ def _freed_when_dropped():
     group = weakref.ref(model.sharded_state.groups[0])
     del model, opt
     gc.collect()
-    return state() is None and group() is None, len(_global_optimizer_post_hooks)
+    shardwise.fully_shard(TinyLM(config), unit_modules=[Block])  # a second model: no second hook
+    return state() is None and group() is None, len(_global_optimizer_post_hooks), len(_global_optimizer_pre_hooks)
 
 
 def test_a_dropped_model_is_freed_and_no_global_hooks_are_installed():
-    for freed, global_hooks in run_distributed(_freed_when_dropped, 2):
+    for freed, post_hooks, pre_hooks in run_distributed(_freed_when_dropped, 2):
         assert freed, "the sharded state outlived its model"
-        assert global_hooks == 0, "importing shardwise must not hook every optimizer in the process"
+        assert post_hooks == 0, "importing shardwise must not hook every optimizer in the process"
+        assert pre_hooks == 1, "one step pre-hook per process (refusing optimizers built before fully_shard)"
 
 
 class _UncountedSGD(torch.optim.Optimizer):

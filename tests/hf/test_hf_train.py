@@ -43,6 +43,8 @@ def test_hf_config_trains_and_exports(tmp_path, name):
     assert losses[-1] < losses[0], losses
     assert cls == "ShardedHFCausalLM"
     assert json.loads((run / "hf_config.json").read_text())["model_type"] == name
+    summary = json.loads((run / "summary.json").read_text())  # named by its source, not the preset's model
+    assert (summary["model"], summary["preset"]) == (f"hf-config:{name}.json", None)
     exported = export_and_compare(run, logits, tmp_path / "hf", *(["--max-shard-size", "60KB"] if name == "mixtral"
                                                                     else []))
     assert exported["model_type"] == name
@@ -76,6 +78,8 @@ def test_round_trip_init_from_train_export(tmp_path):
     assert step == 5 and cls == "ShardedGPT"  # a Llama folder trains as shardwise's own GPT of its shape
     model = json.loads((run / "config.json").read_text())["model"]
     assert (model["dim"], model["n_layers"], model["n_kv_heads"], model["tie_embeddings"]) == (32, 2, 2, True)
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["model"], summary["preset"]) == ("init-from:llama", None)
     losses = _losses(run)
     # step 1 started from the folder's weights: its loss is the HF model's on the same batch
     assert losses[0] == pytest.approx(_first_batch_loss(source), rel=1e-5)

@@ -106,7 +106,7 @@ def test_hybrid_needs_both_hybrid_groups(missing):
     _rejects(missing, ddp=_ddp(num_distributed_optimizer_instances=2), pg=ProcessGroupCollection(**groups))
 
 
-_FLAG_VALUES = {"fp8": "e4m3", "fp4": "nvfp4", "megatron_fsdp_cuda_graph_mode": "full"}
+_FLAG_VALUES = {"fp8": "e4m3", "fp4": "e2m1", "param_name_patterns_for_fp32_local_accumulation": ("router",)}
 
 
 @pytest.mark.parametrize("source,field", [(s, f) for s, f, _ in _V2_UNSUPPORTED_FLAGS], ids=lambda x: x)

@@ -43,9 +43,17 @@ class UsageError(ValueError):
     pass
 
 
+class _DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: ...)" only to a help that does not say its default itself."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        return text if "(default" in text else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardwise bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_DefaultsOnce)
     p.add_argument("--sizes", "--size", dest="sizes", default=None,
                    help=f"comma list of {', '.join(SIZES)} (default: tiny on CPU, {GPU_SIZES} on CUDA)")
     p.add_argument("--wrappers", default=",".join(DEFAULT_ORDER),

@@ -130,7 +130,7 @@ def _params(n: int) -> str:
 def markdown_table(rows: list[dict]) -> str:
     cpu = all(r["device"] == "cpu" for r in rows)
     mem = "peak RSS GiB (host)" if cpu else "peak alloc GiB"
-    head = (f"| size | wrapper | tokens/s/GPU | vs FSDP2 | vs ceiling | MFU | {mem} | vs FSDP2 "
+    head = (f"| size | wrapper | tokens/s/{'rank' if cpu else 'GPU'} | vs FSDP2 | vs ceiling | MFU | {mem} | vs FSDP2 "
             "| peak reserved GiB | exposed comm | loss first -> last | loss vs FSDP2 | check |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -173,6 +173,9 @@ def markdown_report(rows: list[dict], meta: dict) -> str:
             f"{'on' if size.get('activation_checkpointing') else 'off'}; {size.get('warmup')} warm-up + "
             f"{size.get('steps')} timed + {size.get('profile_steps', 0)} profiled steps")
     lines += ["", markdown_table(rows), *_notes(meta)]
+    if rows and all(r["device"] == "cpu" for r in rows):
+        lines += ["On CPU, per GPU means per rank (process). The tiny model on CPU is a smoke test of every "
+                  "wrapper's code path: its speed and memory ratios say little about GPUs.", ""]
     return "\n".join(lines)
 
 
@@ -211,7 +214,8 @@ def format_run(run: dict) -> str:
         first = "" if run.get("first_step_s") is None else f", first step {run['first_step_s']:.1f}s"
         compiled = (f"{first}, {run['graph_breaks']} graph breaks, "
                     f"{run['frames_compiled_timed']} recompiles while timed")
-    return (f"{head} {run['tokens_per_s_per_gpu']:,.0f} tok/s/GPU{mfu} {mem} {run['peak_alloc_gib']:.2f} GiB"
+    per = "rank" if run["device"] == "cpu" else "GPU"  # on CPU a rank is a process, not a GPU
+    return (f"{head} {run['tokens_per_s_per_gpu']:,.0f} tok/s/{per}{mfu} {mem} {run['peak_alloc_gib']:.2f} GiB"
             f"{reserved}{exposed} loss {run['loss_first']:.4f} -> {run['loss_last']:.4f} "
             f"(wrap {run['wrap_s']:.1f}s, step {1000 * run['step_s']:.0f} ms{compiled})")
 
@@ -237,7 +241,7 @@ def plot(path: Path, rows: list[dict]) -> None:
         labels = [label(r) for r in mine]
         color = [colors[wrappers.index(w) % len(colors)] for w in labels]
         cpu = mine[0]["device"] == "cpu"
-        for ax, key, title in ((axes[0][col], "tokens_per_s_per_gpu", "tokens/s per GPU"),
+        for ax, key, title in ((axes[0][col], "tokens_per_s_per_gpu", f"tokens/s per {'rank' if cpu else 'GPU'}"),
                                (axes[1][col], "peak_alloc_gib",
                                 "peak RSS GiB (host)" if cpu else "peak allocated GiB")):
             values = [r.get(key) or 0.0 for r in mine]

@@ -1,0 +1,53 @@
+"""``param_and_grad_buffer``: what Megatron-Core's optimizer reaches for on a Megatron-FSDP chunk.
+
+Megatron's ``DistributedOptimizer`` leaves weights and gradients to
+Megatron-FSDP when ``ddp_config.use_megatron_fsdp`` is set, and after its step
+asks each model chunk's ``param_and_grad_buffer`` to rebuild the compute
+weights from the updated main weights
+(``copy_main_weights_to_model_weights()``); its FP8 paths also list
+``parameter_groups``. This is a view onto the engine's parameter groups that
+answers those calls through :mod:`shardwise.engine`, not a second set of buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..engine import refresh_model_weights, sharded_state
+
+__all__ = ["ParamAndGradBufferView", "ParameterGroupView"]
+
+
+@dataclass(frozen=True)
+class ParameterGroupView:
+    """One engine parameter group as Megatron lists it: its parameters (the main-weight DTensors)
+    and the dtype forward computes in."""
+
+    params: tuple[nn.Parameter, ...]
+    dtype: torch.dtype
+
+
+class ParamAndGradBufferView:
+    """Megatron-FSDP's ``param_and_grad_buffer`` API over a model that ``fully_shard`` wrapped."""
+
+    def __init__(self, module: nn.Module):
+        self._module = module
+
+    @property
+    def parameter_groups(self) -> list[ParameterGroupView]:
+        return [
+            ParameterGroupView(tuple(group.sharded_params), group.compute_dtype)
+            for group in sharded_state(self._module).groups
+        ]
+
+    def copy_main_weights_to_model_weights(self) -> None:
+        """Rebuild the compute weights from the main weights the optimizer just stepped.
+
+        Where parameters are replicated but the optimizer state is sharded
+        (ZeRO-1/2, HFSDP's outer axis) this gathers the updated shards now; a
+        ZeRO-3 unit casts and gathers at its next forward, as it always does.
+        """
+        refresh_model_weights(self._module)
