@@ -12,6 +12,7 @@ from .engine import (
     sharded_state,
     wait_for_reductions,
 )
+from .fp8 import convert_to_fp8
 from .fully_shard import ShardedModule, fully_shard
 from .materialize import MetaInitializer, materialize_meta_module, materialize_owned_meta_modules
 from .mesh import build_dp_mesh, build_expert_mesh, check_mesh_ranks_and_group_ranks_are_consistent, experts_by_mark
@@ -34,6 +35,7 @@ __all__ = [
     "load_full_state_dict",
     "experts_by_mark",
     "compile_units",
+    "convert_to_fp8",
     "MetaInitializer",
     "materialize_meta_module",
     "materialize_owned_meta_modules",

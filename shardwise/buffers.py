@@ -28,7 +28,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOp
 from .mesh import AxisGroup
 
 __all__ = ["StagingPool", "StreamSet", "Collectives", "gather_pieces", "reduce_scatter_pieces", "all_reduce_chain",
-           "InFlight"]
+           "all_reduce_max", "InFlight"]
 
 
 class StagingPool:
@@ -201,11 +201,18 @@ def all_reduce_chain(t: torch.Tensor, axes: Sequence[AxisGroup], average: bool =
             t.div_(axis.size)
 
 
+def all_reduce_max(t: torch.Tensor, axes: Sequence[AxisGroup]) -> None:
+    """The elementwise maximum of ``t`` over each of ``axes``, in place."""
+    for axis in axes:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=axis.group)
+
+
 class Collectives:
     """How a group's buffers move between placements: the three transitions, one mesh axis at a time.
 
-    Groups call only these, so a subclass changes how the bytes travel (a quantized
-    gather, a reduction in another dtype) without touching the groups; pass one to
+    Groups call only these, so a subclass changes how the bytes travel (a reduction
+    in another dtype) without touching the groups (an FP8 gather is ``gather`` of
+    uint8 slots after one ``all_reduce_max`` of the amaxes, ``quantized``); pass one to
     ``fully_shard(collectives=...)``. The default is the coalesced per-parameter
     collectives above.
     """
@@ -221,3 +228,7 @@ class Collectives:
     def all_reduce(self, t: torch.Tensor, axes: Sequence[AxisGroup], average: bool = True) -> None:
         """Average (or sum) ``t`` in place over each of ``axes``."""
         all_reduce_chain(t, axes, average)
+
+    def all_reduce_max(self, t: torch.Tensor, axes: Sequence[AxisGroup]) -> None:
+        """The elementwise maximum of ``t`` over each of ``axes``, in place (an FP8 gather's amaxes)."""
+        all_reduce_max(t, axes)

@@ -25,6 +25,7 @@ from .mesh import EXPERT, PLAN_CHOICES, ShardingPlan, build_dp_mesh, experts_by_
 from .offload import OffloadPolicy
 from .placements import normalize_placements, strategy_placements
 from .precision import MixedPrecisionPolicy
+from .quantized import gather_mark
 from .unit import Unit
 
 __all__ = [
@@ -366,7 +367,9 @@ class GroupBuilder:
         for ref in self.ownership.refs(owner):
             ref_plan = _place_model_parallel(ref, self.plan, self.expert_plan, tp_axis, self.ep_axis, self.plan_fn)
             sequence_parallel = bool(getattr(ref.param, "sequence_parallel", False)) and tp_axis in ref_plan.model_parallel
-            key = (id(ref_plan), ref.param.dtype, ref.param.requires_grad, sequence_parallel)
+            mark = gather_mark(ref.param)  # an FP8 gather: its own group (uint8 slots, its own scales)
+            key = (id(ref_plan), ref.param.dtype, ref.param.requires_grad, sequence_parallel,
+                   None if mark is None else mark.kind)
             buckets.setdefault(key, []).append(ref)
             if tp_axis in ref_plan.model_parallel and tp_axis not in ref.model_parallel_dims:
                 _sync_from_first_rank(ref.param, ref_plan.model_parallel[tp_axis].group, self.device)
@@ -379,10 +382,11 @@ class GroupBuilder:
         return buckets
 
     def _group(self, owner: nn.Module, key: tuple, bucket: list[ParamRef]) -> ParamGroup:
-        plan_id, dtype, rg, sequence_parallel, *_ = key
+        plan_id, dtype, rg, sequence_parallel, gather_kind, *_ = key
         expert_plan = self.expert_plan
         ref_plan = expert_plan if expert_plan is not None and plan_id == id(expert_plan) else self.plan
-        kind = ("" if rg else ",frozen") + (",experts" if ref_plan is not self.plan else "")
+        kind = (("" if rg else ",frozen") + (",experts" if ref_plan is not self.plan else "")
+                + (",fp8" if gather_kind else ""))
         label = f"{self.ownership.names.get(id(owner), '') or '<root>'}[{str(dtype).replace('torch.', '')}{kind}]"
         sum_axes = [ref_plan.model_parallel[self.tp_axis]] if sequence_parallel else []
         group = ParamGroup(

@@ -131,7 +131,9 @@ def fully_shard(
     ``offload_policy`` keeps the main weights, optimizer state and finished
     grads of some or all units in host memory (the optimizer steps on the CPU).
     ``collectives`` (a ``shardwise.Collectives``) replaces how buffers travel
-    between placements (gather, reduce-scatter, all-reduce).
+    between placements (gather, reduce-scatter, all-reduce). Parameters marked
+    for an FP8 gather (``shardwise.convert_to_fp8``) form groups of their own
+    that gather e4m3 bytes (``shardwise.quantized``).
     Returns ``module`` itself, whose parameters are now DTensors.
     """
     policy = check_module(module, mixed_precision, _STATE_ATTR)

@@ -15,6 +15,10 @@ flat tensor, and the transitions between levels:
 - ``grad_acc`` / ``main_grad``: gradients accumulated at the gradient level
   across micro-batches, and finalized at the optimizer level.
 
+A group of weights marked for an FP8 gather (``quantized``) gathers uint8
+e4m3 bytes into ``unsharded`` instead, cast from ``main`` with scales shared
+over the axes, and its unsharded parameters wrap those bytes.
+
 The buffers move themselves; the group decides when, on which stream, and
 what stays alive until a flight is waited on. Its states: which parameters the
 modules hold (``ModuleParams``), where the full weights are (``WeightState``),
@@ -37,6 +41,7 @@ from .mesh import ShardingPlan
 from .offload import HostMemory
 from .param import ParamRef, ShardedParam
 from .precision import MixedPrecisionPolicy
+from .quantized import QuantizedGather, gather_mark
 from .replaced import mark_replaced
 
 __all__ = ["ParamRef", "ParamGroup", "ModuleParams", "WeightState", "RefreshState", "GradState"]
@@ -121,6 +126,11 @@ class ParamGroup:
         # lower-precision model-weight shard is cast from the main weights on the gather
         # stream right before each gather instead of being kept: 2 bytes/param less at rest.
         self.casts_on_gather = not self.main_aliases_model and kp == m and kp > 0 and not offload
+        marks = [gather_mark(r.param) for r in self.refs]
+        self.quantized: QuantizedGather | None = None
+        if any(mark is not None for mark in marks):
+            self._check_quantized(marks, policy, plan)
+            self.quantized = QuantizedGather(self.levels, marks, self.compute_dtype)
         fulls = [ref.param.detach() for ref in self.refs]
         with torch.no_grad():
             self._model: DistributedBuffer | None = None
@@ -145,9 +155,12 @@ class ParamGroup:
         if self.persistent_unsharded:
             self._unsharded = self._model
         else:
-            self._unsharded = self.levels.empty(0, self.compute_dtype)
+            self._unsharded = self.levels.empty(
+                0, self.compute_dtype if self.quantized is None else self.quantized.wire_dtype)
         self.unsharded_params = [
-            nn.Parameter(self._unsharded.local(i), requires_grad=self.requires_grad) for i in range(len(self.params))
+            nn.Parameter(self._unsharded.local(i) if self.quantized is None
+                         else self.quantized.compute_tensor(self._unsharded, i), requires_grad=self.requires_grad)
+            for i in range(len(self.params))
         ]
         if not self.persistent_unsharded:
             self._unsharded.free()  # the views above keep their shapes
@@ -166,6 +179,29 @@ class ParamGroup:
         self._refreshed_version = self._main_version()
 
     # ----------------------------------------------------------- construction
+    def _check_quantized(self, marks: list, policy: MixedPrecisionPolicy, plan: ShardingPlan) -> None:
+        """An FP8 gather casts the main pieces right before each gather: it needs every parameter of the
+        group marked, compute weights of a lower precision than the main ones, and parameters sharded
+        like the main weights (ZeRO-3, HSDP) and kept on the device."""
+        unmarked = [r.fqn for r, mark in zip(self.refs, marks) if mark is None]
+        if unmarked:
+            raise ValueError(f"group {self.name}: parameters {unmarked} are not marked for the FP8 gather while "
+                             "others are; the engine groups marked parameters apart, please report it")
+        why = None
+        if self.main_aliases_model:
+            why = (f"the compute dtype {self.compute_dtype} is the main weights' dtype; use "
+                   "mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16)")
+        elif self.offloaded:
+            why = "its main weights are offloaded to the host (offload_policy)"
+        elif not self.casts_on_gather:
+            why = ("its parameters are not sharded like the main weights (strategy optim_grads_params, HSDP "
+                   "or one GPU); other placements gather bf16 weights and the FP8 linears cast them")
+        elif plan.model_parallel:
+            why = "FP8 gathers under tensor or expert parallelism are not built"
+        if why:
+            raise ValueError(f"FP8 weight all-gather of group {self.name} ({', '.join(self.fqns)}): {why} "
+                             "(shardwise.fp8.convert_to_fp8(..., all_gather=False) keeps the bf16 gather)")
+
     def _make_sharded_param(self, i: int) -> nn.Parameter:
         ref = self.refs[i]
         param = nn.Parameter(self.params[i].dtensor(self._main.local(i)), requires_grad=ref.param.requires_grad)
@@ -242,6 +278,8 @@ class ParamGroup:
 
     def _gather_source(self, staged: list) -> DistributedBuffer:
         """What the gather reads, made on the gather stream right before it."""
+        if self.quantized is not None:  # FP8: the main pieces cast to e4m3 bytes (scales once per step)
+            return self.quantized.source(self._main, self._unsharded, staged)
         model = self._model
         if model is None:  # ZeRO-3 mixed precision: cast the main shard right before the gather
             if self.levels.same_layout(0, self._main.level):  # one rank per axis: the gather is the cast
@@ -450,6 +488,8 @@ class ParamGroup:
     def mark_weights_stale(self) -> None:
         """The main weights changed in a way their version counters may not show: rebuild at the next refresh."""
         self.refresh_state = RefreshState.STALE
+        if self.quantized is not None:  # new amaxes and scales at the next gather
+            self.quantized.stale = True
 
     @property
     def weights_stale(self) -> bool:
@@ -473,6 +513,8 @@ class ParamGroup:
             return
         self.refresh_state = RefreshState.CURRENT
         self._refreshed_version = version
+        if self.quantized is not None:  # new amaxes and scales at the next gather
+            self.quantized.stale = True
         kp, m = self.param_level, self.opt_level
         if self.offloaded and kp == m and kp > 0:
             self._model.state = BufferState.OUTDATED  # uploaded on the gather stream, right before the next gather

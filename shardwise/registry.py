@@ -10,13 +10,17 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["LAYER", "EXPERTS", "ROLES", "register_module_type", "module_types"]
+__all__ = ["LAYER", "EXPERTS", "LINEAR", "ROLES", "register_module_type", "module_types"]
 
 LAYER = "layer"
 """A transformer, MoE transformer or Mamba layer: gathered and freed as one unit by default."""
 EXPERTS = "experts"
 """A module holding a MoE layer's expert weights (hooked with ``parameters(recurse=True)``)."""
-ROLES = (LAYER, EXPERTS)
+LINEAR = "linear"
+"""A linear layer with ``weight`` (out x in), optional ``bias``, ``reset_parameters()`` and a ``tp`` size:
+with ``tp == 1`` it computes ``F.linear(x, weight, bias)``, so ``shardwise.fp8`` may swap in torchao's
+``Float8Linear`` (keeping the module's own initialization)."""
+ROLES = (LAYER, EXPERTS, LINEAR)
 
 _TYPES: dict[str, list[type]] = {role: [] for role in ROLES}
 

@@ -100,6 +100,13 @@ class TrainConfig:
     compile: str = field(default="", metadata=_help(
         "torch.compile each layer's forward with this backend (shardwise.compile_units; the sharding hooks "
         "stay eager): --compile alone means inductor"))
+    fp8: str = field(default="", metadata=_help(
+        "FP8 linears through torchao: tensorwise or rowwise (needs --precision bf16 and pip install "
+        "'shardwise[fp8]'); turns --compile on unless --no-compile"))
+    fp8_skip: str = field(default="output,lm_head", metadata=_help(
+        "with --fp8: comma list of linears (names or last name parts) kept in bf16"))
+    fp8_all_gather: bool = field(default=True, metadata=_help(
+        "with --fp8 tensorwise: gather the weights as FP8 bytes (half of bf16's); rowwise always gathers bf16"))
     offload: bool = field(default=False, metadata=_help(
         "keep fp32 main weights, grads and AdamW state in host memory; the optimizer steps on the CPU"))
     offload_fraction: float = field(default=1.0, metadata=_help(
@@ -276,6 +283,8 @@ def resolve_config(argv=None) -> tuple[TrainConfig, GPTConfig]:
         raise ConfigError("preset", preset, f"unknown preset; choose one of {', '.join(PRESETS)}")
     explicit = {**from_file, **args}
     values = {**PRESETS[preset], **explicit, "preset": preset}
+    if values.get("fp8") and "compile" not in explicit:  # FP8 matmuls pay only compiled (docs/performance.md)
+        values["compile"] = "inductor"
     if "max_seq_len" not in explicit:
         values["max_seq_len"] = values.get("seq_len", TrainConfig.seq_len)
     cfg = TrainConfig(**{k: v for k, v in values.items() if k in _TRAIN_FIELDS})
@@ -372,6 +381,13 @@ def _validate(cfg: TrainConfig, model: GPTConfig) -> None:
     why = check_data_path(cfg.data or None, cfg.data_dtype)
     if why:
         raise ConfigError("data", cfg.data, why)
+    from .fp8 import check_fp8
+
+    bad = check_fp8(cfg.fp8, cfg.fp8_all_gather, cfg.precision, cfg.strategy, cfg.outer_strategy, cfg.offload)
+    if bad:
+        raise ConfigError(*bad)
+    if cfg.fp8 and (cfg.hf_config or cfg.init_from):
+        raise ConfigError("fp8", cfg.fp8, "with --hf-config / --init-from is not built yet (FP8 trains the GPT model)")
     check_data_flags(cfg)
     for name in ("tensorboard", "wandb"):
         if getattr(cfg, name):
@@ -760,6 +776,12 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
         init_fn = None
         with torch.device("meta" if cfg.meta_init else device):
             model = GPT(model_cfg)
+        if cfg.fp8:  # before the meta plan and fully_shard; the parameters and their init stay the model's
+            from .fp8 import convert_model
+
+            conversion = convert_model(model, cfg.fp8, cfg.fp8_skip, cfg.fp8_all_gather)
+            if rank == 0:
+                _say(conversion.describe())
         if cfg.meta_init:
             init_fn = shardwise.MetaInitializer(model, device)
             init_fn.plan()  # records the RNG state each layer's init starts from in a direct build

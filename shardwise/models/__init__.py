@@ -6,7 +6,7 @@ parameters has ``reset_parameters()``; :func:`init_weights` calls them in a fixe
 order, so meta-device construction plus ``to_empty`` reproduces a direct build.
 """
 
-from ..registry import EXPERTS, LAYER, register_module_type
+from ..registry import EXPERTS, LAYER, LINEAR, register_module_type
 from .attention import Attention
 from .config import LAYER_KINDS, GPTConfig
 from .gpt import GPT, LAYER_CLASSES, init_weights
@@ -32,7 +32,9 @@ UNIT_MODULES = (TransformerLayer, MoETransformerLayer, MambaLayer)
 for _layer in UNIT_MODULES:
     register_module_type(LAYER, _layer)
 register_module_type(EXPERTS, Experts)
-del _layer
+for _linear in (Linear, ColumnParallelLinear, RowParallelLinear):  # what shardwise.fp8 may convert
+    register_module_type(LINEAR, _linear)
+del _layer, _linear
 
 __all__ = [
     "GPT", "GPTConfig", "LAYER_KINDS", "LAYER_CLASSES", "UNIT_MODULES", "init_weights",

@@ -4,6 +4,7 @@
     shardwise bench --sizes 0.9b,2.8b,8b --out runs/bench           # one process per GPU
     shardwise bench --sizes 0.9b --repeats 2 --steps 20 --wrappers fsdp2,shardwise
     shardwise bench --sizes 0.9b,2.8b,8b --wrappers fsdp2,shardwise,none --compile both
+    shardwise bench --sizes 2.8b,8b --wrappers fsdp2,fsdp2-fp8ag,shardwise,none --fp8 off,tensorwise,rowwise
     torchrun --nproc-per-node 2 -m shardwise bench --sizes 8b --steps 8b=6
 
 Started directly it spawns ``--nproc`` local workers (default: one per GPU, or 2
@@ -30,6 +31,8 @@ import torch.distributed as dist
 
 from ..launch import launch_local, under_launcher
 from .report import format_run, write_reports
+from ...fp8 import require_torchao
+from .fp8 import FP8_MODES
 from .runner import COMPILE_MODES, GRAD_COMM_DTYPES, BenchOptions, run_benchmark
 from .sizes import SIZES
 from .wrappers import CLIP_MODES, DEFAULT_ORDER, WRAPPERS, wrapper_version
@@ -63,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile each layer's forward under every wrapper that supports it "
                         "(--compile = on; both = eager and compiled runs interleaved in one job)")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
+    p.add_argument("--fp8", default="off",
+                   help="comma list of FP8 modes run in turn: off (bf16 linears), tensorwise, rowwise (torchao "
+                        "Float8Linear for every linear but the output head, under every wrapper; pip install "
+                        "'shardwise[fp8]'); with any FP8 mode --compile defaults to on")
     p.add_argument("--offload", nargs="?", type=float, const=1.0, default=0.0, metavar="FRACTION",
                    help="main weights and optimizer state on the host: shardwise offloads FRACTION of the "
                         "parameters (--offload = all), FSDP2 (CPUOffloadPolicy) all of them")
@@ -131,6 +138,20 @@ def parse_options(argv) -> tuple[BenchOptions, argparse.Namespace]:
         strategy = shardwise.resolve_strategy(args.strategy)
     except ValueError:
         raise UsageError(f"--strategy {args.strategy}: unknown strategy") from None
+    fp8 = [m.strip() for m in args.fp8.split(",") if m.strip()]
+    for mode in fp8:
+        if mode not in FP8_MODES:
+            raise UsageError(f"--fp8 {args.fp8}: unknown mode {mode!r}; choose from {', '.join(FP8_MODES)}")
+    if not fp8 or len(set(fp8)) != len(fp8):
+        raise UsageError(f"--fp8 {args.fp8}: name each mode once")
+    if any(mode != "off" for mode in fp8):
+        try:
+            require_torchao()
+        except ImportError as e:
+            raise UsageError(f"--fp8 {args.fp8}: {e}") from None
+        given = list(argv or [])
+        if "--compile" not in given and not any(a.startswith("--compile=") for a in given):
+            args.compile = "on"  # FP8 matmuls pay only compiled
     if args.compile != "off":
         from torch import _dynamo
 
@@ -152,7 +173,8 @@ def parse_options(argv) -> tuple[BenchOptions, argparse.Namespace]:
         strategy=strategy, seed=args.seed, micro_batch=args.micro_batch, seq_len=args.seq_len,
         loss_rtol=args.loss_rtol, trace_dir=str(Path(args.out) / "traces") if args.save_traces else "",
         compile=args.compile, compile_backend=args.compile_backend, offload=args.offload,
-        grad_comm_dtype=args.grad_comm_dtype, max_grad_norm=args.max_grad_norm, clip_mode=args.clip_mode)
+        grad_comm_dtype=args.grad_comm_dtype, max_grad_norm=args.max_grad_norm, clip_mode=args.clip_mode,
+        fp8=tuple(fp8))
     return opts, args
 
 

@@ -45,18 +45,23 @@ def _compiled(run: dict) -> bool:
     return bool(run.get("compiled", False))
 
 
+def _mode(run: dict) -> tuple[bool, str]:
+    """A run's mode: compiled or not, and its FP8 recipe ("" for bf16 linears); runs compare within a mode."""
+    return _compiled(run), run.get("fp8") or ""
+
+
 def label(run: dict) -> str:
-    """The wrapper's name, with "+compile" for a compiled run or row."""
-    return run["wrapper"] + (" +compile" if _compiled(run) else "")
+    """The wrapper's name, with "+compile" for a compiled run or row and "+fp8 RECIPE" for FP8 linears."""
+    return run["wrapper"] + (" +compile" if _compiled(run) else "") + (f" +fp8 {run['fp8']}" if run.get("fp8") else "")
 
 
 def annotate(runs: list[dict], loss_rtol: float) -> list[dict]:
     """Add each run's comparison with FSDP2's and the ceiling's runs of the same size, repeat and mode
     (in place)."""
-    refs = {(r["size"], r["repeat"], _compiled(r)): r for r in runs if r["wrapper"] == REFERENCE and _ok(r)}
-    ceilings = {(r["size"], r["repeat"], _compiled(r)): r for r in runs if r["wrapper"] == CEILING and _ok(r)}
+    refs = {(r["size"], r["repeat"], _mode(r)): r for r in runs if r["wrapper"] == REFERENCE and _ok(r)}
+    ceilings = {(r["size"], r["repeat"], _mode(r)): r for r in runs if r["wrapper"] == CEILING and _ok(r)}
     for run in runs:
-        key = (run["size"], run["repeat"], _compiled(run))
+        key = (run["size"], run["repeat"], _mode(run))
         ref, ceiling = refs.get(key), ceilings.get(key)
         run["ceiling_ratio"] = (_ratio(run["tokens_per_s_per_gpu"], ceiling["tokens_per_s_per_gpu"])
                                 if _ok(run) and ceiling is not None else None)
@@ -73,12 +78,12 @@ def annotate(runs: list[dict], loss_rtol: float) -> list[dict]:
 def summarize(runs: list[dict], loss_rtol: float) -> list[dict]:
     """One row per (size, wrapper, mode), in the order they first ran."""
     annotate(runs, loss_rtol)
-    keys = list(dict.fromkeys((r["size"], r["wrapper"], _compiled(r)) for r in runs))
+    keys = list(dict.fromkeys((r["size"], r["wrapper"], _mode(r)) for r in runs))
     rows = []
-    for size, wrapper, compiled in keys:
-        mine = [r for r in runs if r["size"] == size and r["wrapper"] == wrapper and _compiled(r) == compiled]
+    for size, wrapper, mode in keys:
+        mine = [r for r in runs if r["size"] == size and r["wrapper"] == wrapper and _mode(r) == mode]
         ok = [r for r in mine if _ok(r)]
-        row = {"size": size, "wrapper": wrapper, "compiled": compiled, "params": mine[0]["params"],
+        row = {"size": size, "wrapper": wrapper, "compiled": mode[0], "fp8": mode[1] or None, "params": mine[0]["params"],
                "device": mine[0]["device"], "world_size": mine[0]["world_size"], "runs": len(mine),
                "ok_runs": len(ok)}
         if not ok:
@@ -101,10 +106,10 @@ def summarize(runs: list[dict], loss_rtol: float) -> list[dict]:
             frames_compiled_timed=_max([r.get("frames_compiled_timed") for r in ok]),
         )
         rows.append(row)
-    refs = {(r["size"], r["compiled"]): r for r in rows if r["wrapper"] == REFERENCE and r["status"] == "ok"}
-    ceilings = {(r["size"], r["compiled"]): r for r in rows if r["wrapper"] == CEILING and r["status"] == "ok"}
+    refs = {(r["size"], _mode(r)): r for r in rows if r["wrapper"] == REFERENCE and r["status"] == "ok"}
+    ceilings = {(r["size"], _mode(r)): r for r in rows if r["wrapper"] == CEILING and r["status"] == "ok"}
     for row in rows:
-        ref, ceiling = refs.get((row["size"], row["compiled"])), ceilings.get((row["size"], row["compiled"]))
+        ref, ceiling = refs.get((row["size"], _mode(row))), ceilings.get((row["size"], _mode(row)))
         ok = row["status"] == "ok"
         row["ceiling_ratio"] = (_ratio(row["tokens_per_s_per_gpu"], ceiling["tokens_per_s_per_gpu"])
                                 if ok and ceiling is not None else None)
@@ -194,7 +199,10 @@ def _notes(meta: dict) -> list[str]:
         "vs ceiling = tokens/s over those of `none` in the same job and mode: the same model, bf16 "
         "weights, each rank its own replica, no communication (its loss differs from FSDP2's by the bf16 "
         "rounding of its weight updates). +compile = each layer's forward compiled with torch.compile "
-        "(shardwise.compile_units; the others torch.compile(layer) before wrapping, as torchtitan does).",
+        "(shardwise.compile_units; the others torch.compile(layer) before wrapping, as torchtitan does). "
+        "+fp8 = torchao Float8Linear for every linear but the output head (shardwise bench --fp8); within an "
+        "FP8 mode, FSDP2 and the ceiling are FP8 too (fsdp2-fp8ag: with torchao's FP8 all-gather; "
+        "shardwise-bf16ag: shardwise gathering bf16 weights).",
         "",
     ]
 

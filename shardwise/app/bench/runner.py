@@ -48,6 +48,7 @@ from ...device import device_for
 from ...models import GPT
 from ..memory import DoesNotFit, check_fits, estimate_for_run, host_available_bytes, host_peak_bytes, reset_host_peak
 from .sizes import SIZES, BenchSize, ddp_bytes_estimate, model_config
+from .fp8 import after_each_step, prepare as prepare_fp8
 from .wrappers import DEFAULT_ORDER, WRAPPERS, make_clip, unavailable_reason
 
 __all__ = ["BenchOptions", "run_benchmark", "run_one", "merge_intervals", "interval_length",
@@ -83,6 +84,7 @@ class BenchOptions:
     grad_comm_dtype: str = "fp32"  # dtype shardwise's gradients travel in ("bf16": half the traffic, fp32 accumulation)
     max_grad_norm: float = 0.0  # clip the global grad norm to this under every wrapper (0: no clipping)
     clip_mode: str = "fold"  # shardwise: "fold" (the factor goes into the fused AdamW step) or "in-place"
+    fp8: Sequence[str] = ("off",)  # FP8 modes run in turn: "off" (bf16 linears), "tensorwise", "rowwise" (bench/fp8.py)
 
     def compile_kwargs(self) -> dict:
         """What every wrapper passes to torch.compile: whole layers, static shapes (as torchtitan)."""
@@ -212,8 +214,8 @@ def _reduce(values: list[float], device: torch.device, op) -> list[float]:
 
 def _skip_reason(name: str, size: BenchSize, config, n_params: int, micro_batch: int, seq_len: int,
                  device: torch.device, compiled: bool = False, offload: float = 0.0,
-                 clipped: bool = False) -> str | None:
-    why = unavailable_reason(name, device, compiled)
+                 clipped: bool = False, fp8: str = "off") -> str | None:
+    why = unavailable_reason(name, device, compiled, fp8)
     if why:
         return why
     if clipped and name == "shardwise-obo":
@@ -240,7 +242,7 @@ def _skip_reason(name: str, size: BenchSize, config, n_params: int, micro_batch:
 
 # ------------------------------------------------------------------ one run
 def run_one(name: str, size: BenchSize, opts: BenchOptions, device: torch.device, batches,
-            repeat: int = 0, compiled: bool = False) -> dict:
+            repeat: int = 0, compiled: bool = False, fp8: str = "off") -> dict:
     """Wrap a fresh model with wrapper ``name`` (layers compiled when ``compiled``), train and measure it;
     every rank returns the result."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -257,9 +259,9 @@ def run_one(name: str, size: BenchSize, opts: BenchOptions, device: torch.device
               "activation_checkpointing": config.activation_checkpointing, "steps": steps, "warmup": warmup,
               "tokens_per_step_per_gpu": micro_batch * seq_len, "compiled": compiled,
               "compile_backend": opts.compile_backend if compiled else None,
-              "max_grad_norm": opts.max_grad_norm}
+              "max_grad_norm": opts.max_grad_norm, "fp8": None if fp8 == "off" else fp8}
     why = _skip_reason(name, size, config, n_params, micro_batch, seq_len, device, compiled, opts.offload,
-                       opts.max_grad_norm > 0)
+                       opts.max_grad_norm > 0, fp8)
     if why:
         return {**result, "status": "skipped", "reason": why}
     if name.startswith("shardwise") and device.type == "cuda":  # the estimate train prints, checked here
@@ -274,9 +276,9 @@ def run_one(name: str, size: BenchSize, opts: BenchOptions, device: torch.device
         except DoesNotFit as e:
             return {**result, "status": "skipped", "reason": str(e)}
     try:
-        tag = f"{size.name}-{name}{'-compiled' if compiled else ''}-r{repeat}"
+        tag = f"{size.name}-{name}{'-compiled' if compiled else ''}{'' if fp8 == 'off' else '-' + fp8}-r{repeat}"
         result.update(_measure(name, config, opts, device, batches, steps, warmup, flops_per_token,
-                               micro_batch * seq_len, tag, compiled))
+                               micro_batch * seq_len, tag, compiled, fp8))
         result["status"] = "ok"
     except torch.cuda.OutOfMemoryError:
         result.update(status="failed", reason="out of memory")
@@ -300,7 +302,7 @@ def _dynamo_counts() -> tuple[int, int]:
 
 
 def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token, tokens_per_step,
-             tag, compiled=False) -> dict:
+             tag, compiled=False, fp8="off") -> dict:
     cuda = device.type == "cuda"
     world = dist.get_world_size()
     base_alloc = torch.cuda.memory_allocated(device) if cuda else 0
@@ -319,7 +321,9 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
         extra["offload"] = opts.offload
     if compiled:
         extra["compile"] = opts.compile_kwargs()
+    after_step = prepare_fp8(name, model, fp8, opts.strategy, opts.offload if name.startswith("shardwise") else 0.0)
     model, optimizer = WRAPPERS[name](model, device, **extra)
+    after_each_step(optimizer, after_step)
     clip, clip_mode = make_clip(name, model, optimizer, opts.max_grad_norm, opts.clip_mode)
     model.train()
     _sync(device)
@@ -444,12 +448,13 @@ def run_benchmark(opts: BenchOptions, on_result: Callable[[dict], None] | None =
         total = opts.warmup_for(size) + opts.steps_for(size) + (opts.profile_steps if device.type == "cuda" else 0)
         batches = _make_batches(size.model["vocab_size"], micro_batch, seq_len, total, opts.seed, rank, device)
         for repeat in range(opts.repeats):
-            order = [(compiled, name) for compiled in COMPILE_MODES[opts.compile] for name in opts.wrappers]
+            order = [(fp8, compiled, name) for fp8 in opts.fp8 for compiled in COMPILE_MODES[opts.compile]
+                     for name in opts.wrappers]
             if repeat % 2:
                 order.reverse()
-            for compiled, name in order:
+            for fp8, compiled, name in order:
                 _release(device)
-                result = run_one(name, size, opts, device, batches, repeat, compiled)
+                result = run_one(name, size, opts, device, batches, repeat, compiled, fp8)
                 _release(device)
                 results.append(result)
                 if rank == 0 and on_result is not None:

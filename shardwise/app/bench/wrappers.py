@@ -231,19 +231,27 @@ def wrap_megatron_fsdp(model: nn.Module, device: torch.device):
 
 WRAPPERS: dict[str, Callable] = {
     "fsdp2": wrap_fsdp2,
+    "fsdp2-fp8ag": wrap_fsdp2,  # with --fp8 tensorwise: torchao's FP8 all-gather (bench/fp8.py converts the model)
     "shardwise": wrap_shardwise,
+    "shardwise-bf16ag": wrap_shardwise,  # with --fp8 tensorwise: shardwise gathering bf16 weights
     "shardwise-obo": wrap_shardwise_optimizer_in_backward,
     "ddp": wrap_ddp,
     "megatron-fsdp": wrap_megatron_fsdp,
     "none": wrap_none,
 }
-COMPILES = ("fsdp2", "shardwise", "shardwise-obo", "ddp", "none")  # the wrappers that take compile=
+COMPILES = ("fsdp2", "fsdp2-fp8ag", "shardwise", "shardwise-bf16ag", "shardwise-obo", "ddp", "none")  # the wrappers that take compile=
 
 
-def unavailable_reason(name: str, device: torch.device, compiled: bool = False) -> str | None:
-    """Why wrapper ``name`` cannot run on ``device`` (compiled, when asked; ``None`` when it can)."""
+def unavailable_reason(name: str, device: torch.device, compiled: bool = False, fp8: str = "off") -> str | None:
+    """Why wrapper ``name`` cannot run on ``device`` (compiled, in FP8 mode ``fp8``, when asked; ``None`` when
+    it can)."""
+    from .fp8 import unavailable_reason as fp8_reason
+
     if name not in WRAPPERS:
         return f"unknown wrapper (choose from {', '.join(WRAPPERS)})"
+    why = fp8_reason(name, fp8)
+    if why:
+        return why
     if compiled and name not in COMPILES:
         return "no compiled variant in the benchmark"
     if name == "megatron-fsdp":

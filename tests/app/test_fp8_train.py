@@ -1,0 +1,73 @@
+"""``shardwise train --fp8``: the flags' checks, compiled by default, and an FP8 run's checkpoint exported as
+plain weights (safetensors into the unconverted GPT, ``--format hf`` into transformers)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from shardwise.app.train import main, resolve_config
+from tests.helpers import REPO
+from tests.helpers.distributed import run_distributed
+from tests.helpers.hf_cases import export_and_compare, train_then_logits
+
+BF16 = ["--precision", "bf16"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fp8", "fp4"] + BF16, "--fp8 fp4: use one of tensorwise, rowwise"),
+    (["--fp8", "tensorwise"], "--fp8 tensorwise: needs --precision bf16"),
+    (["--fp8", "tensorwise", "--strategy", "optim_grads"] + BF16,
+     "--fp8-all-gather: needs --strategy optim_grads_params (parameters sharded like the main weights), not "
+     "optim_grads; add --no-fp8-all-gather"),
+    (["--fp8", "tensorwise", "--offload"] + BF16, "--fp8-all-gather: is not built for offloaded main weights"),
+    (["--fp8", "rowwise", "--hf-config", "x"] + BF16, "--fp8 rowwise: with --hf-config / --init-from is not built"),
+])
+def test_bad_fp8_flags_name_flag_and_value(argv, message, capsys, tmp_path):
+    assert main(argv + ["--out-dir", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_without_torchao_the_flag_says_how_to_install(tmp_path, monkeypatch, capsys):
+    for name in ("torchao", "torchao.float8", "torchao.float8.float8_linear"):
+        monkeypatch.setitem(sys.modules, name, None)  # import -> ImportError
+    assert main(["--fp8", "tensorwise", *BF16, "--out-dir", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shardwise train: error: --fp8 tensorwise: FP8 training needs torchao"), err
+    assert "pip install 'shardwise[fp8]'" in err and len(err.splitlines()) == 1, err
+
+
+def test_fp8_compiles_units_unless_told_not_to():
+    assert resolve_config(["--fp8", "tensorwise", *BF16])[0].compile == "inductor"
+    assert resolve_config(["--fp8", "rowwise", *BF16, "--no-compile"])[0].compile == ""
+    assert resolve_config(["--fp8", "rowwise", *BF16, "--compile", "aot_eager"])[0].compile == "aot_eager"
+    cfg = resolve_config(["--fp8", "rowwise", *BF16, "--fp8-skip", "output,w2"])[0]
+    assert cfg.fp8_skip == "output,w2" and cfg.fp8_all_gather
+    assert resolve_config([])[0].fp8 == ""
+
+
+def test_fp8_run_exports_plain_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    from shardwise.checkpoint.export import export_safetensors
+    from shardwise.models import GPT, GPTConfig
+
+    run = tmp_path / "run"
+    argv = ["--preset", "tiny", "--out-dir", str(run), "--data", str(REPO / "shardwise" / "models"), "--steps", "2",
+            "--save-every", "2", "--seq-len", "32", "--micro-batch-size", "2", "--fp8", "tensorwise", *BF16,
+            "--no-compile"]
+    step, logits, name = run_distributed(train_then_logits, 2, argv)[0]  # loaded into an unconverted GPT
+    assert step == 2 and name == "ShardedGPT"
+    export_and_compare(run, logits, tmp_path / "hf")  # --format hf: transformers loads it, the same logits
+    files = export_safetensors(run / "checkpoints", tmp_path / "plain")
+    cfg, model_cfg = resolve_config(argv)
+    plain = GPT(model_cfg)
+    plain.load_state_dict(load_file(str(files[0])), strict=True)
+    assert all(v.dtype == torch.float32 for v in load_file(str(files[0])).values())
+    with torch.no_grad():
+        from tests.helpers.hf_cases import tokens
+
+        torch.testing.assert_close(plain.eval()(tokens()), logits, rtol=0, atol=1e-5)
