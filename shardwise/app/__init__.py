@@ -4,7 +4,9 @@
   it dispatches to ``train``, ``ckpt`` and ``bench``;
 * :mod:`.train`: ``shardwise train`` (the training loop, run folders, metrics);
   :mod:`.data` (token files, the loader), :mod:`.presets` (model sizes),
-  :mod:`.hf_train` (``--hf-config`` / ``--init-from``);
+  :mod:`.hf_train` (``--hf-config`` / ``--init-from``), :mod:`.corpus` (the
+  run's data from its flags), :mod:`.tokenized` (tokenizing, packing, the
+  cache), :mod:`.evaluate` (held-out loss), :mod:`.loggers` (TensorBoard, W&B);
 * :mod:`.launch`: local worker processes watched like torchrun, error lines;
 * :mod:`.ckpt`: ``shardwise ckpt`` (info, verify, export);
 * :mod:`.bench`: ``shardwise bench`` (shardwise against FSDP2, DDP and

@@ -18,8 +18,11 @@ stopped; under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) it is the worker. Rank
 shows a progress bar and writes to ``--out-dir`` (default ``runs/<name>``):
 ``config.json``, ``metrics.jsonl`` (one JSON object per step: step, loss, lr,
 grad_norm, tokens (cumulative over the whole run), step_time_s, tokens_per_s,
-mfu, mem_gib, elapsed_s, launch), ``summary.json`` and ``loss.png`` (both
-computed from the whole ``metrics.jsonl``, resumed parts included).
+mfu, mem_gib, elapsed_s, launch; after an evaluation also eval_loss,
+eval_perplexity, eval_tokens, eval_time_s), ``summary.json`` and ``loss.png``
+(both computed from the whole ``metrics.jsonl``, resumed parts included), and
+with ``--tensorboard`` / ``--wandb`` their files (:mod:`.loggers`). Data,
+tokenizer and evaluation flags: :mod:`.corpus`, :mod:`.tokenized`, :mod:`.evaluate`.
 
 A run folder holds one run: starting again in a folder that has metrics or
 checkpoints needs ``--resume`` (continue from the latest checkpoint) or
@@ -49,7 +52,8 @@ import torch.distributed as dist
 
 from ..checkpoint import CheckpointError, CheckpointManager
 from ..device import device_for
-from .data import DATA_DTYPES, TokenLoader, check_data_path, load_tokens
+from .corpus import check_flags as check_data_flags, check_world as check_data, open_data, resolve_tokenizer
+from .data import DATA_DTYPES, TokenLoader, check_data_path
 from ..models import GPT, GPTConfig
 from ..optim import takes_clip_factor
 from ..replaced import check_optimizer_params
@@ -62,7 +66,8 @@ __all__ = ["TrainConfig", "ConfigError", "LRSchedule", "resolve_config", "train"
 PROG = "shardwise train"
 RENDEZVOUS_S = 600.0  # how long ranks may take to meet at start (imports, data), whatever --timeout is
 RESUME_MODES = {"": "never", "auto": "if there is a checkpoint", "required": "fail without a checkpoint"}
-RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", "config.json")  # what --overwrite deletes
+RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", "config.json", "wandb-run-id")  # what --overwrite deletes
+RUN_FOLDERS = ("checkpoints", "tensorboard", "wandb")  # and these folders
 
 PEAK_FLOPS_PER_GPU = 989e12  # H100/H200 dense bf16
 OUTER_STRATEGIES = ("no_shard", "optim")
@@ -109,8 +114,27 @@ class TrainConfig:
         "with --offload: the share of the parameters offloaded, unit by unit from the first layer"))
     seed: int = field(default=0, metadata=_help("seed for init and data order"))
     data: str = field(default="", metadata=_help(
-        "text file, folder of text files, or .bin token file (default: Python stdlib sources as bytes)"))
-    data_dtype: str = field(default="uint16", metadata=_help("token dtype of a .bin file: uint16 or uint8"))
+        "text file, folder of text files, or .bin token file (default: Python stdlib sources as bytes); with "
+        "--tokenizer also .jsonl and .parquet files"))
+    data_dtype: str = field(default="", metadata=_help(
+        "token dtype of a .bin file: uint8, uint16 or uint32 (default: its <file>.bin.json sidecar's, else uint16)"))
+    tokenizer: str = field(default="", metadata=_help(
+        "tokenize text with this tokenizer.json file or Hugging Face tokenizer folder (default: the --init-from / "
+        "--hf-config folder's when it has one; 'bytes': UTF-8 bytes)"))
+    eos_token: str = field(default="", metadata=_help("the token that ends each document (default: the tokenizer's)"))
+    text_key: str = field(default="text", metadata=_help("the text field of .jsonl rows and .parquet columns"))
+    data_cache: str = field(default="", metadata=_help(
+        "folder for tokenized-text caches (default: .shardwise-cache next to the data)"))
+    eval_data: str = field(default="", metadata=_help("held-out data to evaluate on (same formats as --data)"))
+    eval_fraction: float = field(default=0.0, metadata=_help(
+        "hold out the last fraction of --data's tokens for evaluation instead"))
+    eval_every: int = field(default=0, metadata=_help("evaluate every N steps (0 = after the last step only)"))
+    eval_batches: int = field(default=10, metadata=_help(
+        "global batches of held-out windows per evaluation (0 = all of them)"))
+    tensorboard: bool = field(default=False, metadata=_help(
+        "write TensorBoard event files to <out-dir>/tensorboard (needs tensorboard)"))
+    wandb: bool = field(default=False, metadata=_help(
+        "log to Weights & Biases, offline unless WANDB_MODE says otherwise, under <out-dir>/wandb (needs wandb)"))
     out_dir: str = field(default="", metadata=_help("output folder (default runs/<name>)"))
     name: str = field(default="", metadata=_help("run name (default <preset>-<timestamp>)"))
     save_every: int = field(default=0, metadata=_help(
@@ -271,6 +295,7 @@ def resolve_config(argv=None) -> tuple[TrainConfig, GPTConfig]:
         from .hf_train import resolve  # checks transformers (says how to install it) and the config/folder
 
         model = resolve(cfg, model)
+    model = resolve_tokenizer(cfg, model, explicit)  # the tokenizer in effect; its vocabulary fits the model's
     return cfg, model
 
 
@@ -344,7 +369,7 @@ def _validate(cfg: TrainConfig, model: GPTConfig) -> None:
         raise ConfigError("device", cfg.device, "use auto, cpu or cuda")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device", cfg.device, "no CUDA device is available")
-    if cfg.data_dtype not in DATA_DTYPES:
+    if cfg.data_dtype and cfg.data_dtype not in DATA_DTYPES:
         raise ConfigError("data_dtype", cfg.data_dtype, f"use one of {', '.join(DATA_DTYPES)}")
     if cfg.seq_len > model.max_seq_len:
         raise ConfigError("max_seq_len", model.max_seq_len, f"is shorter than --seq-len {cfg.seq_len}")
@@ -364,18 +389,22 @@ def _validate(cfg: TrainConfig, model: GPTConfig) -> None:
         raise ConfigError(*bad)
     if cfg.fp8 and (cfg.hf_config or cfg.init_from):
         raise ConfigError("fp8", cfg.fp8, "with --hf-config / --init-from is not built yet (FP8 trains the GPT model)")
+    check_data_flags(cfg)
+    for name in ("tensorboard", "wandb"):
+        if getattr(cfg, name):
+            from .loggers import missing_package
+
+            why = missing_package(name)
+            if why:
+                raise ConfigError(name, "", why)
 
 
 def _check_world(cfg: TrainConfig, model: GPTConfig, world: int) -> None:
     """Checks that need the world size and the data (still before any process group)."""
     if cfg.outer_dp and world % cfg.outer_dp:
         raise ConfigError("outer_dp", cfg.outer_dp, f"must divide the number of processes ({world})")
-    tokens = load_tokens(cfg.data or None, cfg.data_dtype)
-    if len(tokens) <= cfg.seq_len:
-        raise ConfigError("data", cfg.data or "(stdlib)", f"{len(tokens)} tokens, too few for --seq-len {cfg.seq_len}")
-    top = int(tokens.max())
-    if top >= model.vocab_size:
-        raise ConfigError("vocab_size", model.vocab_size, f"data {cfg.data or '(stdlib)'} holds token id {top}")
+    # lengths and ids; text to tokenize is tokenized here, once, unless each process is a torchrun worker
+    check_data(cfg, model, build=not under_launcher())
 
 
 def _device_type(cfg: TrainConfig) -> str:
@@ -449,7 +478,8 @@ def prepare_run_folder(cfg: TrainConfig, rank0: bool = True, announce: bool = Tr
         for name in RUN_FILES:
             with contextlib.suppress(FileNotFoundError):
                 (out_dir / name).unlink()
-        shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
+        for name in RUN_FOLDERS:
+            shutil.rmtree(out_dir / name, ignore_errors=True)
         if announce:
             _say(f"--overwrite: deleted the earlier run in {out_dir} ({', '.join(earlier)})")
     ckpt_dir = out_dir / "checkpoints"
@@ -720,6 +750,8 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     # state, where torch's default CPU AdamW is a per-tensor loop 3.4x slower (python -m
     # shardwise.app.bench.cpu_adam, docs/performance.md); the default on CPU runs.
     fused = bool(cfg.offload) or device.type == "cuda"
+    phase("data (rank 0 tokenizes text that has no cache yet; the others wait)")
+    train_tokens, eval_tokens = open_data(cfg, rank, world)  # before the model: a data error costs no model load
     phase("model setup (fully_shard)")
     if not (cfg.hf_config or cfg.init_from):  # what it will take, before anything is built
         from .memory import check_fits, estimate_for_run, host_available_bytes
@@ -781,11 +813,16 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
                                   lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **({"fused": True} if fused else {}))
     check_optimizer_params(optimizer, model)
     torch.manual_seed(cfg.seed + 1 + rank)  # dropout differs per rank
-    loader = TokenLoader(load_tokens(cfg.data or None, cfg.data_dtype), cfg.seq_len,
-                         cfg.micro_batch_size, rank, world, cfg.seed, device)
+    loader = TokenLoader(train_tokens, cfg.seq_len, cfg.micro_batch_size, rank, world, cfg.seed, device)
     checkpoints = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.keep_checkpoints)
     phase("checkpoint load")
     start, grad_accum, tokens, schedule = _restore(cfg, checkpoints, model, optimizer, loader, world, rank)
+    evaluator = None
+    if eval_tokens is not None:
+        from .evaluate import Evaluator
+
+        evaluator = Evaluator(eval_tokens, cfg.seq_len, cfg.micro_batch_size, cfg.micro_batch_size * grad_accum * world,
+                              cfg.eval_batches, cfg.eval_every, cfg.steps, rank, world, device)
 
     metrics_file, launch = None, 0  # rank 0 writes the metrics
     if rank == 0:
@@ -802,6 +839,13 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
         metrics_file.writelines(line + "\n" for line in kept)
         if start > cfg.steps:
             _say(f"nothing to train: the checkpoint is at step {start - 1} and --steps is {cfg.steps}")
+        if evaluator is not None:
+            _say(evaluator.describe())
+    loggers = None
+    if rank == 0 and (cfg.tensorboard or cfg.wandb):
+        from .loggers import RunLoggers
+
+        loggers = RunLoggers(cfg, out_dir, start, json.loads((out_dir / "config.json").read_text()))
     # One bar per process: a thread lock will do. tqdm's default multiprocessing lock is a named
     # semaphore, which a killed rank leaks (and the resource tracker warns about at exit).
     tqdm.set_lock(threading.RLock())
@@ -809,9 +853,11 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
                disable=rank != 0, dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
     try:
         trained = _loop(cfg, model, optimizer, loader, checkpoints, schedule, start, grad_accum, tokens, device,
-                        phase, bar, metrics_file, launch, flops_per_token)
+                        phase, bar, metrics_file, launch, flops_per_token, evaluator, loggers)
     finally:
         bar.close()  # ends the progress line before anything else is printed
+        if loggers is not None:
+            loggers.close()
     phase("shutdown")
     if rank != 0:
         return None
@@ -822,13 +868,18 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
 
 
 def _loop(cfg, model, optimizer, loader, checkpoints, schedule, start, grad_accum, tokens, device, phase, bar,
-          metrics_file, launch, flops_per_token) -> int:
-    """Steps ``start..cfg.steps``; rank 0 writes a metrics line per step. Returns the steps trained."""
+          metrics_file, launch, flops_per_token, evaluator=None, loggers=None) -> int:
+    """Steps ``start..cfg.steps``; rank 0 writes a metrics line per step. Returns the steps trained.
+
+    After the steps ``evaluator.due`` names, every rank evaluates (outside the step time); the
+    result goes into that step's metrics line.
+    """
     import shardwise
 
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens_per_step = cfg.micro_batch_size * cfg.seq_len * grad_accum * world
     trained, loop_start = 0, time.perf_counter()
+    bar_eval = ""  # the last eval loss, shown in the progress bar
     model.train()
     for step in range(start, cfg.steps + 1):
         t0 = time.perf_counter()
@@ -860,6 +911,10 @@ def _loop(cfg, model, optimizer, loader, checkpoints, schedule, start, grad_accu
         step_time = time.perf_counter() - t0
         tokens += tokens_per_step
         trained += 1
+        evaluated = {}
+        if evaluator is not None and evaluator.due(step):
+            phase(f"step {step}, evaluation (forwards, loss all-reduce)")
+            evaluated = evaluator(model)
         if rank == 0:  # the metrics line goes out before the checkpoint that covers it
             record = {
                 "step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
@@ -867,10 +922,17 @@ def _loop(cfg, model, optimizer, loader, checkpoints, schedule, start, grad_accu
                 "mfu": (tokens_per_step / step_time * flops_per_token / (PEAK_FLOPS_PER_GPU * world)
                         if device.type == "cuda" else None),
                 "mem_gib": _memory_gib(device), "elapsed_s": time.perf_counter() - loop_start, "launch": launch,
+                **evaluated,
             }
             metrics_file.write(json.dumps(record) + "\n")
+            if loggers is not None:
+                loggers.log(record)
+            if evaluated:
+                bar_eval = f"{evaluated['eval_loss']:.3f}"
             postfix = {"loss": f"{loss_value:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}",
                        "mem": f"{record['mem_gib']:.2f}G"}
+            if evaluator is not None and bar_eval:
+                postfix["eval"] = bar_eval
             if record["mfu"] is not None:
                 postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
             bar.set_postfix(postfix, refresh=False)
@@ -904,6 +966,9 @@ def summarize(records: list[dict]) -> dict:
     steady_time = sum(r["step_time_s"] for r in steady)
     tail = [r["loss"] for r in records[-10:]]
     mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
+    evals = [r for r in records if r.get("eval_loss") is not None]
+    last_eval = {"eval_loss": evals[-1]["eval_loss"], "eval_perplexity": evals[-1]["eval_perplexity"],
+                 "eval_step": evals[-1]["step"]} if evals else {}
     return {
         "steps": records[-1]["step"], "launches": len(launches),
         "resumed_at": [part[0]["step"] for part in list(launches.values())[1:]],
@@ -913,6 +978,7 @@ def summarize(records: list[dict]) -> dict:
         "mfu": sum(mfus) / len(mfus) if mfus else None,
         "peak_mem_gib": max(r["mem_gib"] for r in records),
         "train_time_s": sum(part[-1]["elapsed_s"] for part in launches.values()),
+        **last_eval,
     }
 
 
@@ -934,12 +1000,16 @@ def _finish(out_dir: Path, cfg: TrainConfig, n_params: int, world: int, wall_tim
     mfu = f", MFU {100 * summary['mfu']:.1f}%" if summary["mfu"] is not None else ""
     resumed = f" (resumed at step {', '.join(map(str, summary['resumed_at']))})" if summary["resumed_at"] else ""
     speed = f"{summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else "tokens/s n/a"
+    evaluated = (f"  eval loss {summary['eval_loss']:.3f} (perplexity {summary['eval_perplexity']:.2f}) at step "
+                 f"{summary['eval_step']}\n" if "eval_loss" in summary else "")
     print(f"\n{label}: {n_params / 1e6:.2f}M params, {world} ranks, {summary['steps']} steps{resumed}\n"
           f"  loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} "
           f"(last-10 mean {summary['last10_mean_loss']:.3f})\n"
+          f"{evaluated}"
           f"  {speed}{mfu}, peak mem {summary['peak_mem_gib']:.2f} GiB\n"
           f"  train {summary['train_time_s']:.1f}s, wall {wall_time:.1f}s\n"
-          f"  outputs: {out_dir}/ (metrics.jsonl, loss.png, summary.json, config.json)", flush=True)
+          f"  outputs: {out_dir}/ (metrics.jsonl, loss.png, summary.json, config.json"
+          f"{', tensorboard/' if cfg.tensorboard else ''}{', wandb/' if cfg.wandb else ''})", flush=True)
     return summary
 
 
@@ -951,8 +1021,13 @@ def _plot(path: Path, records: list[dict], resumed_at: list[int], cfg: TrainConf
 
     fig, (ax_loss, ax_speed) = plt.subplots(1, 2, figsize=(10, 4))
     steps = [r["step"] for r in records]
-    ax_loss.plot(steps, [r["loss"] for r in records])
-    ax_loss.set(xlabel="step", ylabel="loss (nats/token)", title=f"{_model_label(cfg)}: training loss")
+    ax_loss.plot(steps, [r["loss"] for r in records], label="train")
+    evals = [r for r in records if r.get("eval_loss") is not None]
+    if evals:
+        ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", markersize=3, label="eval")
+        ax_loss.legend(loc="upper center", fontsize=8)
+    ax_loss.set(xlabel="step", ylabel="loss (nats/token)",
+                title=f"{_model_label(cfg)}: training{' and eval' if evals else ''} loss")
     ax_speed.plot(steps, [r["tokens_per_s"] for r in records])
     ax_speed.set(xlabel="step", ylabel="tokens/s (all ranks)", title="throughput")
     for ax in (ax_loss, ax_speed):
