@@ -72,22 +72,28 @@ def lm_loss(logits, targets):
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def _train_pipeline(schedule_name: str, pp: int, strategy, steps: int, collectives=None, save_to=None):
+def _train_pipeline(schedule_name: str, pp: int, strategy, steps: int, collectives=None, save_to=None, outer=None):
     """Train the pipeline ``steps`` steps; return (losses, norms, full state, per-step collective counts).
 
-    ``save_to``: a folder for a DCP checkpoint of every stage's state dict under the whole model's names."""
+    ``save_to``: a folder for a DCP checkpoint of every stage's state dict under the whole model's names;
+    ``outer``: a (pp, dp_outer, dp_shard) mesh with ``outer`` replicas, each stage HSDP over the last two."""
     world, dev = dist.get_world_size(), device()
     dp = world // pp
-    mesh = init_device_mesh(dev.type, (pp, dp), mesh_dim_names=("pp", "dp_shard"))
+    if outer is None:
+        mesh = init_device_mesh(dev.type, (pp, dp), mesh_dim_names=("pp", "dp_shard"))
+        dp_mesh, extra, dp_rank = mesh["dp_shard"], {}, mesh["dp_shard"].get_local_rank()
+    else:
+        mesh = init_device_mesh(dev.type, (pp, outer, dp // outer), mesh_dim_names=("pp", "dp_outer", "dp_shard"))
+        dp_mesh, extra = mesh["dp_outer", "dp_shard"], {"outer_dp_sharding_strategy": "no_shard"}
+        dp_rank = mesh["dp_outer"].get_local_rank() * (dp // outer) + mesh["dp_shard"].get_local_rank()
     pp_group, pp_rank, _ = pipeline_groups(mesh)
-    dp_rank = mesh["dp_shard"].get_local_rank()
     virtual = 2 if schedule_name in ("interleaved", "looped_bfs") else 1
     num_stages = pp * virtual
     torch.manual_seed(0)
     whole = PipeLM(CONFIG)
     indices = [pp_rank + v * pp for v in range(virtual)]
-    parts = [shardwise.fully_shard(stage_module(whole, i, num_stages).to(dev), mesh["dp_shard"], strategy=strategy,
-                                   unit_modules=[Block], collectives=collectives) for i in indices]
+    parts = [shardwise.fully_shard(stage_module(whole, i, num_stages).to(dev), dp_mesh, strategy=strategy,
+                                   unit_modules=[Block], collectives=collectives, **extra) for i in indices]
     stages = [ShardedPipelineStage(part, i, num_stages, group=pp_group) for part, i in zip(parts, indices)]
     schedule = build_schedule(schedule_name, stages, MICRO_BATCHES, lm_loss)
     params = [p for part in parts for p in part.parameters()]
@@ -137,8 +143,8 @@ def _train_reference(steps: int):
     return losses, norms, state_of(model)
 
 
-def _parity(schedule_name, pp, strategy, steps=3):
-    losses, norms, state, _ = _train_pipeline(schedule_name, pp, strategy, steps)
+def _parity(schedule_name, pp, strategy, steps=3, outer=None):
+    losses, norms, state, _ = _train_pipeline(schedule_name, pp, strategy, steps, outer=outer)
     ref_losses, ref_norms, ref_state = _train_reference(steps)
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
                                torch.tensor(ref_losses, dtype=torch.float64), rtol=1e-5, atol=0)
@@ -162,6 +168,11 @@ def test_pp2_dp2_trains_as_one_process(schedule_name, strategy):
 @pytest.mark.parametrize("schedule_name", ["1f1b", "interleaved"])
 def test_pp2_dp1_trains_as_one_process(schedule_name):
     run_distributed(_parity, 2, schedule_name, 2, "optim_grads_params")
+
+
+def test_pp2_hsdp_2x1_trains_as_one_process():
+    # a (pp, dp_outer, dp_shard) = (2, 2, 1) mesh: each stage's replicas all-reduced once per step
+    run_distributed(_parity, 4, "1f1b", 2, "optim_grads_params", outer=2)
 
 
 class _CountingCollectives(shardwise.Collectives):
