@@ -248,7 +248,9 @@ class ShardedState:
                 unit.install_grads()
         for unit in self.all_units:
             unit.reshard()
-            unit.reset_iteration()
+            # Under no_sync other micro-batches' forwards may still await their backward (a
+            # pipeline schedule): their counts stay; the step's end (sync) forgets stale ones.
+            unit.reset_iteration(keep_forward_counts=not self.sync_grads)
         self.streams.pool.clear()
         self.callback_queued = False
 
@@ -270,6 +272,7 @@ class ShardedState:
             self.host_steps.wait()
             for unit in self.all_units:
                 unit.install_grads()
+                unit.reset_iteration()
         finally:
             self.sync_grads = previous
         self.streams.pool.clear()

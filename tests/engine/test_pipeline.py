@@ -34,10 +34,12 @@ MAX_NORM = 0.5  # below the gradients' norm in every step here, so clipping bite
 
 class PipeLM(nn.Module):
     """Embedding, blocks, norm and head; a stage is a copy with the other parts set to None,
-    so its parameters keep the whole model's names."""
+    so its parameters keep the whole model's names. The last block runs twice (a unit called
+    twice in one forward, with several micro-batches' forwards in flight)."""
 
     def __init__(self, c: TinyConfig):
         super().__init__()
+        self.reuse_last_block = c.reuse_last_block
         self.embed = nn.Embedding(c.vocab, c.dim)
         self.blocks = nn.ModuleDict({str(i): Block(c) for i in range(c.layers)})
         self.norm = nn.LayerNorm(c.dim)
@@ -49,6 +51,8 @@ class PipeLM(nn.Module):
         for block in self.blocks.values():
             x = block(x)
         if self.head is not None:
+            if self.reuse_last_block:
+                x = list(self.blocks.values())[-1](x)
             x = self.head(self.norm(x))
         return x
 
