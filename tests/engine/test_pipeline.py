@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise
@@ -40,6 +41,7 @@ class PipeLM(nn.Module):
     def __init__(self, c: TinyConfig):
         super().__init__()
         self.reuse_last_block = c.reuse_last_block
+        self.checkpointing = c.checkpointing
         self.embed = nn.Embedding(c.vocab, c.dim)
         self.blocks = nn.ModuleDict({str(i): Block(c) for i in range(c.layers)})
         self.norm = nn.LayerNorm(c.dim)
@@ -49,12 +51,18 @@ class PipeLM(nn.Module):
         if self.embed is not None:
             x = self.embed(x)
         for block in self.blocks.values():
-            x = block(x)
+            x = self._run(block, x)
         if self.head is not None:
             if self.reuse_last_block:
-                x = list(self.blocks.values())[-1](x)
+                x = self._run(list(self.blocks.values())[-1], x)
             x = self.head(self.norm(x))
         return x
+
+
+    def _run(self, block, x):
+        if self.checkpointing == "none":
+            return block(x)
+        return checkpoint(block, x, use_reentrant=self.checkpointing == "reentrant")
 
 
 def stage_module(model: PipeLM, index: int, count: int) -> PipeLM:
@@ -76,7 +84,8 @@ def lm_loss(logits, targets):
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def _train_pipeline(schedule_name: str, pp: int, strategy, steps: int, collectives=None, save_to=None, outer=None):
+def _train_pipeline(schedule_name: str, pp: int, strategy, steps: int, collectives=None, save_to=None, outer=None,
+                    config: TinyConfig = CONFIG):
     """Train the pipeline ``steps`` steps; return (losses, norms, full state, per-step collective counts).
 
     ``save_to``: a folder for a DCP checkpoint of every stage's state dict under the whole model's names;
@@ -94,7 +103,7 @@ def _train_pipeline(schedule_name: str, pp: int, strategy, steps: int, collectiv
     virtual = 2 if schedule_name in ("interleaved", "looped_bfs") else 1
     num_stages = pp * virtual
     torch.manual_seed(0)
-    whole = PipeLM(CONFIG)
+    whole = PipeLM(config)
     indices = [pp_rank + v * pp for v in range(virtual)]
     parts = [shardwise.fully_shard(stage_module(whole, i, num_stages).to(dev), dp_mesh, strategy=strategy,
                                    unit_modules=[Block], collectives=collectives, **extra) for i in indices]
@@ -106,7 +115,7 @@ def _train_pipeline(schedule_name: str, pp: int, strategy, steps: int, collectiv
     rows = slice(dp_rank * GLOBAL_BATCH // dp, (dp_rank + 1) * GLOBAL_BATCH // dp)
     losses, norms, counts = [], [], []
     for step in range(steps):
-        tokens, targets = (t[rows].to(dev) for t in batch(step, GLOBAL_BATCH, CONFIG))
+        tokens, targets = (t[rows].to(dev) for t in batch(step, GLOBAL_BATCH, config))
         if collectives is not None:
             collectives.calls.clear()
         micro_losses = []
@@ -131,13 +140,13 @@ def _train_pipeline(schedule_name: str, pp: int, strategy, steps: int, collectiv
     return losses, norms, whole_state, counts
 
 
-def _train_reference(steps: int):
+def _train_reference(steps: int, config: TinyConfig = CONFIG):
     torch.manual_seed(0)
-    model = PipeLM(CONFIG).to(device())
+    model = PipeLM(config).to(device())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses, norms = [], []
     for step in range(steps):
-        tokens, targets = (t.to(device()) for t in batch(step, GLOBAL_BATCH, CONFIG))
+        tokens, targets = (t.to(device()) for t in batch(step, GLOBAL_BATCH, config))
         loss = lm_loss(model(tokens), targets)
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
@@ -147,9 +156,10 @@ def _train_reference(steps: int):
     return losses, norms, state_of(model)
 
 
-def _parity(schedule_name, pp, strategy, steps=3, outer=None):
-    losses, norms, state, _ = _train_pipeline(schedule_name, pp, strategy, steps, outer=outer)
-    ref_losses, ref_norms, ref_state = _train_reference(steps)
+def _parity(schedule_name, pp, strategy, steps=3, outer=None, checkpointing="none"):
+    config = TinyConfig(layers=CONFIG.layers, checkpointing=checkpointing)
+    losses, norms, state, _ = _train_pipeline(schedule_name, pp, strategy, steps, outer=outer, config=config)
+    ref_losses, ref_norms, ref_state = _train_reference(steps, config)
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
                                torch.tensor(ref_losses, dtype=torch.float64), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(norms, dtype=torch.float64),
@@ -177,6 +187,11 @@ def test_pp2_dp1_trains_as_one_process(schedule_name):
 def test_pp2_hsdp_2x1_trains_as_one_process():
     # a (pp, dp_outer, dp_shard) = (2, 2, 1) mesh: each stage's replicas all-reduced once per step
     run_distributed(_parity, 4, "1f1b", 2, "optim_grads_params", outer=2)
+
+
+def test_activation_checkpointing_inside_stages():
+    # non-reentrant only: torch's shape inference runs autograd.grad, which reentrant checkpointing refuses
+    run_distributed(_parity, 2, "gpipe", 2, "optim_grads_params", checkpointing="non_reentrant")
 
 
 class _CountingCollectives(shardwise.Collectives):
