@@ -173,6 +173,7 @@ def _parity(schedule_name, pp, strategy, steps=3, outer=None, checkpointing="non
     ("gpipe", "optim_grads_params"),
     ("1f1b", "optim"),
     ("interleaved", "optim_grads_params"),
+    ("looped_bfs", "optim_grads"),
 ])
 def test_pp2_dp2_trains_as_one_process(schedule_name, strategy):
     results = run_distributed(_parity, 4, schedule_name, 2, strategy)
@@ -241,6 +242,8 @@ def test_unsupported_schedules_and_bad_arguments_are_refused_early():
         build_schedule("zbv", [], 4, lm_loss)
     with pytest.raises(ValueError, match="stages must be a non-empty list of ShardedPipelineStage, got none"):
         build_schedule("1f1b", [], 4, lm_loss)
+    with pytest.raises(ValueError, match="submodule=Linear is not wrapped by shardwise.fully_shard"):
+        ShardedPipelineStage(nn.Linear(2, 2), 0, 2)
     with pytest.raises(ValueError, match="extra_groups must be process groups"):
         shardwise.clip_grad_norm_([], 1.0, extra_groups=["pp"])
 
