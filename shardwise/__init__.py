@@ -5,6 +5,7 @@ from .compile import compile_units
 from .device import device_for
 from .engine import (
     broadcast_from_first_replica,
+    finish_grad_accumulation,
     install_grads,
     is_sharded,
     load_full_state_dict,
@@ -30,6 +31,7 @@ __all__ = [
     "is_sharded",
     "wait_for_reductions",
     "install_grads",
+    "finish_grad_accumulation",
     "refresh_model_weights",
     "broadcast_from_first_replica",
     "load_full_state_dict",

@@ -23,6 +23,7 @@ __all__ = [
     "is_sharded",
     "wait_for_reductions",
     "install_grads",
+    "finish_grad_accumulation",
     "refresh_model_weights",
     "broadcast_from_first_replica",
     "load_full_state_dict",
@@ -66,6 +67,21 @@ def install_grads(model: nn.Module) -> None:
     """
     for unit in sharded_state(model).all_units:
         unit.install_grads()
+
+
+def finish_grad_accumulation(model: nn.Module) -> None:
+    """Reduce the gradients accumulated under ``model.no_sync()`` now, and install them as ``.grad``.
+
+    A loop whose last micro-batch runs outside ``no_sync`` never needs this: that
+    backward reduces. A schedule that cannot single out a last backward (a pipeline
+    stage's backwards come from ``torch.distributed.pipelining``) runs all of them
+    inside ``no_sync`` and calls this once after the last: each group's window is
+    finalized as the last backward would have (the one reduction of the step where
+    the placements keep gradients Partial), waited on, and installed. Groups with
+    nothing accumulated do nothing. A collective over the model's data-parallel
+    axes: every rank of the mesh calls it.
+    """
+    sharded_state(model).finish_accumulation()
 
 
 def refresh_model_weights(model: nn.Module) -> None:

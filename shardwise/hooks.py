@@ -131,6 +131,11 @@ class ShardedState:
 
     def on_root_pre_backward(self, grad):
         self._queue_final_callback()
+        # Another micro-batch's backward may have ended since this forward (a pipeline
+        # schedule runs several forwards before their backwards) and freed the root's
+        # weights: gather them again (nothing to do when they are still there).
+        for group in self.root.groups:
+            group.finish_unshard()
         if self.prefetch and self.forward_order:
             last = self.forward_order[-1]  # the first unit backward needs: gather it under the loss's backward
             if last.ran_with_grad and not last.gathered_for_backward:
@@ -224,7 +229,8 @@ class ShardedState:
     def _finish_backward(self) -> None:
         ordered = list(reversed(self.forward_order)) + [u for u in self.units if id(u) not in self._order_index]
         for unit in ordered + [self.root]:
-            if unit.ran_with_grad and not unit.reduced:
+            # grads from a forward before the last backward's end count too (pipeline micro-batches)
+            if (unit.ran_with_grad or any(g.has_unsharded_grads() for g in unit.groups)) and not unit.reduced:
                 self._reduce(unit)
             elif not unit.ran_with_grad and self.sync_grads:
                 self.in_flight.extend(unit.finalize_idle_groups())
@@ -242,9 +248,34 @@ class ShardedState:
                 unit.install_grads()
         for unit in self.all_units:
             unit.reshard()
-            unit.reset_iteration()
+            # Under no_sync other micro-batches' forwards may still await their backward (a
+            # pipeline schedule): their counts stay; the step's end (sync) forgets stale ones.
+            unit.reset_iteration(keep_forward_counts=not self.sync_grads)
         self.streams.pool.clear()
         self.callback_queued = False
+
+    # ------------------------------------------- accumulation ended outside backward
+    def finish_accumulation(self) -> None:
+        """Reduce what the micro-batches accumulated under ``no_sync``, wait, install ``.grad``.
+
+        The end-of-backward work of a last micro-batch, for a schedule that runs every
+        backward without syncing (a pipeline stage) and reduces once after all of them.
+        """
+        if self.callback_queued:
+            raise RuntimeError("finish_grad_accumulation was called during a backward of the model; "
+                               "call it after the last micro-batch's backward has returned")
+        previous, self.sync_grads = self.sync_grads, True  # the backward optimizers step on what lands
+        try:
+            for unit in self.all_units:
+                self.in_flight.extend(unit.finalize_idle_groups())
+            self._land_in_flight()
+            self.host_steps.wait()
+            for unit in self.all_units:
+                unit.install_grads()
+                unit.reset_iteration()
+        finally:
+            self.sync_grads = previous
+        self.streams.pool.clear()
 
     # ------------------------------------------------------------- helpers
     @staticmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,21 +34,29 @@ def _comm_device(parameters: list) -> torch.device | None:
     return None
 
 
-def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all gradients as if they were unsharded (the same value on every rank)."""
+def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0, *, extra_groups: Sequence = ()) -> torch.Tensor:
+    """The norm of all gradients as if they were unsharded (the same value on every rank).
+
+    ``extra_groups``: process groups whose ranks hold *other* parameters of the model,
+    outside the DTensors' meshes (a pipeline's stages: ``mesh["pp"].get_group()``);
+    each rank's total is summed (max for ``inf``) over them too, so every stage clips
+    by the whole model's norm. Every rank of those groups must call it.
+    """
     norm_type = float(norm_type)
     parameters = list(parameters)
+    extra_groups = _groups(extra_groups)
     by_groups: dict[tuple, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is None:
             continue
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         by_groups.setdefault((_shard_groups(p), grad.device), []).append(grad)  # offloaded ones on the host
-    if not by_groups:
+    if not by_groups and not extra_groups:
         return torch.tensor(0.0)
-    device = next(iter(by_groups.values()))[0].device
     # Offloaded grads live on the host; NCCL sums only device tensors.
-    comm_device = _comm_device(parameters) or device
+    comm_device = _comm_device(parameters) or (device_for(extra_groups[0]) if extra_groups else None)
+    device = next(iter(by_groups.values()))[0].device if by_groups else comm_device
+    comm_device = comm_device or device
     total = torch.zeros((), dtype=torch.float32, device=device)
     for (groups, grad_device), grads in by_groups.items():
         grads = [g for g in grads if g.numel()]
@@ -64,7 +72,24 @@ def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> tor
             dist.all_reduce(local, op=op, group=group)
         local = local.to(device)
         total = torch.maximum(total, local) if math.isinf(norm_type) else total + local
+    if extra_groups:
+        total = total.to(comm_device)
+        for group in extra_groups:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM, group=group)
+        total = total.to(device)
     return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+
+
+def _groups(extra_groups) -> list:
+    """``extra_groups`` as a list of process groups, or ``ValueError`` naming what it got."""
+    if isinstance(extra_groups, dist.ProcessGroup):
+        extra_groups = [extra_groups]
+    groups = list(extra_groups)
+    wrong = [type(g).__name__ for g in groups if not isinstance(g, dist.ProcessGroup)]
+    if wrong:
+        raise ValueError(f"extra_groups must be process groups (e.g. mesh['pp'].get_group()), "
+                         f"got {wrong}")
+    return groups
 
 
 _STEPPED_IN_BACKWARD = "_shardwise_backward_optimizer"  # set on parameters a BackwardOptimizer steps
@@ -86,7 +111,7 @@ def _number(name: str, value, positive: bool) -> float:
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-    *, optimizer: torch.optim.Optimizer | None = None,
+    *, optimizer: torch.optim.Optimizer | None = None, extra_groups: Sequence = (),
 ) -> torch.Tensor:
     """Scale sharded gradients so their global norm is at most ``max_norm``; return the norm (unclipped).
 
@@ -99,6 +124,8 @@ def clip_grad_norm_(
     whose kernel divides each gradient by ``optimizer.grad_scale`` as it reads it (and writes the
     clipped value back), which saves a read and a write of every gradient. Until that step,
     ``.grad`` holds the unclipped values.
+
+    ``extra_groups``: see :func:`grad_norm` (pipeline stages: the norm spans every stage).
     """
     max_norm = _number("max_norm", max_norm, positive=False)
     norm_type = _number("norm_type", norm_type, positive=True)
@@ -112,7 +139,7 @@ def clip_grad_norm_(
             f"which applies and frees each gradient during backward: there is nothing left to clip (and the "
             f"global norm cannot be known before the steps); use a usual optimizer with clip_grad_norm_, or no "
             f"clipping")
-    total = grad_norm(parameters, norm_type)
+    total = grad_norm(parameters, norm_type, extra_groups=extra_groups)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of gradients is {total.item()}, which is not finite")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

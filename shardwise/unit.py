@@ -27,11 +27,14 @@ class Unit:
         )
         self.reset_iteration()
 
-    def reset_iteration(self) -> None:
-        self.pending_backward = 0  # grad-enabled forward calls whose post-backward has not fired
-        # Forwards run without grad inside a grad-enabled root forward: reentrant
-        # checkpointing, which re-runs each of them (with grad) inside backward.
-        self.expected_recompute = 0
+    def reset_iteration(self, keep_forward_counts: bool = False) -> None:
+        """Forget this backward's bookkeeping; ``keep_forward_counts`` keeps what forwards whose
+        backward is still to come owe (several micro-batches in flight, under ``no_sync``)."""
+        if not keep_forward_counts:
+            self.pending_backward = 0  # grad-enabled forward calls whose post-backward has not fired
+            # Forwards run without grad inside a grad-enabled root forward: reentrant
+            # checkpointing, which re-runs each of them (with grad) inside backward.
+            self.expected_recompute = 0
         self.ran_with_grad = False
         self.gathered_for_backward = False
         self.reduced = False
