@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import time
-from functools import partial
 
 import torch
 import torch.distributed as dist

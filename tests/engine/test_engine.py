@@ -12,6 +12,7 @@ import torch.nn as nn
 
 import shardwise
 
+from tests.helpers.counting import CountingCollectives
 from tests.helpers.distributed import device, run_distributed
 from tests.helpers.parity import STRATEGY_MESHES, Run, assert_parity, compare, train_both
 from tests.helpers.tiny_model import Block, TinyConfig, TinyLM, batch
@@ -532,25 +533,6 @@ def test_no_reduction_buffer_outlives_its_step(strategy, offload):
     assert run_distributed(_buffers_held_after_step, 2, strategy, offload) == [0, 0]
 
 
-class _CountingCollectives(shardwise.Collectives):
-    """The default collectives, counted: an injected object sees every transition."""
-
-    def __init__(self):
-        self.calls = Counter()
-
-    def gather(self, outs, ins, axis):
-        self.calls["gather"] += 1
-        super().gather(outs, ins, axis)
-
-    def reduce_scatter(self, outs, ins, axis):
-        self.calls["reduce_scatter"] += 1
-        super().reduce_scatter(outs, ins, axis)
-
-    def all_reduce(self, t, axes, average=True):
-        self.calls["all_reduce"] += 1
-        super().all_reduce(t, axes, average)
-
-
 def _with_collectives(collectives):
     world, rank = dist.get_world_size(), dist.get_rank()
     config = TinyConfig()
@@ -572,7 +554,7 @@ def _with_collectives(collectives):
 
 
 def _both_collectives():
-    return _with_collectives(None), _with_collectives(_CountingCollectives())
+    return _with_collectives(None), _with_collectives(CountingCollectives())
 
 
 def test_injected_collectives_carry_every_transition():
@@ -582,7 +564,7 @@ def test_injected_collectives_carry_every_transition():
 
 
 def _counted():
-    return _with_collectives(_CountingCollectives())[1]
+    return _with_collectives(CountingCollectives())[1]
 
 
 def test_axes_of_one_rank_issue_no_collectives():

@@ -10,7 +10,6 @@ clipping by the norm over all stages.
 from __future__ import annotations
 
 import copy
-from collections import Counter
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise
 from shardwise.pipeline import ShardedPipelineStage, build_schedule, pipeline_groups
+from tests.helpers.counting import CountingCollectives
 from tests.helpers.distributed import device, run_distributed
 from tests.helpers.parity import assert_close_states, state_of
 from tests.helpers.tiny_model import Block, TinyConfig, batch
@@ -195,25 +195,8 @@ def test_activation_checkpointing_inside_stages():
     run_distributed(_parity, 2, "gpipe", 2, "optim_grads_params", checkpointing="non_reentrant")
 
 
-class _CountingCollectives(shardwise.Collectives):
-    def __init__(self):
-        self.calls = Counter()
-
-    def gather(self, outs, ins, axis):
-        self.calls["gather"] += 1
-        super().gather(outs, ins, axis)
-
-    def reduce_scatter(self, outs, ins, axis):
-        self.calls["reduce_scatter"] += 1
-        super().reduce_scatter(outs, ins, axis)
-
-    def all_reduce(self, t, axes, average=True):
-        self.calls["all_reduce"] += 1
-        super().all_reduce(t, axes, average)
-
-
 def _reductions_per_step(strategy):
-    _, _, _, counts = _train_pipeline("1f1b", 2, strategy, 3, collectives=_CountingCollectives())
+    _, _, _, counts = _train_pipeline("1f1b", 2, strategy, 3, collectives=CountingCollectives())
     return counts
 
 
