@@ -415,7 +415,7 @@ def _tied_case() -> dict:
 
     torch.manual_seed(0)
     model = Tied()
-    conversion = shardwise.convert_to_fp8(model, "tensorwise", filter_fn=lambda m, fqn: True)
+    conversion = shardwise.convert_to_fp8(model, "tensorwise", filter_fn=lambda m, fqn: True, all_gather=True)
     reference = copy.deepcopy(model)
     with torch.no_grad():  # as in _parity_case: bf16 weights, fp32 for the FP8-gathered ones
         for name, p in reference.named_parameters():
