@@ -204,7 +204,7 @@ def _train_with_real_objects(version, strategy, outer, instances):
 @pytest.mark.parametrize(
     "world,version,strategy,outer,instances",
     [
-        (2, 1, "optim_grads_params", "no_shard", 1),  # V2 (ZeRO-1 too) through HFSDP below and the GPU runs
+        (2, 1, "optim_grads_params", "no_shard", 1),  # V2: the HFSDP case below (ZeRO-1/2: the GPU runs)
         (4, 1, "optim_grads_params", "no_shard", 2),  # HSDP over Megatron's intra/inter groups
         (4, 2, "optim_grads_params", "optim", 2),  # HFSDP
     ],
