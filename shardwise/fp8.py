@@ -10,9 +10,9 @@ cannot take (not multiples of 16). The parameters keep their names and
 shapes, and hold no FP8 state: checkpoints and exports are those of the
 unconverted model.
 
-With the tensorwise recipe the weights are also marked for shardwise's FP8
-all-gather (``shardwise.quantized``): the linear then receives the gathered
-e4m3 weight and its shared scale and does not cast it again. A weight tied to
+With the tensorwise recipe and ``all_gather=True`` (opt-in) the weights are also
+marked for shardwise's FP8 all-gather (``shardwise.quantized``): the linear then
+receives the gathered e4m3 weight and its shared scale and does not cast it again. A weight tied to
 a module that is not an FP8 linear is not marked (it gathers in bf16; the FP8
 linear casts it). Rowwise scales each row of each matmul operand by itself, so
 its weights gather in bf16.
