@@ -57,6 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms, for bit-exact resume checks")
     p.add_argument("--show-keys", action="store_true", help="print sample checkpoint and parameter names")
+    p.add_argument("--profile", default="", help="write a chrome trace of the two steps after --warmup here")
     return p.parse_args(argv)
 
 
@@ -154,9 +155,14 @@ def main(argv=None) -> dict:
     if args.load:
         start_step = load_checkpoint(args.load, model, optimizer)
 
-    losses, grad_norms, step_times = [], [], []
+    losses, grad_norms, step_times, phase_times = [], [], [], []
+    profiler = None
     torch.cuda.reset_peak_memory_stats()
     for step in range(start_step, args.steps):
+        if args.profile and step == start_step + args.warmup:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                          torch.profiler.ProfilerActivity.CUDA])
+            profiler.start()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         model.zero_grad_buffer()  # Megatron-LM's train_step
@@ -166,9 +172,17 @@ def main(argv=None) -> dict:
             num_microbatches=args.micro_batches, seq_length=args.seq, micro_batch_size=args.micro_batch,
             forward_only=False,
         )
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
         ok, grad_norm, num_zeros = optimizer.step()
         torch.cuda.synchronize()
         step_times.append(time.perf_counter() - t0)
+        phase_times.append((t1 - t0, step_times[-1] - (t1 - t0)))
+        if profiler is not None and step == start_step + args.warmup + 1:
+            profiler.stop()
+            if dist.get_rank() == 0:
+                profiler.export_chrome_trace(args.profile)
+            profiler = None
         loss = torch.stack([o["lm loss"] for o in out]).mean()
         dist.all_reduce(loss, group=dp)
         losses.append(loss.item() / dp_size)
@@ -177,7 +191,9 @@ def main(argv=None) -> dict:
         if args.save_at and step + 1 == args.save_at:
             save_checkpoint(args.ckpt, model, optimizer, step + 1)
 
-    timed = step_times[args.warmup:] or step_times
+    first_timed = args.warmup + (2 if args.profile else 0)  # profiled steps are slower: not timed
+    timed = step_times[first_timed:] or step_times
+    phases = phase_times[first_timed:] or phase_times
     tokens = args.micro_batch * args.micro_batches * args.seq
     result = {
         "wrapper": args.wrapper if args.wrapper == "megatron" else f"shardwise-v{args.version}",
@@ -185,6 +201,9 @@ def main(argv=None) -> dict:
         "layers": args.layers, "hidden": args.hidden, "seq": args.seq, "start_step": start_step,
         "tokens_per_s_per_gpu": round(tokens * len(timed) / sum(timed), 1),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
+        # where a step goes (synchronized between them, so a little slower than an unprofiled step)
+        "forward_backward_s": round(sum(f for f, _ in phases) / len(phases), 4),
+        "optimizer_step_s": round(sum(o for _, o in phases) / len(phases), 4),
         "losses": losses, "grad_norms": grad_norms,  # full precision: resume checks compare bits
     }
     if dist.get_rank() == 0:

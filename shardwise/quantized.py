@@ -89,7 +89,6 @@ class QuantizedGather:
         self.scales = torch.ones(len(self.marks), dtype=torch.float32, device=levels.device)
         self.stale = True  # the main weights changed since the scales were taken
         self._nonempty: tuple | None = None
-        self._slot_sizes: torch.Tensor | None = None
 
     def update_scales(self, main: DistributedBuffer) -> None:
         """Every parameter's global amax (one all-reduce over the group's axes), then its scale."""
@@ -108,17 +107,12 @@ class QuantizedGather:
         self.stale = False
 
     def quantize(self, main: DistributedBuffer, out: DistributedBuffer) -> None:
-        """Cast ``main``'s slots into ``out``'s (uint8, the same slot sizes) in a few whole-buffer kernels:
-        each element times its parameter's scale (the scales spread over the slots), saturated, cast.
-        Padding casts too (zeros in the main buffer); nothing reads it."""
-        layout = main.layout
-        if self._slot_sizes is None:  # each slot with the alignment gap after it
-            ends = layout.offsets[1:] + [layout.total]
-            spans = [end - start for start, end in zip(layout.offsets, ends)]
-            spans[0] += layout.offsets[0] if layout.offsets else 0
-            self._slot_sizes = torch.tensor(spans, dtype=torch.long, device=self.levels.device)
-        per_element = torch.repeat_interleave(self.scales, self._slot_sizes, output_size=layout.total)
-        cast_to_e4m3(main.flat, per_element, out.flat.view(E4M3))
+        """Cast ``main``'s slots into ``out``'s (uint8, the same slot sizes), each with its parameter's
+        scale, saturated: a multiply, a clamp and a cast per parameter. (A per-element scale spread
+        over the whole buffer by ``repeat_interleave`` cost 6 ms per 0.9B layer on an H200: CUDA runs
+        that op one thread per slot.) Padding casts too (zeros in the main buffer); nothing reads it."""
+        for source, target, scale in zip(main.views(), out.views(), self.scales):
+            cast_to_e4m3(source, scale, target.view(E4M3))
 
     def source(self, main: DistributedBuffer, unsharded: DistributedBuffer, staged: list) -> DistributedBuffer:
         """What the gather into ``unsharded`` reads: the cast main pieces (scales first if stale)."""
