@@ -163,10 +163,10 @@ def convert_to_fp8(
     ``recipe``: ``"tensorwise"`` or ``"rowwise"`` (torchao's recipes). ``filter_fn(module, fqn)`` returns
     whether to convert a linear (default :data:`default_filter`: all but the output head and unaligned
     sizes). ``all_gather=True`` (tensorwise only) marks the converted weights for shardwise's FP8 weight
-    all-gather: half the gathered bytes, for several GPUs. It is off by default because on one H200 a
-    compiled 0.9B step with it is 1.5x slower than with the bf16 gather (59,180 against 89,105
-    tokens/s): the Float8TrainingTensor parameters cost host time outside the compiled regions
-    (``docs/performance.md``, "FP8"). Returns what was done (:class:`Fp8Conversion`).
+    all-gather: half the gathered bytes, for several GPUs. It is off by default: on one GPU it moves no
+    bytes and a compiled 0.9B step with it measured 0.66-0.92x of the bf16 gather's tokens/s (host
+    time around its Float8TrainingTensor parameters; ``docs/performance.md``, "FP8"). Returns what
+    was done (:class:`Fp8Conversion`).
     """
     if recipe not in RECIPES:
         raise ValueError(f"convert_to_fp8(recipe={recipe!r}): use one of {', '.join(RECIPES)}")
