@@ -149,7 +149,8 @@ def estimate_pipeline_rank(
                "optimizer step": {**phases["optimizer step"], "receive buffers": receive}}
     inputs = {"pipeline": dict(pp=pp, pp_rank=pp_rank, dp=dp, schedule=schedule, n_microbatches=n_microbatches,
                                virtual=virtual, stages=indices, layers=layer_ids, in_flight=live)}
-    notes = ["MoE/Mamba layers: activations counted roughly (not calibrated)"] if set(config.layer_kinds) - {"A"} else []
+    rough = set(config.layer_kinds) - {"A"}
+    notes = ["MoE/Mamba layers: activations counted roughly (not calibrated)"] if rough else []
     return combine(moments, host, ranks_per_host or dp * pp, notes, inputs)
 
 

@@ -119,7 +119,7 @@ class GPTStage(nn.Module):
 
     def __init__(self, model: GPT, stage_index: int, num_stages: int, layer_ids: Sequence[int]):
         super().__init__()
-        self.config = config = model.config
+        self.config = model.config
         self.stage_index, self.num_stages = stage_index, num_stages
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.layer_ids = list(layer_ids)

@@ -129,7 +129,7 @@ def run_pipeline(opts, size_name: str) -> dict:
     import shardwise
     from ...pipeline import ShardedPipelineStage, build_schedule, pipeline_groups
 
-    device, world, rank = device_for(), dist.get_world_size(), dist.get_rank()
+    device, world = device_for(), dist.get_world_size()
     pp, schedule_name = opts.pp, opts.pp_schedule
     if world % pp:
         raise ValueError(f"--pp {pp} must divide the number of processes, {world}")
@@ -205,7 +205,8 @@ def run_pipeline(opts, size_name: str) -> dict:
     _sync(device)
     elapsed = time.perf_counter() - start
     peak_alloc = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else float("nan")
-    local = torch.tensor([elapsed, 1.0 - busy[0] / elapsed, counter.peak, estimate.parts.get("activations in flight", 0),
+    local = torch.tensor([elapsed, 1.0 - busy[0] / elapsed, counter.peak,
+                          estimate.parts.get("activations in flight", 0),
                           peak_alloc, estimate.gpu_bytes, loss.item() if last else 0.0, float(last and dp_rank == 0),
                           sum(estimate.inputs["pipeline"]["in_flight"])],
                          dtype=torch.float64, device=device)
