@@ -241,7 +241,9 @@ def worker(opts: BenchOptions, out: str, command: str = "") -> list[dict]:
         meta = _meta(opts, out, command) if rank == 0 else {}
         finished: list[dict] = []
         if rank == 0:
-            print(f"shardwise bench: sizes {','.join(opts.sizes)}, wrappers {','.join(opts.wrappers)}, "
+            what = (f"a {opts.pp}-stage {opts.pp_schedule} pipeline of shardwise stages" if opts.pp
+                    else f"wrappers {','.join(opts.wrappers)}")
+            print(f"shardwise bench: sizes {','.join(opts.sizes)}, {what}, "
                   f"{meta['world_size']} x {meta['device_name']}, torch {meta['torch']}"
                   + (f", NCCL {meta['nccl']}" if meta["nccl"] else "") + f" -> {out}", flush=True)
 
