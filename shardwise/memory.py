@@ -55,7 +55,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .placements import resolve_strategy, strategy_placements
 
-__all__ = ["GIB", "MemoryEstimate", "BufferSizes", "estimate_state_bytes", "offloaded_units",
+__all__ = ["GIB", "MemoryEstimate", "BufferSizes", "estimate_state_bytes", "state_phases", "offloaded_units",
            "host_parts", "combine"]
 
 GIB = 2**30
@@ -261,7 +261,7 @@ def offloaded_units(units: Sequence[int], fraction: float) -> list[bool]:
     return chosen
 
 
-def estimate_state_bytes(
+def state_phases(
     n_params: int | None = None,
     *,
     world: int,
@@ -280,8 +280,9 @@ def estimate_state_bytes(
     accumulate_grads: bool = False,
     backward_optimizer: bool = False,
     ranks_per_host: int | None = None,
-) -> MemoryEstimate:
-    """Bytes the engine holds for ``n_params`` parameters, without activations.
+) -> tuple[dict[str, dict[str, float]], dict[str, int], dict]:
+    """The terms of :func:`estimate_state_bytes` at each moment, the host terms and the inputs (for estimates
+    that add their own terms to a moment: the pipeline's activations).
 
     The GPU peak is the larger of two moments: the end of backward (every
     gradient shard reduced; the largest unit and its prefetched neighbour
@@ -338,11 +339,22 @@ def estimate_state_bytes(
     if backward_optimizer:  # stepped per group inside backward: no step with every gradient alive
         step = {**rest, "grads": grads, "optimizer temporaries": optimizer_temps * u_sizes.at(on.m, unit, on.main_b)}
     host = host_parts(off, off_units, n_off, ranks_per_host or world)
-    return combine({"end of backward": end_of_backward, "optimizer step": step}, host, ranks_per_host or world,
-                   inputs={"n_params": n_params, **kw, "offload_fraction": offload_fraction,
-                           "largest_unit_params": largest_unit_params, "units": units,
-                           "accumulate_grads": accumulate_grads, "backward_optimizer": backward_optimizer,
-                           "optimizer_temps": optimizer_temps, "ranks_per_host": ranks_per_host or world})
+    inputs = {"n_params": n_params, **kw, "offload_fraction": offload_fraction,
+              "largest_unit_params": largest_unit_params, "units": units,
+              "accumulate_grads": accumulate_grads, "backward_optimizer": backward_optimizer,
+              "optimizer_temps": optimizer_temps, "ranks_per_host": ranks_per_host or world}
+    return {"end of backward": end_of_backward, "optimizer step": step}, host, inputs
+
+
+def estimate_state_bytes(n_params: int | None = None, **kwargs) -> MemoryEstimate:
+    """Bytes the engine holds for ``n_params`` parameters, without activations (arguments: :func:`state_phases`).
+
+    The GPU peak is the larger of two moments: the end of backward (every
+    gradient shard reduced; the largest unit and its prefetched neighbour
+    gathered, its gradients and reduction staged) and the optimizer step.
+    """
+    phases, host, inputs = state_phases(n_params, **kwargs)
+    return combine(phases, host, inputs["ranks_per_host"], inputs=inputs)
 
 
 def host_parts(off: BufferSizes, off_units: Sequence[float] | None, n_off: float,

@@ -4,6 +4,7 @@
 * :mod:`.wrappers`: one function per wrapper, ``wrap_<name>(model, device) -> (model, optimizer)``;
 * :mod:`.runner`: training, timing, memory and exposed-communication measurement;
 * :mod:`.report`: JSON, markdown table and bar chart;
+* :mod:`.pipeline`: ``--pp N``, a pipeline of shardwise stages (tokens/s, bubble, activations against the estimate);
 * :mod:`.cli`: the command (``shardwise bench``, ``python -m shardwise bench``).
 """
 

@@ -6,6 +6,7 @@
     shardwise bench --sizes 0.9b,2.8b,8b --wrappers fsdp2,shardwise,none --compile both
     shardwise bench --sizes 2.8b,8b --wrappers fsdp2,fsdp2-fp8ag,shardwise,none --fp8 off,tensorwise,rowwise
     torchrun --nproc-per-node 2 -m shardwise bench --sizes 8b --steps 8b=6
+    shardwise bench --device cpu --nproc 2 --pp 2 --pp-schedule 1f1b   # a pipeline of shardwise stages
 
 Started directly it spawns ``--nproc`` local workers (default: one per GPU, or 2
 on CPU); under ``torchrun`` it is the worker. Each size is trained under every
@@ -14,7 +15,9 @@ printed as each run ends, and rank 0 writes ``bench.json`` (every run, the
 summary and the settings), ``bench.md`` (the table) and ``bench.png`` (bar
 charts) under ``--out``; the JSON and table are rewritten after every run, so a
 job cut short still leaves what it measured. See :mod:`shardwise.app.bench.runner`
-for exactly what is measured.
+for exactly what is measured. With ``--pp N`` it trains an ``N``-stage pipeline
+of shardwise stages instead (:mod:`shardwise.app.bench.pipeline`), writing
+``bench_pp.json``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from ..launch import launch_local, under_launcher
 from .report import format_run, write_reports
 from ...fp8 import require_torchao
 from .fp8 import FP8_MODES
+from .pipeline import MULTI_STAGE_SCHEDULES, format_pipeline_run, run_pipeline_benchmark
+from ...pipeline_order import PIPELINE_SCHEDULES
 from .runner import COMPILE_MODES, GRAD_COMM_DTYPES, BenchOptions, run_benchmark
 from .sizes import SIZES
 from .wrappers import CLIP_MODES, DEFAULT_ORDER, WRAPPERS, wrapper_version
@@ -94,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-rtol", type=float, default=1.6e-2,
                    help="last-step loss tolerance against FSDP2 (relative; bf16 unit roundoff)")
     p.add_argument("--out", default="runs/bench", help="folder for bench.json, bench.md, bench.png")
+    p.add_argument("--pp", type=int, default=0,
+                   help="pipeline stages: train a pipeline of shardwise stages (--nproc divisible by it) and report "
+                        "tokens/s, the bubble and the memory estimate against the measurement, instead of the "
+                        "wrappers (0 = off)")
+    p.add_argument("--pp-schedule", default="1f1b", choices=PIPELINE_SCHEDULES, help="the pipeline schedule")
+    p.add_argument("--pp-virtual", type=int, default=0,
+                   help="stages per rank (0 = 2 for interleaved and looped_bfs, else 1)")
+    p.add_argument("--pp-microbatches", type=int, default=0, help="micro-batches per step (0 = 2 x --pp)")
     p.add_argument("--save-traces", action="store_true",
                    help="also write rank 0's chrome trace of the profiled steps to OUT/traces/")
     return p
@@ -167,6 +180,14 @@ def parse_options(argv) -> tuple[BenchOptions, argparse.Namespace]:
         value = getattr(args, flag)
         if value < (1 if flag == "repeats" else 0):
             raise UsageError(f"--{flag.replace('_', '-')} {value}: too small")
+    for flag in ("pp", "pp_virtual", "pp_microbatches"):
+        if getattr(args, flag) < 0:
+            raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must not be negative")
+    if args.pp and args.pp_virtual > 1 and args.pp_schedule not in MULTI_STAGE_SCHEDULES:
+        raise UsageError(f"--pp-virtual {args.pp_virtual}: --pp-schedule {args.pp_schedule} runs one stage per rank; "
+                         f"use one of {', '.join(MULTI_STAGE_SCHEDULES)}")
+    if not args.pp and (args.pp_virtual or args.pp_microbatches):
+        raise UsageError("--pp-virtual and --pp-microbatches need --pp")
     opts = BenchOptions(
         sizes=sizes, wrappers=wrappers, device=device, steps=_per_size(args.steps, "--steps"),
         warmup=_per_size(args.warmup, "--warmup"), profile_steps=args.profile_steps, repeats=args.repeats,
@@ -174,7 +195,8 @@ def parse_options(argv) -> tuple[BenchOptions, argparse.Namespace]:
         loss_rtol=args.loss_rtol, trace_dir=str(Path(args.out) / "traces") if args.save_traces else "",
         compile=args.compile, compile_backend=args.compile_backend, offload=args.offload,
         grad_comm_dtype=args.grad_comm_dtype, max_grad_norm=args.max_grad_norm, clip_mode=args.clip_mode,
-        fp8=tuple(fp8))
+        fp8=tuple(fp8), pp=args.pp, pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual,
+        pp_microbatches=args.pp_microbatches)
     return opts, args
 
 
@@ -219,7 +241,9 @@ def worker(opts: BenchOptions, out: str, command: str = "") -> list[dict]:
         meta = _meta(opts, out, command) if rank == 0 else {}
         finished: list[dict] = []
         if rank == 0:
-            print(f"shardwise bench: sizes {','.join(opts.sizes)}, wrappers {','.join(opts.wrappers)}, "
+            what = (f"a {opts.pp}-stage {opts.pp_schedule} pipeline of shardwise stages" if opts.pp
+                    else f"wrappers {','.join(opts.wrappers)}")
+            print(f"shardwise bench: sizes {','.join(opts.sizes)}, {what}, "
                   f"{meta['world_size']} x {meta['device_name']}, torch {meta['torch']}"
                   + (f", NCCL {meta['nccl']}" if meta["nccl"] else "") + f" -> {out}", flush=True)
 
@@ -228,6 +252,8 @@ def worker(opts: BenchOptions, out: str, command: str = "") -> list[dict]:
             print(format_run(run), flush=True)
             write_reports(out, meta, finished, png=False)
 
+        if opts.pp:
+            return _pipeline_worker(opts, out, meta)
         runs = run_benchmark(opts, on_result)
         if rank == 0:
             table = write_reports(out, meta, runs, png=True)
@@ -236,6 +262,21 @@ def worker(opts: BenchOptions, out: str, command: str = "") -> list[dict]:
     finally:
         if owns_group:
             dist.destroy_process_group()
+
+
+def _pipeline_worker(opts: BenchOptions, out: str, meta: dict) -> list[dict]:
+    """``--pp``: the pipeline runs, printed as they end; rank 0 writes ``bench_pp.json``."""
+    import json
+
+    def on_result(run: dict) -> None:
+        print(format_pipeline_run(run), flush=True)
+
+    runs = run_pipeline_benchmark(opts, on_result)
+    if dist.get_rank() == 0:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "bench_pp.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1, default=str))
+        print(f"wrote {out}/bench_pp.json", flush=True)
+    return runs
 
 
 def main(argv=None) -> int:
@@ -250,6 +291,8 @@ def main(argv=None) -> int:
             world = args.nproc or (torch.cuda.device_count() if opts.device == "cuda" else 2)
             if opts.device == "cuda" and world > torch.cuda.device_count():
                 raise UsageError(f"--nproc {world}: more processes than GPUs ({torch.cuda.device_count()})")
+        if opts.pp and world % opts.pp:
+            raise UsageError(f"--pp {opts.pp}: must divide the number of processes, {world}")
         if world < 2:
             print("shardwise bench: warning: one process measures no communication", file=sys.stderr)
     except UsageError as e:

@@ -85,6 +85,10 @@ class BenchOptions:
     max_grad_norm: float = 0.0  # clip the global grad norm to this under every wrapper (0: no clipping)
     clip_mode: str = "fold"  # shardwise: "fold" (the factor goes into the fused AdamW step) or "in-place"
     fp8: Sequence[str] = ("off",)  # FP8 modes run in turn: "off" (bf16 linears), "tensorwise", "rowwise" (bench/fp8.py)
+    pp: int = 0  # > 0: a pipeline of this many stages of shardwise modules instead of the wrappers (bench/pipeline.py)
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 0  # stages per rank (0: 2 for interleaved and looped_bfs, else 1)
+    pp_microbatches: int = 0  # micro-batches per step (0: 2 x pp)
 
     def compile_kwargs(self) -> dict:
         """What every wrapper passes to torch.compile: whole layers, static shapes (as torchtitan)."""
