@@ -1,4 +1,4 @@
-"""Tensor and expert parallelism on 2 gloo processes equal the single-rank model."""
+"""Tensor and expert parallelism on 2 gloo processes (4 for TP with EP) equal the single-rank model."""
 
 import pytest
 import torch
