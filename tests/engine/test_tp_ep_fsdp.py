@@ -151,6 +151,41 @@ def test_tp2_ep2_dp2_matches_one_process(strategy):
     run_distributed(_tp_ep_dp, 4, strategy)
 
 
+def _tp_marked_experts():
+    """Megatron's expert layers mark their weights tensor_model_parallel=True even at expert TP 1 (split over a
+    group of one rank): that is the whole expert and wraps; a split over more ranks is refused by name."""
+    mesh, expert_mesh = shardwise.build_dp_mesh(tp=2), shardwise.build_expert_mesh(ep=2)
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+    moe = dict(layer_pattern="AE", moe_num_experts=4, moe_top_k=2, moe_aux_loss_coef=0.0)
+    units = [TransformerLayer, MoETransformerLayer]
+
+    def build(expert_tp_group):
+        torch.manual_seed(0)
+        model = GPT(_config(**moe, tp_group=mesh.get_group("tp"), ep_group=expert_mesh.get_group("ep")))
+        experts = model.layers[1].mlp.experts
+        experts.tp_group = expert_tp_group
+        for p in experts.parameters():
+            p.tensor_model_parallel, p.partition_dim = True, 1
+        return model
+
+    model = shardwise.fully_shard(build(alone), mesh, unit_modules=units, expert_mesh=expert_mesh)
+    assert model.layers[1].mlp.experts.w1.shape == (4, 64, 32)
+    torch.manual_seed(0)
+    expected = GPT(_config(**moe)).state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in shardwise.full_state_dict(model).items())
+    try:
+        shardwise.fully_shard(build(mesh.get_group("tp")), mesh, unit_modules=units, expert_mesh=expert_mesh)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_experts_marked_tensor_parallel_over_one_rank_wrap_and_over_two_are_refused():
+    message = run_distributed(_tp_marked_experts, 4)[0]
+    assert message is not None and "'layers.1.mlp.experts.w1'" in message and "over 2 ranks" in message, message
+    assert "expert tensor parallelism" in message and "not built yet" in message
+
+
 def _experts_renamed(model: GPT) -> GPT:
     """Move every MoE layer's experts from ``.experts`` to ``.bank`` (the forward still finds them)
     and drop their ``allreduce=False`` mark: neither a name nor a mark says they are experts."""
