@@ -283,8 +283,6 @@ def _place_model_parallel(
 def _holders_tp_ranks(ref: ParamRef) -> int | None:
     """How many ranks the TP group of the modules holding ``ref`` has (their ``tp_group``; None is one
     rank, as shardwise's layers read it), or None when no holder says."""
-    import torch.distributed as dist
-
     sizes = set()
     for module, _ in ref.holders:
         own = vars(module)

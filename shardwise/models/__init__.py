@@ -21,7 +21,10 @@ from .tensor_parallel import (
     VocabParallelEmbedding,
     copy_to_tp_region,
     gather_from_tp_region,
+    gather_rows_from_tp_region,
     reduce_from_tp_region,
+    scatter_rows_to_tp_region,
+    tp_rows,
 )
 from .transformer import MoETransformerLayer, TransformerLayer
 
@@ -42,4 +45,5 @@ __all__ = [
     "RMSNorm", "rope_tables", "apply_rope", "chunked_scan", "sequential_scan", "load_balancing_loss",
     "Linear", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "copy_to_tp_region", "reduce_from_tp_region", "gather_from_tp_region",
+    "tp_rows", "scatter_rows_to_tp_region", "gather_rows_from_tp_region",
 ]

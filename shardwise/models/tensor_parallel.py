@@ -6,6 +6,10 @@ vocab-parallel embedding splits the vocabulary rows. Sharded weights carry
 ``tensor_model_parallel=True`` and ``partition_dim``; the replicated bias of a
 row-parallel layer carries ``tensor_model_parallel=False``.
 
+The row functions (``scatter_rows_to_tp_region`` / ``gather_rows_from_tp_region``)
+share out rows every TP rank holds alike (the MoE layer's tokens under expert
+parallelism) and gather them back.
+
 With ``group=None`` or a group of one rank the collectives vanish and the layers
 are plain linears / embeddings. Initialization draws the *full* weight from the
 default generator on every rank and keeps this rank's slice, so a model seeded
