@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -268,11 +269,27 @@ def _place_model_parallel(
             dim = int(getattr(ref.param, "partition_dim", 0))
             ref.model_parallel_dims[tp_axis] = dim
         elif is_expert:
-            raise ValueError(
-                f"parameter {ref.fqn!r} is tensor-parallel inside experts; expert tensor parallelism "
-                "is not built yet"
-            )
+            ranks = _holders_tp_ranks(ref)
+            if ranks != 1:  # a slice over one rank (Megatron's experts at expert TP 1) is the whole expert
+                held = "of an unknown TP group (no tp_group on its module)" if ranks is None else f"over {ranks} ranks"
+                raise ValueError(
+                    f"parameter {ref.fqn!r} is an expert's tensor-parallel slice (tensor_model_parallel=True, "
+                    f"{held}), but expert tensor parallelism (TP inside the expert mesh) is not built yet: keep "
+                    "each expert whole on its expert-parallel rank (expert TP 1)"
+                )
     return target
+
+
+def _holders_tp_ranks(ref: ParamRef) -> int | None:
+    """How many ranks the TP group of the modules holding ``ref`` has (their ``tp_group``; None is one
+    rank, as shardwise's layers read it), or None when no holder says."""
+    sizes = set()
+    for module, _ in ref.holders:
+        own = vars(module)
+        if "tp_group" in own:
+            group = own["tp_group"]
+            sizes.add(1 if group is None else dist.get_world_size(group))
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _split(refs: list[ParamRef], limit: int) -> list[list[ParamRef]]:
@@ -292,8 +309,6 @@ def _split(refs: list[ParamRef], limit: int) -> list[list[ParamRef]]:
 
 def _sync_from_first_rank(param: torch.Tensor, group, device: torch.device) -> None:
     """Make a TP-replicated parameter identical across its TP group (rank 0's values)."""
-    import torch.distributed as dist
-
     with torch.no_grad():
         value = param.detach().to(device)
         dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)

@@ -78,7 +78,11 @@ def build_dp_mesh(
 
 def build_expert_mesh(ep: int, device_type: str | None = None, inner_axis: str = "dp_shard", ep_axis: str = "ep") -> DeviceMesh:
     """The (``dp_shard``, ``ep``) mesh for expert parameters: EP groups are consecutive ranks,
-    and experts are sharded over the ranks holding the same experts."""
+    and experts are sharded over the ranks holding the same experts.
+
+    Megatron-Core's expert order ``[expert-dp, ep, etp]`` with expert TP 1, so next to
+    ``build_dp_mesh(tp=...)`` (TP groups consecutive too) it is the layout of TP with EP:
+    with ``ep == tp`` each EP group is a TP group."""
     if not dist.is_initialized():
         raise RuntimeError("build_expert_mesh needs an initialized default process group")
     world = dist.get_world_size()

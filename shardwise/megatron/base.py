@@ -213,15 +213,20 @@ def _model_parallel_sizes(cfg: TransformerConfig, pg) -> _ModelParallelSizes:
 
 
 def _unbuilt_model_parallelism(sizes: _ModelParallelSizes, module: nn.Module) -> Optional[tuple[str, int, str]]:
-    """``(field, value, why)`` for a tensor/expert-parallel combination the engine cannot shard yet."""
+    """``(field, value, why)`` for a tensor/expert-parallel combination the engine cannot shard yet.
+
+    Built: TP alone; EP alone; TP with EP when the experts are whole on each EP
+    rank (``expert_tensor_parallel_size=1``: the dense layers split over ``tp``,
+    the experts over ``ep``, as Megatron runs MoE models); with one EP rank,
+    experts next to TP of the same expert-TP size.
+    """
     experts = _has_expert_params(module)
-    if sizes.tp > 1 and sizes.ep > 1:
-        return ("expert_model_parallel_size", sizes.ep,
-                f"composing expert parallelism with tensor_model_parallel_size={sizes.tp} is not built yet")
     if experts and sizes.ep > 1 and sizes.expert_tp > 1:
+        hint = (f"; next to tensor_model_parallel_size={sizes.tp}, set expert_tensor_parallel_size=1 (whole "
+                "experts on each expert-parallel rank)" if sizes.tp > 1 else "")
         return ("expert_tensor_parallel_size", sizes.expert_tp,
-                "expert tensor parallelism (TP inside the expert mesh) is not built yet")
-    if experts and sizes.tp > 1 and sizes.expert_tp != sizes.tp:
+                "expert tensor parallelism (TP inside the expert mesh) with expert parallelism is not built yet" + hint)
+    if experts and sizes.tp > 1 and sizes.ep == 1 and sizes.expert_tp != sizes.tp:
         return ("expert_tensor_parallel_size", sizes.expert_tp,
                 f"experts next to tensor_model_parallel_size={sizes.tp} are only built with the same "
                 "expert tensor-parallel size (experts split like the dense layers, over the same TP group)")

@@ -88,6 +88,9 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
     their DTensors describe the global tensors. Expert parallelism
     (``expert_model_parallel_size > 1``): expert parameters (under ``.experts.``) are sharded
     over ``expt_dp`` on an ``(expert_dp, ep)`` mesh, the rest over ``dp_cp``.
+    Both at once with whole experts (``expert_tensor_parallel_size=1``, as
+    Megatron runs MoE models): the dense layers on the ``dp x tp`` mesh, the
+    experts on the ``(expert_dp, ep)`` one, over the same ranks.
     The model must be built with ``pg_collection``'s ``tp`` / ``ep`` groups.
     """
 

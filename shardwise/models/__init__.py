@@ -23,7 +23,10 @@ from .tensor_parallel import (
     VocabParallelEmbedding,
     copy_to_tp_region,
     gather_from_tp_region,
+    gather_rows_from_tp_region,
     reduce_from_tp_region,
+    scatter_rows_to_tp_region,
+    tp_rows,
 )
 from .transformer import MoETransformerLayer, TransformerLayer
 
@@ -45,4 +48,5 @@ __all__ = [
     "Linear", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "copy_to_tp_region", "reduce_from_tp_region", "gather_from_tp_region",
     "GPTStage", "pipeline_stage", "stage_layer_counts", "stage_indices", "StageInitializer",
+    "tp_rows", "scatter_rows_to_tp_region", "gather_rows_from_tp_region",
 ]

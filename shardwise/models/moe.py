@@ -16,6 +16,19 @@ expert and back with ``all_to_all_single`` (an autograd function: the backward
 is the reverse exchange). Expert weights are stacked per rank under
 ``.experts.`` and carry ``allreduce=False`` (Megatron's mark for parameters whose
 gradients are reduced over the expert-data-parallel group only).
+
+Tensor parallelism with expert parallelism (experts whole on each EP rank,
+Megatron's ``expert_tensor_parallel_size=1``): the attention and dense layers
+around the MoE are tensor-parallel, so every rank of a ``tp_group`` holds the
+same tokens. Dispatched as they are, each token would reach its experts once per
+TP rank and their gradients would count it that many times. So the router runs
+on all tokens (it is TP-replicated, its gradient stays identical on the TP
+ranks), then each TP rank dispatches only its share of the tokens
+(``tp_rows``), and the combined outputs are all-gathered over the TP group
+again: what Megatron's sequence parallelism does around its MoE layers. The
+EP group may be any ranks (in Megatron's layout it is the TP group); each
+token still reaches its experts exactly once. With one EP rank the experts
+are TP-replicated instead and every TP rank runs them on all its tokens.
 """
 
 from __future__ import annotations
@@ -26,7 +39,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
-from .tensor_parallel import _init_slice_, group_rank, group_size, scaled_init_std
+from .tensor_parallel import (
+    _init_slice_,
+    gather_rows_from_tp_region,
+    group_rank,
+    group_size,
+    scaled_init_std,
+    scatter_rows_to_tp_region,
+    tp_rows,
+)
 
 __all__ = ["MoE", "Experts", "load_balancing_loss"]
 
@@ -86,6 +107,9 @@ class MoE(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.ep_group, self.ep = config.ep_group, group_size(config.ep_group)
+        self.tp_group = config.tp_group
+        # TP peers hold the same tokens; under EP each dispatches its share (see the module docstring)
+        self.split_tokens = self.ep > 1 and group_size(self.tp_group) > 1
         self.num_experts, self.top_k = config.moe_num_experts, config.moe_top_k
         if self.num_experts % self.ep:
             raise ValueError(f"moe_num_experts={self.num_experts} is not divisible by the EP size {self.ep}")
@@ -104,13 +128,21 @@ class MoE(nn.Module):
         weights, idx = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
         self.aux_loss = load_balancing_loss(probs, idx)
+        if self.split_tokens:
+            n = tokens.shape[0]
+            idx = idx[tp_rows(n, self.tp_group)]
+            tokens = scatter_rows_to_tp_region(tokens, self.tp_group)
+            weights = scatter_rows_to_tp_region(weights, self.tp_group)
 
         flat = idx.flatten()  # assignment j = token j // top_k, expert flat[j]
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
         out = self._run_experts(tokens[order // self.top_k], counts)
         out = out * weights.flatten()[order, None].to(out.dtype)
-        return torch.zeros_like(tokens).index_add_(0, order // self.top_k, out).view(shape)
+        out = torch.zeros_like(tokens).index_add_(0, order // self.top_k, out)
+        if self.split_tokens:
+            out = gather_rows_from_tp_region(out, n, self.tp_group)
+        return out.view(shape)
 
     def _run_experts(self, routed, counts):
         if self.ep == 1:

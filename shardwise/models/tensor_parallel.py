@@ -6,6 +6,10 @@ vocab-parallel embedding splits the vocabulary rows. Sharded weights carry
 ``tensor_model_parallel=True`` and ``partition_dim``; the replicated bias of a
 row-parallel layer carries ``tensor_model_parallel=False``.
 
+The row functions (``scatter_rows_to_tp_region`` / ``gather_rows_from_tp_region``)
+share out rows every TP rank holds alike (the MoE layer's tokens under expert
+parallelism) and gather them back.
+
 With ``group=None`` or a group of one rank the collectives vanish and the layers
 are plain linears / embeddings. Initialization draws the *full* weight from the
 default generator on every rank and keeps this rank's slice, so a model seeded
@@ -29,6 +33,9 @@ __all__ = [
     "copy_to_tp_region",
     "reduce_from_tp_region",
     "gather_from_tp_region",
+    "tp_rows",
+    "scatter_rows_to_tp_region",
+    "gather_rows_from_tp_region",
     "group_size",
     "group_rank",
 ]
@@ -87,6 +94,68 @@ class _GatherFromTP(torch.autograd.Function):
     def backward(ctx, grad):
         part = grad.chunk(group_size(ctx.group), dim=-1)[group_rank(ctx.group)]
         return part.contiguous(), None
+
+
+def _rows(n: int, tp: int, rank: int) -> slice:
+    base, extra = divmod(n, tp)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (rank < extra))
+
+
+def tp_rows(n: int, group) -> slice:
+    """This TP rank's share of ``n`` rows: near-equal consecutive pieces, the first ``n % tp`` one longer
+    (every rank gets a piece, possibly empty, so the pieces line up with the ranks)."""
+    return _rows(n, group_size(group), group_rank(group))
+
+
+def _all_gather_rows(x: torch.Tensor, n: int, group) -> torch.Tensor:
+    """Every TP rank's ``tp_rows(n)`` piece, in rank order (padded to one size on the wire)."""
+    tp = group_size(group)
+    width = -(-n // tp)
+    padded = x.new_zeros((width,) + tuple(x.shape[1:]))
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in range(tp)]
+    dist.all_gather(parts, padded, group=group)
+    pieces = [_rows(n, tp, r) for r in range(tp)]
+    return torch.cat([part[: piece.stop - piece.start] for part, piece in zip(parts, pieces)])
+
+
+class _ScatterRowsToTP(torch.autograd.Function):
+    """Keep this rank's rows of a TP-replicated tensor forward; all-gather the rows' gradients backward
+    (each TP rank computed the gradient of its own rows only)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.n = group, x.shape[0]
+        return x[tp_rows(ctx.n, group)].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_rows(grad.contiguous(), ctx.n, ctx.group), None
+
+
+class _GatherRowsFromTP(torch.autograd.Function):
+    """All-gather the TP ranks' rows forward (the result is TP-replicated); keep this rank's rows of the
+    gradient backward (replicated too, so nothing is summed)."""
+
+    @staticmethod
+    def forward(ctx, x, n, group):
+        ctx.group, ctx.n = group, n
+        return _all_gather_rows(x.contiguous(), n, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[tp_rows(ctx.n, ctx.group)].contiguous(), None, None
+
+
+def scatter_rows_to_tp_region(x, group):
+    """This TP rank's :func:`tp_rows` of ``x`` (identical on every TP rank), dim 0."""
+    return x if group_size(group) == 1 else _ScatterRowsToTP.apply(x, group)
+
+
+def gather_rows_from_tp_region(x, n, group):
+    """The ``n`` rows whose :func:`tp_rows` pieces the TP ranks hold, on every TP rank (the inverse)."""
+    return x if group_size(group) == 1 else _GatherRowsFromTP.apply(x, n, group)
 
 
 def copy_to_tp_region(x, group):

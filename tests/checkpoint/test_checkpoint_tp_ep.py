@@ -1,4 +1,4 @@
-"""Issue 5 acceptance 3 with issue 6: checkpoints saved under TP x DP or EP x DP load without them.
+"""Issue 5 acceptance 3 with issue 6: checkpoints saved under TP x DP, EP x DP or TP x EP x DP load without them.
 
 The checkpoint describes every tensor globally (data-parallel rows plus the
 tensor- or expert-parallel offset), so it loads into any other layout.
@@ -42,6 +42,11 @@ def _save(path: str, kind: str):
         mesh = shardwise.build_dp_mesh(tp=2)
         config, extra, data_rank = _config(tp_group=mesh.get_group("tp")), {}, mesh.get_local_rank("dp_shard")
         units = [TransformerLayer]
+    elif kind == "tpep":  # dense layers TP 2, whole experts EP 2 (expert TP 1), on the same 4 ranks
+        mesh = shardwise.build_dp_mesh(tp=2)
+        expert_mesh = shardwise.build_expert_mesh(ep=2)
+        config = _moe(tp_group=mesh.get_group("tp"), ep_group=expert_mesh.get_group("ep"))
+        extra, data_rank = {"expert_mesh": expert_mesh}, mesh.get_local_rank("dp_shard")
     else:
         mesh = shardwise.build_dp_mesh()
         expert_mesh = shardwise.build_expert_mesh(ep=2)
@@ -90,3 +95,8 @@ def test_tp2_dp2_checkpoint_loads_at_tp1(tmp_path):
 def test_ep2_dp2_checkpoint_loads_at_ep1(tmp_path):
     saved = run_distributed(_save, 4, str(tmp_path), "ep")[0]
     _assert_same(saved, run_distributed(_load, 2, str(tmp_path), "ep", "optim")[0])
+
+
+def test_tp2_ep2_dp2_checkpoint_loads_at_one_process(tmp_path):
+    saved = run_distributed(_save, 4, str(tmp_path), "tpep")[0]
+    _assert_same(saved, run_distributed(_load, 1, str(tmp_path), "tpep", "no_shard")[0])

@@ -10,13 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor, Shard
 
 import shardwise
 from shardwise.models import GPT, GPTConfig, MoE, MoETransformerLayer, TransformerLayer
 
-from tests.helpers.distributed import run_distributed
-from tests.helpers.parity import compare, train_both
+from tests.helpers.distributed import device, run_distributed
+from tests.helpers.parity import assert_close_states, compare, train_both
 
 STEPS, GLOBAL_BATCH, SEQ = 4, 8, 16
 
@@ -100,6 +101,89 @@ def _ep_dp(strategy):
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
 def test_ep2_dp2_matches_ep1_single_process(strategy):
     run_distributed(_ep_dp, 4, strategy)
+
+
+def _sgd(model):
+    # not Adam: it divides each gradient by its own scale, so experts' gradients counted twice would hardly
+    # show in the weights (they do in .grad: tests/helpers/torch_tools_cases.py, "tp2-ep2")
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+
+def _tp_ep_dp(strategy):
+    """TP 2 for attention, dense MLPs, embedding and head, EP 2 with whole experts (expert TP 1), on the
+    same 4 ranks as Megatron lays them out: dense (dp_shard 2, tp 2), experts (dp_shard 2, ep 2), each EP
+    group a TP group. Clipped: the norm counts TP-replicated parameters and expert shards once."""
+    mesh = shardwise.build_dp_mesh(tp=2)
+    expert_mesh = shardwise.build_expert_mesh(ep=2)
+    assert mesh.mesh.tolist() == expert_mesh.mesh.tolist() == [[0, 1], [2, 3]]
+    moe = dict(layer_pattern="AE", moe_num_experts=4, moe_top_k=2, moe_aux_loss_coef=0.0)
+    config = _config(**moe, tp_group=mesh.get_group("tp"), ep_group=expert_mesh.get_group("ep"))
+
+    def wrap(gpt):
+        model = shardwise.fully_shard(gpt, mesh, strategy=strategy, unit_modules=[TransformerLayer, MoETransformerLayer],
+                                      expert_mesh=expert_mesh)
+        wq, w1, router = model.layers[0].attention.wq.weight, model.layers[1].mlp.experts.w1, model.layers[1].mlp.router
+        assert wq.placements[wq.device_mesh.mesh_dim_names.index("tp")] == Shard(0) and wq.shape == (32, 32)
+        assert w1.placements[w1.device_mesh.mesh_dim_names.index("ep")] == Shard(0) and w1.shape[0] == 4
+        assert "ep" not in router.device_mesh.mesh_dim_names and "tp" in router.device_mesh.mesh_dim_names
+        return model
+
+    steps, clip = 3, 0.1
+    sharded, reference = train_both(_gpt(config), wrap, _sgd, _batch, steps, reference=_gpt(_config(**moe)),
+                                    data_rank=mesh.get_local_rank("dp_shard"), data_ranks=2, clip=clip)
+    compare(sharded, reference)
+    # torch's own reading of the DTensors: the unsplit model's state
+    full = get_model_state_dict(sharded.model, options=StateDictOptions(full_state_dict=True))
+    assert_close_states({k: v.cpu() for k, v in full.items()}, reference.state)
+    # the global norm itself, on one more backward: the clipping above was active, and counts every tensor once
+    tokens, targets = (t.to(device()) for t in _batch(steps))
+    part = slice(4 * mesh.get_local_rank("dp_shard"), 4 * mesh.get_local_rank("dp_shard") + 4)
+    sharded.model(tokens[part], targets[part]).backward()
+    reference.model(tokens, targets).backward()
+    norm = shardwise.clip_grad_norm_(sharded.model.parameters(), float("inf"))
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.model.parameters(), float("inf"))
+    assert ref_norm > clip, ref_norm
+    torch.testing.assert_close(norm.cpu(), ref_norm.cpu(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads", "optim", "no_shard"])
+def test_tp2_ep2_dp2_matches_one_process(strategy):
+    run_distributed(_tp_ep_dp, 4, strategy)
+
+
+def _tp_marked_experts():
+    """Megatron's expert layers mark their weights tensor_model_parallel=True even at expert TP 1 (split over a
+    group of one rank): that is the whole expert and wraps; a split over more ranks is refused by name."""
+    mesh, expert_mesh = shardwise.build_dp_mesh(tp=2), shardwise.build_expert_mesh(ep=2)
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+    moe = dict(layer_pattern="AE", moe_num_experts=4, moe_top_k=2, moe_aux_loss_coef=0.0)
+    units = [TransformerLayer, MoETransformerLayer]
+
+    def build(expert_tp_group):
+        torch.manual_seed(0)
+        model = GPT(_config(**moe, tp_group=mesh.get_group("tp"), ep_group=expert_mesh.get_group("ep")))
+        experts = model.layers[1].mlp.experts
+        experts.tp_group = expert_tp_group
+        for p in experts.parameters():
+            p.tensor_model_parallel, p.partition_dim = True, 1
+        return model
+
+    model = shardwise.fully_shard(build(alone), mesh, unit_modules=units, expert_mesh=expert_mesh)
+    assert model.layers[1].mlp.experts.w1.shape == (4, 64, 32)
+    torch.manual_seed(0)
+    expected = GPT(_config(**moe)).state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in shardwise.full_state_dict(model).items())
+    try:
+        shardwise.fully_shard(build(mesh.get_group("tp")), mesh, unit_modules=units, expert_mesh=expert_mesh)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_experts_marked_tensor_parallel_over_one_rank_wrap_and_over_two_are_refused():
+    message = run_distributed(_tp_marked_experts, 4)[0]
+    assert message is not None and "'layers.1.mlp.experts.w1'" in message and "over 2 ranks" in message, message
+    assert "expert tensor parallelism" in message and "not built yet" in message
 
 
 def _experts_renamed(model: GPT) -> GPT:

@@ -68,6 +68,7 @@ CONFIGS = [
     Config("hfsdp", outer="optim", worlds=(2, 4)),
     Config("tp2", tp=2, worlds=(2, 4)),
     Config("ep2", ep=2, worlds=(2, 4)),
+    Config("tp2-ep2", tp=2, ep=2, worlds=(4,)),  # whole experts on each EP rank (expert TP 1), EP groups = TP groups
     Config("zero3-offload", offload=1.0),
     Config("zero1-offload-half", strategy="optim", offload=0.5, worlds=(2, 4)),
 ]
@@ -141,7 +142,17 @@ def build(config: Config, seed: int = 0, model_seed: int | None = None) -> Setup
     (the sharded one with ``model_seed``, by default the same)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model_seed = seed if model_seed is None else model_seed
-    if config.tp > 1:
+    if config.tp > 1 and config.ep > 1:
+        mesh = shardwise.build_dp_mesh(tp=config.tp)
+        expert_mesh = shardwise.build_expert_mesh(ep=config.ep)
+        torch.manual_seed(model_seed)
+        model = GPT(moe_config(tp_group=mesh.get_group("tp"), ep_group=expert_mesh.get_group("ep")))
+        model = shardwise.fully_shard(model, mesh, strategy=config.strategy, expert_mesh=expert_mesh,
+                                      unit_modules=[TransformerLayer, MoETransformerLayer])
+        torch.manual_seed(seed)
+        reference = GPT(moe_config())
+        vocab, data_rank, data_ranks = 66, rank // config.tp, world // config.tp
+    elif config.tp > 1:
         mesh = shardwise.build_dp_mesh(tp=config.tp)
         torch.manual_seed(model_seed)
         model = GPT(gpt_config(tp_group=mesh.get_group("tp")))

@@ -435,11 +435,16 @@ def test_factory_rejects_unknown_version():
             FullyShardedDataParallel(TransformerConfig(), SimpleNamespace(megatron_fsdp_version=version), nn.Linear(2, 2))
 
 
-# TP and EP each compose with FSDP (tests/megatron/test_megatron_tp_ep.py); these combinations do not yet.
+# TP, EP, and TP with EP of whole experts compose with FSDP (tests/megatron/test_megatron_tp_ep.py); these
+# combinations do not yet. TP with EP and an unset expert TP size (it follows TP) is expert TP under EP.
 @pytest.mark.parametrize(
     "sizes,message",
     [
-        (dict(tensor_model_parallel_size=2, expert_model_parallel_size=2), "expert_model_parallel_size=2.*not built yet"),
+        (dict(tensor_model_parallel_size=2, expert_model_parallel_size=2),
+         "expert_tensor_parallel_size=2.*not built yet; next to tensor_model_parallel_size=2, set "
+         "expert_tensor_parallel_size=1"),
+        (dict(tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=2),
+         "expert_tensor_parallel_size=2.*not built yet"),
         (dict(expert_model_parallel_size=2, expert_tensor_parallel_size=2), "expert_tensor_parallel_size=2.*not built yet"),
         (dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1), "expert_tensor_parallel_size=1.*only built"),
     ],

@@ -1,5 +1,6 @@
-"""Tensor and expert parallelism on 2 gloo processes equal the single-rank model."""
+"""Tensor and expert parallelism on 2 gloo processes (4 for TP with EP) equal the single-rank model."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -158,3 +159,52 @@ def _ep_gpt():
 
 def test_ep2_gpt_loss_matches_ep1():
     assert run_distributed(_ep_gpt, WORLD) == [True, True]
+
+
+def _tp_ep_moe(layout):
+    """4 ranks: TP groups [0, 1], [2, 3] (two data ranks); EP groups the TP groups (Megatron's layout with
+    expert TP 1) or across them. Each data rank's tokens reach their experts once, whatever the EP ranks."""
+    rank = dist.get_rank()
+    groups = {ranks: dist.new_group(list(ranks)) for ranks in ((0, 1), (2, 3), (0, 2), (1, 3))}
+    tp_group = groups[(0, 1) if rank < 2 else (2, 3)]
+    ep_group = tp_group if layout == "aligned" else groups[(0, 2) if rank % 2 == 0 else (1, 3)]
+    config = dict(dim=8, n_layers=1, n_heads=2, moe_num_experts=4, moe_top_k=2, moe_ffn_hidden=12)
+    gens = [torch.Generator().manual_seed(200 + d) for d in range(2)]
+    xs = [torch.randn(3, 5, 8, generator=g) for g in gens]  # 15 tokens: TP shares of 8 and 7
+    ws = [torch.randn(3, 5, 8, generator=g) for g in gens]
+    data = rank // 2
+
+    torch.manual_seed(5)
+    ref = MoE(GPTConfig(**config))
+    init_weights(ref)
+    x_all = torch.cat(xs).requires_grad_()
+    out_all = ref(x_all)
+    (out_all * torch.cat(ws)).sum().backward()
+
+    torch.manual_seed(5)
+    moe = MoE(GPTConfig(**config, tp_group=tp_group, ep_group=ep_group))
+    init_weights(moe)
+    assert moe.split_tokens and moe.experts.w1.shape[0] == 2
+    x = xs[data].clone().requires_grad_()
+    out = moe(x)
+    (out * ws[data]).sum().backward()
+
+    torch.testing.assert_close(out, out_all.detach().chunk(2)[data])  # every TP rank has all its tokens' outputs
+    torch.testing.assert_close(x.grad, x_all.grad.chunk(2)[data])
+    router_grad = moe.router.grad.clone()
+    dist.all_reduce(router_grad)  # TP peers hold the same (replicated) router gradient
+    torch.testing.assert_close(router_grad / 2, ref.router.grad)
+    local = moe.experts.local
+    for name in ("w1", "w2", "w3"):
+        mine, full = getattr(moe.experts, name), getattr(ref.experts, name)
+        torch.testing.assert_close(mine.detach(), full.detach()[moe.experts.ep_rank * local:][:local], rtol=0, atol=0)
+        summed = torch.zeros_like(full.grad)  # each expert's gradient summed over the ranks holding it
+        summed[moe.experts.ep_rank * local:][:local] = mine.grad
+        dist.all_reduce(summed)
+        torch.testing.assert_close(summed, full.grad, msg=name)  # a token counted twice would double it
+    return True
+
+
+@pytest.mark.parametrize("layout", ["aligned", "across"])
+def test_tp2_ep2_moe_dispatches_each_token_once(layout):
+    assert run_distributed(_tp_ep_moe, 4, layout) == [True] * 4
