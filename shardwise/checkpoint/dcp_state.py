@@ -37,6 +37,16 @@ What is left here is what the standard path does not do:
 ``describe_model`` / ``describe_optimizer`` give the JSON-friendly facts the
 manager stores next to the DCP files (``shardwise.json``), which
 ``shardwise ckpt info`` and ``export`` read without a process group.
+
+Pipeline stages: ``model`` may be a list of this rank's stage modules (each
+``fully_shard``-wrapped, under the whole model's names) and ``optimizer`` then a
+list of one optimizer per stage (torch's state-dict functions map an
+optimizer's parameters through one module). The checkpoint is the whole
+model's, whatever the pipeline: every rank writes its stages' keys, the
+optimizer's param groups are merged over stages and ranks (group ``j`` of every
+stage, with the same hyperparameters, is the checkpoint's group ``j``), and a
+load checks the keys of all ranks together, so a checkpoint saved at one
+pipeline and data-parallel layout loads at any other, or unsplit.
 """
 
 from __future__ import annotations
@@ -120,24 +130,57 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     return _names(model, {_clean(k) for k in model.state_dict(keep_vars=True)})[1]
 
 
-def model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def model_parts(model) -> list[nn.Module]:
+    """``model`` as a list of modules: itself, or the stage modules of a list (a pipeline rank's stages)."""
+    parts = list(model) if isinstance(model, (list, tuple)) else [model]
+    wrong = [type(p).__name__ for p in parts if not isinstance(p, nn.Module)]
+    if not parts or wrong:
+        raise ValueError(f"model must be a module or a non-empty list of this rank's pipeline stage modules, "
+                         f"got {wrong or 'an empty list'}")
+    return parts
+
+
+def _pairs(model, optimizer) -> list[tuple[nn.Module, Any]]:
+    """``[(stage module, its optimizer or None)]``: one optimizer per stage when there are several."""
+    parts = model_parts(model)
+    if optimizer is None:
+        return [(part, None) for part in parts]
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if len(optimizers) != len(parts):
+        raise ValueError(f"optimizer: {len(optimizers)} optimizer(s) for {len(parts)} stage module(s); with several "
+                         "stages give one optimizer per stage, in the same order (torch's state-dict functions map "
+                         "an optimizer's parameters through one module)")
+    return list(zip(parts, optimizers))
+
+
+def model_tensors(model) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(``{FQN: value}`` each tensor once, DTensors for parameters; ``{alias: FQN}``) from ``get_model_state_dict``.
 
-    The values share storage with the model: DCP reads into them in place.
+    The values share storage with the model: DCP reads into them in place. ``model`` may be a list of
+    stage modules: their tensors together (a name in two stages is refused).
     """
-    sharded_state(model)
-    state = get_model_state_dict(model)
-    _, aliases, _ = _names(model, state.keys())
-    return {k: v for k, v in state.items() if k not in aliases and isinstance(v, torch.Tensor)}, aliases
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for part in model_parts(model):
+        sharded_state(part)
+        state = get_model_state_dict(part)
+        _, part_aliases, _ = _names(part, state.keys())
+        twice = sorted(k for k in state if k in tensors)
+        if twice:
+            raise ValueError(f"model: stage modules {type(part).__name__} and an earlier one both hold {twice[:4]}; "
+                             "each of the whole model's names belongs to one stage")
+        tensors.update({k: v for k, v in state.items() if k not in part_aliases and isinstance(v, torch.Tensor)})
+        aliases.update(part_aliases)
+    return tensors, aliases
 
 
 def describe_model(model: nn.Module) -> dict:
     """JSON-friendly facts: tensors (shape, dtype, kind), tied aliases, mesh and placements."""
     from ..placements import STRATEGY_PLACEMENTS, describe
 
-    plan = sharded_state(model).plan
+    plan = sharded_state(model_parts(model)[0]).plan
     tensors, aliases = model_tensors(model)
-    params = {_clean(n): p for n, p in model.named_parameters()}
+    params = {_clean(n): p for part in model_parts(model) for n, p in part.named_parameters()}
     described = {}
     for fqn, value in tensors.items():
         row = {"shape": list(value.shape), "dtype": _dtype_name(value.dtype)}
@@ -209,32 +252,91 @@ def optimizer_class(optimizer) -> str:
     return type(optimizer).__name__
 
 
-def describe_optimizer(model: nn.Module, optimizer) -> dict:
+def describe_optimizer(model, optimizer) -> dict:
     kinds: dict[str, dict[str, str]] = {}
-    for _, pairs in _optimizer_params(model, optimizer):
-        for fqn, p in pairs:
-            state = optimizer.state.get(p, {})
-            if state:
-                kinds[fqn] = {key: _state_kind(v, p) for key, v in state.items()}
-    return {"class": optimizer_class(optimizer), "groups": len(optimizer.param_groups), "state": kinds}
+    pairs_of = _pairs(model, optimizer)
+    for part, opt in pairs_of:
+        for _, pairs in _optimizer_params(part, opt):
+            for fqn, p in pairs:
+                state = opt.state.get(p, {})
+                if state:
+                    kinds[fqn] = {key: _state_kind(v, p) for key, v in state.items()}
+    first = pairs_of[0][1]
+    return {"class": optimizer_class(first), "groups": len(first.param_groups), "state": kinds}
+
+
+def merge_descriptions(described: list[tuple[dict, dict | None]]) -> tuple[dict, dict | None]:
+    """One ``(describe_model, describe_optimizer)`` for the whole model from every rank's (pipeline stages
+    hold different tensors); the mesh and placements are the first rank's."""
+    model = dict(described[0][0])
+    model["tensors"] = {k: v for d, _ in described for k, v in d["tensors"].items()}
+    model["tied"] = {k: v for d, _ in described for k, v in d["tied"].items()}
+    optim = described[0][1]
+    if optim is not None:
+        optim = {**optim, "state": {k: v for _, o in described for k, v in (o or {}).get("state", {}).items()}}
+    return model, optim
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a.cpu(), b.cpu())
+    return a == b
+
+
+def merge_param_groups(lists: list[list[dict]]) -> list[dict]:
+    """Param groups of several stages (or ranks) as the whole model's: group ``j`` of each, its ``params``
+    joined in order (each name once), its hyperparameters the same everywhere (else refused)."""
+    merged = [dict(g, params=list(g["params"])) for g in lists[0]]
+    for groups in lists[1:]:
+        if len(groups) != len(merged):
+            raise ValueError(f"optimizer: the stages' optimizers have {len(merged)} and {len(groups)} param groups; "
+                             "a pipeline checkpoint needs the same groups (by index) on every stage")
+        for j, (into, group) in enumerate(zip(merged, groups)):
+            differ = sorted(k for k in set(into) | set(group) if k != "params"
+                            and not _same(into.get(k), group.get(k)))
+            if differ:
+                raise ValueError(f"optimizer: param group {j} has different {differ} on different stages; a pipeline "
+                                 "checkpoint needs group j's hyperparameters to be the same on every stage")
+            seen = set(into["params"])
+            into["params"] += [p for p in group["params"] if p not in seen]
+    return merged
+
+
+def _all_gather(value: Any, process_group) -> list:
+    """``value`` of every rank of ``process_group`` (just this one's without a process group)."""
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(out, value, group=process_group)
+    return out
 
 
 # ------------------------------------------------------------------- save
 def save_state(
     path: str | Path,
-    model: nn.Module,
+    model: nn.Module | list[nn.Module],
     optimizer=None,
     extra: Any = None,
     *,
     save_rng: bool = True,
     process_group=None,
 ) -> Metadata:
-    """Write this rank's shard of ``model`` (and ``optimizer``) into the DCP folder ``path`` (a collective)."""
+    """Write this rank's shard of ``model`` (and ``optimizer``) into the DCP folder ``path`` (a collective).
+
+    ``model``: a module, or this rank's pipeline stage modules with ``optimizer`` one per stage.
+    """
     rank = dist.get_rank(process_group) if dist.is_initialized() else 0
-    tensors, _ = model_tensors(model)
+    pairs = _pairs(model, optimizer)
+    tensors, _ = model_tensors([part for part, _ in pairs])
     state: dict[str, Any] = {MODEL_PREFIX + k: v.detach() for k, v in tensors.items()}
     if optimizer is not None:
-        state.update(_optimizer_entries(model, optimizer))
+        groups = []
+        for part, opt in pairs:
+            entries = _optimizer_entries(part, opt)
+            groups.append(entries.pop(OPTIM_GROUPS_KEY))
+            state.update(entries)
+        # every rank writes the same optim_groups: the whole model's (pipeline ranks hold different parameters)
+        state[OPTIM_GROUPS_KEY] = merge_param_groups(_all_gather(merge_param_groups(groups), process_group))
     state[f"extra/rank{rank}"] = extra
     if save_rng:
         state[f"rng/rank{rank}"] = capture_rng_state()
@@ -283,11 +385,13 @@ def _saved_size(md: Metadata, key: str) -> torch.Size | None:
 
 
 def _check_model(path, md: Metadata, wanted: dict[str, torch.Size], aliases: dict[str, str],
-                 raw: dict[str, str], strict: bool) -> tuple[dict[str, str], list[str]]:
+                 raw: dict[str, str], strict: bool, process_group=None) -> tuple[dict[str, str], list[str]]:
     """Match the model's keys against the checkpoint: ``({FQN: saved key}, skipped FQNs)``.
 
     A checkpoint may name a tied weight by another of its names, or a weight
-    by its name with wrapper parts (``_checkpoint_wrapped_module``...).
+    by its name with wrapper parts (``_checkpoint_wrapped_module``...). The
+    ranks' findings are joined (a collective), so pipeline stages together
+    must cover the checkpoint, and every rank raises the same error.
     """
     saved = {k[len(MODEL_PREFIX):] for k in md.state_dict_metadata if k.startswith(MODEL_PREFIX)}
     others: dict[str, list[str]] = {}
@@ -303,15 +407,20 @@ def _check_model(path, md: Metadata, wanted: dict[str, torch.Size], aliases: dic
     used = {rename.get(n, n) for n in wanted}
     missing = sorted(n for n in wanted if rename.get(n, n) not in saved)
     known = set(wanted) | set(aliases) | set(raw.values())
-    unexpected = sorted(s for s in saved - used if s not in known or aliases.get(s, s) not in wanted)
+    expected = used | {s for s in saved if s in known and aliases.get(s, s) in wanted}
     mismatched = []
     for name, shape in wanted.items():
         size = _saved_size(md, MODEL_PREFIX + rename.get(name, name))
         if size is not None and tuple(size) != tuple(shape):
-            mismatched.append((name, size, shape))
+            mismatched.append((name, tuple(size), tuple(shape)))
+    skip = set(missing) | {m[0] for m in mismatched}
+    found = _all_gather((expected, missing, mismatched), process_group)
+    expected = set().union(*(e for e, _, _ in found))
+    unexpected = sorted(saved - expected)
+    missing = sorted({n for _, m, _ in found for n in m})
+    mismatched = sorted({row for _, _, m in found for row in m})
     if (missing or unexpected or mismatched) and strict:
         raise CheckpointMismatchError(path, missing, unexpected, mismatched)
-    skip = set(missing) | {m[0] for m in mismatched}
     if skip or unexpected:
         warnings.warn(
             f"strict=False: loading {path} without {sorted(skip)}; ignoring checkpoint keys {unexpected}",
@@ -322,7 +431,7 @@ def _check_model(path, md: Metadata, wanted: dict[str, torch.Size], aliases: dic
 
 def load_state(
     path: str | Path,
-    model: nn.Module,
+    model: nn.Module | list[nn.Module],
     optimizer=None,
     *,
     strict: bool = True,
@@ -336,6 +445,8 @@ def load_state(
     for each DTensor, the saved chunks that overlap its local shard. ``meta``
     is the manager's ``shardwise.json`` (optimizer class and state kinds,
     saved world size); without it they are inferred from the DCP metadata.
+    ``model``: a module, or this rank's pipeline stage modules with ``optimizer``
+    one per stage; the checkpoint may come from any other pipeline layout.
     """
     path = Path(path)
     meta = meta or {}
@@ -344,15 +455,22 @@ def load_state(
     reader = dcp.FileSystemReader(str(path))
     md = read_dcp_metadata(path, reader)
 
-    tensors, _ = model_tensors(model)
-    _, aliases, raw = _names(model)
-    keep, skipped = _check_model(path, md, {k: v.shape for k, v in tensors.items()}, aliases, raw, strict)
+    pairs = _pairs(model, optimizer)
+    parts = [part for part, _ in pairs]
+    tensors, _ = model_tensors(parts)
+    aliases, raw = {}, {}
+    for part in parts:
+        _, part_aliases, part_raw = _names(part)
+        aliases.update(part_aliases)
+        raw.update(part_raw)
+    keep, skipped = _check_model(path, md, {k: v.shape for k, v in tensors.items()}, aliases, raw, strict,
+                                 process_group)
     state: dict[str, Any] = {saved_key: tensors[name] for name, saved_key in keep.items()}
     renamed = {name: key[len(MODEL_PREFIX):] for name, key in keep.items()}
 
     installer = None
     if optimizer is not None:
-        installer = _plan_optimizer_load(path, md, model, optimizer, meta, state, strict, skipped, renamed)
+        installer = _plan_optimizer_load(path, md, pairs, meta, state, strict, skipped, renamed, process_group)
 
     saved_world = meta.get("world_size")
     extra_key = f"extra/rank{rank}" if saved_world == world else "extra/rank0"
@@ -367,7 +485,8 @@ def load_state(
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
                  process_group=process_group, no_dist=not dist.is_initialized())
-    model.mark_weights_modified()  # the parameters' local shards were written in place
+    for part in parts:
+        part.mark_weights_modified()  # the parameters' local shards were written in place
 
     if installer is not None:
         installer(state)
@@ -380,10 +499,10 @@ def load_state(
     return LoadedState(step=meta.get("step"), extra=state.get(extra_key), rng_restored=want_rng, skipped=skipped)
 
 
-def _plan_optimizer_load(path, md, model, optimizer, meta, state, strict, skipped, renamed):
-    """Add the optimizer's entries to ``state``; return what installs them once DCP has read them."""
+def _plan_optimizer_load(path, md, pairs_of, meta, state, strict, skipped, renamed, process_group):
+    """Add the optimizers' entries to ``state``; return what installs them once DCP has read them."""
     saved_opt = meta.get("optimizer") or {}
-    saved_class, current_class = saved_opt.get("class"), optimizer_class(optimizer)
+    saved_class, current_class = saved_opt.get("class"), optimizer_class(pairs_of[0][1])
     if OPTIM_GROUPS_KEY not in md.state_dict_metadata:
         if strict:
             raise CheckpointMismatchError(path, what="optimizer", detail="the checkpoint holds no optimizer state")
@@ -403,47 +522,57 @@ def _plan_optimizer_load(path, md, model, optimizer, meta, state, strict, skippe
         if key.startswith(OPTIM_PREFIX):
             fqn, _, name = key[len(OPTIM_PREFIX):].rpartition("/")
             saved_keys.setdefault(fqn, []).append(name)
-    groups = _optimizer_params(model, optimizer)
     skip = set(skipped)
-    layout: dict[str, dict[str, str]] = {}  # FQN -> state key -> checkpoint key
-    for _, pairs in groups:
-        for fqn, p in pairs:
-            source = renamed.get(fqn, fqn)
-            if fqn in skip:
-                continue
-            for name in saved_keys.get(source, []):
-                key = f"{OPTIM_PREFIX}{source}/{name}"
-                entry = md.state_dict_metadata[key]
-                kind = kinds.get(source, {}).get(name) or _infer_kind(entry, p)
-                if isinstance(entry, BytesStorageMetadata) or kind == "object":
-                    state[key] = None
-                elif kind == "sharded" and isinstance(p, DTensor):
-                    state[key] = torch.empty_like(p, dtype=entry.properties.dtype)  # laid out like p
-                else:
-                    device = p.device if kind == "tensor@param" else "cpu"
-                    state[key] = torch.empty(entry.size, dtype=entry.properties.dtype, device=device)
-                layout.setdefault(fqn, {})[name] = key
+    plans = []  # per stage: (module, optimizer, its groups, {FQN: {state key: checkpoint key}})
+    for part, optimizer in pairs_of:
+        groups = _optimizer_params(part, optimizer)
+        layout: dict[str, dict[str, str]] = {}
+        for _, pairs in groups:
+            for fqn, p in pairs:
+                source = renamed.get(fqn, fqn)
+                if fqn in skip:
+                    continue
+                for name in saved_keys.get(source, []):
+                    key = f"{OPTIM_PREFIX}{source}/{name}"
+                    entry = md.state_dict_metadata[key]
+                    kind = kinds.get(source, {}).get(name) or _infer_kind(entry, p)
+                    if isinstance(entry, BytesStorageMetadata) or kind == "object":
+                        state[key] = None
+                    elif kind == "sharded" and isinstance(p, DTensor):
+                        state[key] = torch.empty_like(p, dtype=entry.properties.dtype)  # laid out like p
+                    else:
+                        device = p.device if kind == "tensor@param" else "cpu"
+                        state[key] = torch.empty(entry.size, dtype=entry.properties.dtype, device=device)
+                    layout.setdefault(fqn, {})[name] = key
+        plans.append((part, optimizer, groups, layout))
     state[OPTIM_GROUPS_KEY] = None
 
     def install(loaded: dict[str, Any]) -> None:
         saved_groups = loaded[OPTIM_GROUPS_KEY]
-        current = [[fqn for fqn, _ in pairs] for _, pairs in groups]
-        as_saved = [[renamed.get(f, f) for f in names] for names in current]
-        if len(saved_groups) != len(current) or any(s["params"] != c for s, c in zip(saved_groups, as_saved)):
+        # The whole model's groups: every stage's and every rank's group j together (a collective).
+        mine = [[[renamed.get(fqn, fqn) for fqn, _ in pairs] for _, pairs in groups] for _, _, groups, _ in plans]
+        everyone = [names for rank in _all_gather(mine, process_group) for names in rank]
+        counts = {len(names) for names in everyone}
+        fits = counts == {len(saved_groups)} and all(
+            set(s["params"]) == {n for names in everyone for n in names[j]} for j, s in enumerate(saved_groups))
+        if not fits:
+            current = [[n for names in everyone for n in names[j]] for j in range(max(counts))]
             message = ("the optimizer's parameter groups differ from the checkpoint's "
                        f"(checkpoint: {[s['params'] for s in saved_groups]}, optimizer: {current})")
             if strict:
                 raise CheckpointMismatchError(path, what="optimizer", detail=message)
             warnings.warn(f"{path}: {message}; hyperparameters are not restored", stacklevel=4)
-            hyper = [{k: v for k, v in group.items() if k != "params"} for group, _ in groups]
-        else:
-            hyper = [{k: v for k, v in s.items() if k != "params"} for s in saved_groups]
-        osd = {
-            "state": {fqn: {name: loaded[key] for name, key in keys.items()} for fqn, keys in layout.items()},
-            "param_groups": [{**h, "params": names} for h, names in zip(hyper, current)],
-        }
-        # strict=False: a parameter that never had a gradient has no state, in the checkpoint as in a run.
-        set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(strict=False))
+        for part, optimizer, groups, layout in plans:
+            if fits:
+                hyper = [{k: v for k, v in s.items() if k != "params"} for s in saved_groups]
+            else:
+                hyper = [{k: v for k, v in group.items() if k != "params"} for group, _ in groups]
+            osd = {
+                "state": {fqn: {name: loaded[key] for name, key in keys.items()} for fqn, keys in layout.items()},
+                "param_groups": [{**h, "params": [fqn for fqn, _ in pairs]} for h, (_, pairs) in zip(hyper, groups)],
+            }
+            # strict=False: a parameter that never had a gradient has no state, in the checkpoint as in a run.
+            set_optimizer_state_dict(part, optimizer, osd, options=StateDictOptions(strict=False))
 
     return install
 

@@ -49,7 +49,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .dcp_state import describe_model, describe_optimizer, load_state, save_state
+from .dcp_state import describe_model, describe_optimizer, load_state, merge_descriptions, save_state
 from .integrity import (
     COMPLETE_MARKER,
     FORMAT,
@@ -223,8 +223,11 @@ class CheckpointManager:
         return self.directory / found if found is not None else None
 
     # -------------------------------------------------------------------- save
-    def save(self, step: int, model: nn.Module, optimizer=None, extra: Any = None) -> Path:
-        """Write checkpoint ``step`` atomically; keep the last ``keep_last``. Returns its folder."""
+    def save(self, step: int, model: nn.Module | list[nn.Module], optimizer=None, extra: Any = None) -> Path:
+        """Write checkpoint ``step`` atomically; keep the last ``keep_last``. Returns its folder.
+
+        ``model`` may be this rank's pipeline stage modules, ``optimizer`` then one per stage: the
+        checkpoint is the whole model's, loadable at any other layout (``load`` takes the same forms)."""
         if int(step) != step or step < 0:
             raise ValueError(f"step={step!r} must be a non-negative integer")
         step = int(step)
@@ -254,10 +257,13 @@ class CheckpointManager:
             raise CheckpointSaveError(f"could not save checkpoint step {step}: writing {tmp} failed: {_cause(e)}",
                                       tmp) from (e if isinstance(e, Exception) else None)
         manifest = self._hash(tmp, written)
+        # every rank's tensors (pipeline stages hold different ones), described once for the whole model
+        described = merge_descriptions(self._all_gather(
+            (describe_model(model), describe_optimizer(model, optimizer) if optimizer is not None else None)))
         error = None
         if self.rank == 0:
             try:
-                self._commit(step, tmp, final, model, optimizer, time.perf_counter() - started, manifest)
+                self._commit(step, tmp, final, described, time.perf_counter() - started, manifest)
                 self._prune(step)
             except Exception as e:  # tell the other ranks before raising here
                 error = f"rank 0 could not complete checkpoint {final}: {type(e).__name__}: {e}"
@@ -305,7 +311,8 @@ class CheckpointManager:
             raise CheckpointSaveError(f"could not save checkpoint {tmp}: {'; '.join(bad)}", tmp)
         return {name: row for part, _ in results for name, row in part.items()}
 
-    def _commit(self, step, tmp: Path, final: Path, model, optimizer, seconds: float, manifest: dict) -> None:
+    def _commit(self, step, tmp: Path, final: Path, described: tuple[dict, dict | None], seconds: float,
+                manifest: dict) -> None:
         (tmp / TOKEN_FILE).unlink(missing_ok=True)
         meta = {
             "format": FORMAT,
@@ -314,8 +321,8 @@ class CheckpointManager:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "torch": torch.__version__,
             "save_seconds": round(seconds, 3),
-            **describe_model(model),
-            "optimizer": describe_optimizer(model, optimizer) if optimizer is not None else None,
+            **described[0],
+            "optimizer": described[1],
             "files_bytes": sum(row["bytes"] for row in manifest.values()),
             "checksum": "sha256",
             "files": dict(sorted(manifest.items())),

@@ -98,7 +98,7 @@ class Pipeline:
 
     ``outer`` > 0 adds ``dp_outer`` (each stage HSDP over ``(dp_outer, dp_shard)``), ``tp`` > 1 the
     innermost ``tp`` axis (the GPT built tensor-parallel, each stage sharded on ``(dp_shard, tp)``).
-    ``parts`` are this rank's stage modules, ``params`` their parameters, ``opt`` one AdamW over them.
+    ``parts`` are this rank's stage modules, ``params`` their parameters, ``opts`` an AdamW for each part.
     """
 
     def __init__(self, schedule: str, pp: int, strategy="optim_grads_params", *, outer: int = 0, tp: int = 1,
@@ -137,7 +137,8 @@ class Pipeline:
                        for part, i in zip(self.parts, self.indices)]
         self.schedule = build_schedule(schedule, self.stages, MICRO_BATCHES, lm_loss)
         self.params = [p for part in self.parts for p in part.parameters()]
-        self.opt = torch.optim.AdamW(self.params, lr=LR, weight_decay=WEIGHT_DECAY)
+        # one optimizer per stage, as a pipeline checkpoint wants them (AdamW is per parameter: the same steps)
+        self.opts = [torch.optim.AdamW(part.parameters(), lr=LR, weight_decay=WEIGHT_DECAY) for part in self.parts]
         self.first = any(s.is_first for s in self.stages)
         self.last = any(s.is_last for s in self.stages)
 
@@ -150,8 +151,9 @@ class Pipeline:
         self.schedule.step(*((tokens,) if self.first else ()), target=targets if self.last else None,
                            losses=losses if self.last else None)
         norm = shardwise.clip_grad_norm_(self.params, max_norm, extra_groups=[self.pp_group]).item()
-        self.opt.step()
-        self.opt.zero_grad()
+        for opt in self.opts:
+            opt.step()
+            opt.zero_grad()
         total = torch.stack(losses).mean().detach() if self.last else torch.zeros((), device=dev)
         dist.all_reduce(total)  # every last-stage rank (dp x tp of them) holds its rows' mean
         return total.item() / (self.dp * self.tp), norm
