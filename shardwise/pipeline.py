@@ -11,10 +11,34 @@ last backward), calls :func:`shardwise.engine.finish_grad_accumulation`: the
 step's one reduction per stage. Parameters are gathered per micro-batch by the
 engine's own forward and backward hooks.
 
-Each stage's module is sharded on its data-parallel sub-mesh (``mesh["dp_shard"]``
-of a ``(pp, dp_shard)`` mesh); its parameters keep the whole model's names, so
-the state dicts of all stages together are the whole model's. Clipping spans
-the stages with ``clip_grad_norm_(..., extra_groups=[pp_group])``.
+Each stage's module is sharded on its sub-mesh without the ``pp`` axis:
+``mesh["dp_shard"]`` of a ``(pp, dp_shard)`` mesh, ``mesh["dp_outer", "dp_shard"]``
+(HSDP) of a ``(pp, dp_outer, dp_shard)`` one, ``mesh["dp_shard", "tp"]`` of a
+``(pp, dp_shard, tp)`` one (a tensor-parallel stage, TP inside its DTensors). Its
+parameters keep the whole model's names, so the state dicts of all stages
+together are the whole model's, and ``shardwise.checkpoint`` saves and loads a
+rank's stage modules (with one optimizer per stage) as the whole model's
+checkpoint, loadable at any other layout. Clipping spans the stages with
+``clip_grad_norm_(..., extra_groups=[pp_group])`` (and TP through the DTensors).
+
+Zero-bubble schedules (``ScheduleZBVZeroBubble``, ``ScheduleInterleavedZeroBubble``,
+``ScheduleDualPipeV``) are refused. They split a backward in two: an input
+pass, ``autograd.grad`` from the stage's outputs to its inputs only, then a
+weight pass, ``autograd.grad`` from the saved intermediate nodes to the weights'
+``AccumulateGrad`` nodes, writing ``weight.grad`` itself. Neither fits the
+engine as it is: (1) torch hands both passes ``submod.parameters()``, the
+sharded DTensors at rest, whose grad-accumulator nodes are not in the graph
+(the graph used the gathered compute parameters the hooks swapped in), so the
+weight pass would find no weights and drop every gradient; passing the
+gathered parameters instead is possible (they are the same objects every
+step); but (2) the engine reduces a unit when the backward of its inputs
+fires, which is in the input pass, before any weight gradient exists (an
+``autograd.grad`` to the inputs accumulates no ``.grad``), and the weight pass
+fires none of the engine's hooks. Supporting it needs the engine to defer a
+unit's reduction from its input pass to the end of its weight pass (a unit
+state "weight gradients owed", counted per micro-batch like the forwards
+owed a backward) and take the weight pass's ``.grad`` on the gathered
+parameters into its accumulation window; not built.
 """
 
 from __future__ import annotations
@@ -41,9 +65,7 @@ from .engine import finish_grad_accumulation, is_sharded
 __all__ = ["ShardedPipelineStage", "SCHEDULES", "build_schedule", "pipeline_groups"]
 
 # The schedules whose backwards are whole (one autograd backward per micro-batch and stage).
-# Zero-bubble schedules split a backward into an input and a weight part computed with
-# autograd.grad on module.parameters(): the sharded parameters at rest, not the gathered
-# ones the graph used, so they are refused until the engine can take a weight-only backward.
+# Zero-bubble schedules split it into an input and a weight pass: refused (the module docstring says why).
 SCHEDULES: dict[str, type] = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -75,7 +97,8 @@ class ShardedPipelineStage(PipelineStage):
         if backward_type != "full":
             raise NotImplementedError(
                 f"ShardedPipelineStage: a {backward_type!r} backward (a zero-bubble schedule's split backward) "
-                f"is not supported; use one of {sorted(SCHEDULES)}")
+                f"is not supported: the engine reduces a unit's gradients in the input pass, before the weight "
+                f"pass computes them; use one of {sorted(SCHEDULES)}")
         with self.submod.no_sync():  # accumulate; perform_reduce_grad reduces once for all micro-batches
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 

@@ -335,8 +335,9 @@ def save_state(
             entries = _optimizer_entries(part, opt)
             groups.append(entries.pop(OPTIM_GROUPS_KEY))
             state.update(entries)
-        # every rank writes the same optim_groups: the whole model's (pipeline ranks hold different parameters)
-        state[OPTIM_GROUPS_KEY] = merge_param_groups(_all_gather(merge_param_groups(groups), process_group))
+        # every rank writes the same optim_groups: the whole model's (pipeline ranks hold different parameters);
+        # merged after the gather, so that a refusal is every rank's
+        state[OPTIM_GROUPS_KEY] = merge_param_groups([g for mine in _all_gather(groups, process_group) for g in mine])
     state[f"extra/rank{rank}"] = extra
     if save_rng:
         state[f"rng/rank{rank}"] = capture_rng_state()
@@ -448,6 +449,7 @@ def load_state(
     ``model``: a module, or this rank's pipeline stage modules with ``optimizer``
     one per stage; the checkpoint may come from any other pipeline layout.
     """
+    pairs = _pairs(model, optimizer)
     path = Path(path)
     meta = meta or {}
     rank = dist.get_rank(process_group) if dist.is_initialized() else 0
@@ -455,7 +457,6 @@ def load_state(
     reader = dcp.FileSystemReader(str(path))
     md = read_dcp_metadata(path, reader)
 
-    pairs = _pairs(model, optimizer)
     parts = [part for part, _ in pairs]
     tensors, _ = model_tensors(parts)
     aliases, raw = {}, {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
@@ -25,7 +26,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 import shardwise
 from shardwise.app.ckpt import main as ckpt_main
-from shardwise.checkpoint import CheckpointManager, gather_full_optimizer_state, read_tensors
+from shardwise.checkpoint import CheckpointManager, gather_full_optimizer_state, load_state, read_tensors, save_state
+from shardwise.checkpoint.dcp_state import merge_param_groups
 from shardwise.hf.mapping import gpt_hf_keys
 from shardwise.models import TransformerLayer
 from tests.helpers.distributed import device, run_distributed
@@ -181,3 +183,22 @@ def test_a_pp2_dp2_checkpoint_loads_at_pp1_dp4_pp4_dp1_and_one_process_and_expor
     assert all(torch.equal(hf[h], saved[g]) for g, h, _ in keys)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"] == config.n_layers
     assert relative_error(saved["output.weight"], expected_state["output.weight"]) > 0  # the step changed it
+
+
+def test_stage_lists_and_their_optimizers_are_checked_before_anything_is_written(tmp_path):
+    stages = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    one = torch.optim.AdamW(stages[0].parameters())
+    with pytest.raises(ValueError, match=r"optimizer: 1 optimizer\(s\) for 2 stage module\(s\); with several stages"):
+        save_state(tmp_path / "a", stages, one)
+    with pytest.raises(ValueError, match="model must be a module or a non-empty list .* got an empty list"):
+        save_state(tmp_path / "b", [], None)
+    with pytest.raises(ValueError, match=r"got \['str'\]"):
+        load_state(tmp_path / "c", ["embed"])
+    assert not any(tmp_path.iterdir())
+    group = {"lr": 1e-3, "betas": (0.9, 0.95), "params": ["a"]}
+    merged = merge_param_groups([[group], [{**group, "params": ["b", "a"]}]])
+    assert merged == [{**group, "params": ["a", "b"]}]
+    with pytest.raises(ValueError, match=r"param group 0 has different \['lr'\] on different stages"):
+        merge_param_groups([[group], [{**group, "lr": 1e-2}]])
+    with pytest.raises(ValueError, match="the stages' optimizers have 1 and 2 param groups"):
+        merge_param_groups([[group], [group, group]])
