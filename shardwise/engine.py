@@ -9,6 +9,7 @@ change those without breaking a face.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
@@ -24,6 +25,9 @@ __all__ = [
     "wait_for_reductions",
     "install_grads",
     "finish_grad_accumulation",
+    "split_backward_input",
+    "compute_parameters",
+    "reduce_weight_grads",
     "refresh_model_weights",
     "broadcast_from_first_replica",
     "load_full_state_dict",
@@ -82,6 +86,30 @@ def finish_grad_accumulation(model: nn.Module) -> None:
     axes: every rank of the mesh calls it.
     """
     sharded_state(model).finish_accumulation()
+
+
+@contextlib.contextmanager
+def split_backward_input(model: nn.Module):
+    """Inside: a backward to the inputs only (a zero-bubble schedule's input pass), whose weight
+    gradients a later pass computes; no unit reduces (there is nothing yet), each still frees its weights."""
+    state = sharded_state(model)
+    previous, state.defer_reduction = state.defer_reduction, True
+    try:
+        yield
+    finally:
+        state.defer_reduction = previous
+
+
+def compute_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The gathered compute parameters autograd sees in forward (trainable ones; the same objects every
+    step, their storage freed at rest): where a weight pass's gradients must go."""
+    return [p for g in sharded_state(model).groups if g.requires_grad for p in g.unsharded_params]
+
+
+def reduce_weight_grads(model: nn.Module) -> None:
+    """After a weight pass wrote ``.grad`` on :func:`compute_parameters`: reduce them as a backward's end
+    would (into the open window under ``no_sync``). A collective over the model's data-parallel axes."""
+    sharded_state(model).reduce_weight_grads()
 
 
 def refresh_model_weights(model: nn.Module) -> None:

@@ -75,6 +75,9 @@ class ShardedState:
         self.backward_optimizers: dict[int, torch.optim.Optimizer] = {}
         self.host_steps = HostSteps()
         self.grad_forward = False
+        # A split backward's input pass (a zero-bubble pipeline schedule): the weight gradients come
+        # in a later pass, so no unit reduces in this one (see reduce_weight_grads).
+        self.defer_reduction = False
         # Every hook is opaque to torch.compile, made once: a compiled region that reaches one
         # (the module's forward hooks, autograd's callbacks under a compiled backward) runs it
         # eagerly and whole. The forward hooks shadow the methods, so fully_shard registers these.
@@ -199,7 +202,8 @@ class ShardedState:
             unit.pending_backward -= 1
         if unit.pending_backward > 0 or unit.expected_recompute > 0 or unit.reduced:
             return
-        self._reduce(unit)
+        if not self.defer_reduction:
+            self._reduce(unit)
         unit.reshard()
 
     def _reduce(self, unit: Unit) -> None:
@@ -227,6 +231,18 @@ class ShardedState:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward_callback)
 
     def _finish_backward(self) -> None:
+        if not self.defer_reduction:
+            self._reduce_all()
+        for unit in self.all_units:
+            unit.reshard()
+            # Under no_sync other micro-batches' forwards may still await their backward (a
+            # pipeline schedule): their counts stay; the step's end (sync) forgets stale ones.
+            unit.reset_iteration(keep_forward_counts=not self.sync_grads)
+        self.streams.pool.clear()
+        self.callback_queued = False
+
+    def _reduce_all(self) -> None:
+        """Reduce every unit holding gradients not yet reduced; wait; install ``.grad`` when syncing."""
         ordered = list(reversed(self.forward_order)) + [u for u in self.units if id(u) not in self._order_index]
         for unit in ordered + [self.root]:
             # grads from a forward before the last backward's end count too (pipeline micro-batches)
@@ -246,13 +262,23 @@ class ShardedState:
         if self.sync_grads:
             for unit in self.all_units:
                 unit.install_grads()
+
+    def reduce_weight_grads(self) -> None:
+        """After a split backward's weight pass (outside any backward): reduce every unit whose gathered
+        parameters now hold gradients, as the end of a whole backward would have."""
+        if self.callback_queued:
+            raise RuntimeError("reduce_weight_grads was called during a backward of the model; call it after "
+                               "the weight pass has returned")
+        ordered = list(reversed(self.forward_order)) + [u for u in self.units if id(u) not in self._order_index]
+        for unit in ordered + [self.root]:
+            if any(g.has_unsharded_grads() for g in unit.groups):
+                self._reduce(unit)
+        self._land_in_flight()
+        self.host_steps.wait()
         for unit in self.all_units:
             unit.reshard()
-            # Under no_sync other micro-batches' forwards may still await their backward (a
-            # pipeline schedule): their counts stay; the step's end (sync) forgets stale ones.
             unit.reset_iteration(keep_forward_counts=not self.sync_grads)
         self.streams.pool.clear()
-        self.callback_queued = False
 
     # ------------------------------------------- accumulation ended outside backward
     def finish_accumulation(self) -> None:

@@ -21,24 +21,24 @@ rank's stage modules (with one optimizer per stage) as the whole model's
 checkpoint, loadable at any other layout. Clipping spans the stages with
 ``clip_grad_norm_(..., extra_groups=[pp_group])`` (and TP through the DTensors).
 
-Zero-bubble schedules (``ScheduleZBVZeroBubble``, ``ScheduleInterleavedZeroBubble``,
-``ScheduleDualPipeV``) are refused. They split a backward in two: an input
-pass, ``autograd.grad`` from the stage's outputs to its inputs only, then a
-weight pass, ``autograd.grad`` from the saved intermediate nodes to the weights'
-``AccumulateGrad`` nodes, writing ``weight.grad`` itself. Neither fits the
-engine as it is: (1) torch hands both passes ``submod.parameters()``, the
-sharded DTensors at rest, whose grad-accumulator nodes are not in the graph
-(the graph used the gathered compute parameters the hooks swapped in), so the
-weight pass would find no weights and drop every gradient; passing the
-gathered parameters instead is possible (they are the same objects every
-step); but (2) the engine reduces a unit when the backward of its inputs
-fires, which is in the input pass, before any weight gradient exists (an
-``autograd.grad`` to the inputs accumulates no ``.grad``), and the weight pass
-fires none of the engine's hooks. Supporting it needs the engine to defer a
-unit's reduction from its input pass to the end of its weight pass (a unit
-state "weight gradients owed", counted per micro-batch like the forwards
-owed a backward) and take the weight pass's ``.grad`` on the gathered
-parameters into its accumulation window; not built.
+Zero-bubble schedules (``zbv``: ``ScheduleZBVZeroBubble``, ``interleaved_zb``:
+``ScheduleInterleavedZeroBubble``) split a backward in two: an input pass,
+``autograd.grad`` from the stage's outputs to its inputs only, then a weight
+pass, ``autograd.grad`` from the intermediate nodes the first pass saved to the
+weights' gradient accumulators, writing ``weight.grad``. torch's stage hands
+both passes ``submod.parameters()``: here the sharded DTensors at rest, which
+are not in the graph (the forward used the gathered compute parameters the
+hooks swapped in), so the weight pass would find no weights. A shardwise
+stage gives both passes the gathered parameters instead
+(:func:`shardwise.engine.compute_parameters`, the same objects every step).
+The engine reduces a unit when the backward of its inputs fires, which is in
+the input pass, before any weight gradient exists; inside
+:func:`shardwise.engine.split_backward_input` no unit reduces (each still
+frees its weights: the weight pass needs saved activations only), and after
+the weight pass :func:`shardwise.engine.reduce_weight_grads` reduces what it
+wrote into the open window, as a whole backward's end would have. The first
+stage has no input gradient: torch runs its whole backward in the weight step.
+``ScheduleDualPipeV`` (overlapped forward and backward) is not supported.
 """
 
 from __future__ import annotations
@@ -50,27 +50,38 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
 )
 
 from .device import device_for
-from .engine import finish_grad_accumulation, is_sharded
+from .engine import (
+    compute_parameters,
+    finish_grad_accumulation,
+    is_sharded,
+    reduce_weight_grads,
+    split_backward_input,
+)
 
 __all__ = ["ShardedPipelineStage", "SCHEDULES", "build_schedule", "pipeline_groups"]
 
-# The schedules whose backwards are whole (one autograd backward per micro-batch and stage).
-# Zero-bubble schedules split it into an input and a weight pass: refused (the module docstring says why).
+# torch's schedules a ShardedPipelineStage runs; the zero-bubble ones split each backward into an
+# input and a weight pass (the module docstring says how the engine takes them).
 SCHEDULES: dict[str, type] = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved": ScheduleInterleaved1F1B,
     "looped_bfs": ScheduleLoopedBFS,
+    "zbv": ScheduleZBVZeroBubble,
+    "interleaved_zb": ScheduleInterleavedZeroBubble,
 }
 
 
@@ -79,7 +90,8 @@ class ShardedPipelineStage(PipelineStage):
 
     Arguments as ``PipelineStage``'s; ``group`` is the pipeline's process group (the
     ``pp`` axis of the mesh) and ``device`` defaults to where the module's mesh
-    computes. Every micro-batch's backward accumulates (``no_sync``); the schedule's
+    computes. Every micro-batch's backward accumulates (``no_sync``; a split backward's
+    input pass reduces nothing, its weight pass what it computed); the schedule's
     reduce-grad point reduces, installs ``.grad`` and then divides it by the number
     of micro-batches when the schedule scales gradients.
     """
@@ -94,12 +106,15 @@ class ShardedPipelineStage(PipelineStage):
         super().__init__(submodule, stage_index, num_stages, device, group=group, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        if backward_type != "full":
-            raise NotImplementedError(
-                f"ShardedPipelineStage: a {backward_type!r} backward (a zero-bubble schedule's split backward) "
-                f"is not supported: the engine reduces a unit's gradients in the input pass, before the weight "
-                f"pass computes them; use one of {sorted(SCHEDULES)}")
         with self.submod.no_sync():  # accumulate; perform_reduce_grad reduces once for all micro-batches
+            if backward_type == "input":  # no unit reduces: its weight gradients come in the weight pass
+                with split_backward_input(self.submod):
+                    return stage_backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                                bwd_kwargs["input_values"], iter(compute_parameters(self.submod)))
+            if backward_type == "weight":  # .grad on the gathered parameters the graph used, then reduced
+                stage_backward_weight(iter(compute_parameters(self.submod)), bwd_kwargs["param_groups"])
+                reduce_weight_grads(self.submod)
+                return None, None
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
@@ -133,12 +148,13 @@ def build_schedule(schedule: str, stages: Sequence[ShardedPipelineStage], n_micr
     """One of torch's schedules over this rank's ``stages``, checked before anything runs.
 
     ``schedule`` is a key of :data:`SCHEDULES`; ``gpipe`` and ``1f1b`` take one stage
-    per rank, ``interleaved`` and ``looped_bfs`` several (virtual stages). Other
-    keyword arguments go to the schedule (``scale_grads``, chunk specs).
+    per rank, ``interleaved``, ``looped_bfs`` and ``interleaved_zb`` several (virtual
+    stages, rank ``r`` holding ``r``, ``r + pp``...), ``zbv`` two in a V (rank ``r``
+    holding ``r`` and ``2 pp - 1 - r``). Other keyword arguments go to the schedule
+    (``scale_grads``, chunk specs).
     """
     if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is not supported; choose one of {sorted(SCHEDULES)} "
-                         "(zero-bubble schedules split backward in a way the engine cannot take yet)")
+        raise ValueError(f"schedule={schedule!r} is not supported; choose one of {sorted(SCHEDULES)}")
     stages = list(stages)
     wrong = [type(s).__name__ for s in stages if not isinstance(s, ShardedPipelineStage)]
     if not stages or wrong:

@@ -221,8 +221,8 @@ def test_a_stage_reduces_its_gradients_once_per_step():
 
 
 def test_unsupported_schedules_and_bad_arguments_are_refused_early():
-    with pytest.raises(ValueError, match="schedule='zbv' is not supported; choose one of"):
-        build_schedule("zbv", [], 4, lm_loss)
+    with pytest.raises(ValueError, match="schedule='dualpipev' is not supported; choose one of"):
+        build_schedule("dualpipev", [], 4, lm_loss)
     with pytest.raises(ValueError, match="stages must be a non-empty list of ShardedPipelineStage, got none"):
         build_schedule("1f1b", [], 4, lm_loss)
     with pytest.raises(ValueError, match="submodule=Linear is not wrapped by shardwise.fully_shard"):

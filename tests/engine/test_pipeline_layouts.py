@@ -1,18 +1,24 @@
-"""Pipeline x FSDP on the mesh layouts the plain (pp, dp_shard) tests leave out (4 gloo processes).
+"""Pipeline x FSDP on the layouts and schedules the plain (pp, dp_shard) tests leave out.
 
 ``(pp, dp_shard, tp)``: each stage of a tensor-parallel GPT is sharded on its
 ``(dp_shard, tp)`` sub-mesh, TP inside; ``(pp, dp_outer, dp_shard)``: each stage
-HSDP. Every step's loss and gradient norm (clipped by the norm over all stages
-and TP ranks), and every parameter at the end, match the unsplit TP=1 GPT
-trained on the whole batch by one process.
+HSDP; the zero-bubble schedules, whose backward is split into an input and a
+weight pass. Every step's loss and gradient norm (clipped by the norm over all
+stages and TP ranks), and every parameter at the end, match the unsplit TP=1
+GPT trained on the whole batch by one process.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
+import shardwise
+from shardwise.pipeline import ShardedPipelineStage
+from tests.helpers.counting import CountingCollectives
 from tests.helpers.distributed import run_distributed
 from tests.helpers.gpt_stages import Pipeline, Reference
 from tests.helpers.parity import assert_close_states
@@ -21,8 +27,8 @@ STEPS = 3
 MAX_NORM = 0.5  # below every step's gradient norm here: clipping bites (asserted)
 
 
-def _parity(schedule, pp, strategy, outer=0, tp=1):
-    pipe = Pipeline(schedule, pp, strategy, outer=outer, tp=tp)
+def _parity(schedule, pp, strategy, outer=0, tp=1, collectives=None):
+    pipe = Pipeline(schedule, pp, strategy, outer=outer, tp=tp, collectives=collectives)
     if tp > 1:  # TP inside the stage: the stage's DTensors say so in torch's terms
         wq = next(p for n, p in pipe.parts[0].named_parameters() if n.endswith("attention.wq.weight"))
         names = wq.device_mesh.mesh_dim_names
@@ -49,3 +55,52 @@ def test_pp2_dp1_tp2_trains_as_one_process(schedule, strategy):
 def test_pp2_hsdp_1x2_trains_as_one_process():
     # a (pp, dp_outer, dp_shard) = (2, 1, 2) mesh: each stage HSDP, sharded over dp_shard
     run_distributed(_parity, 4, "gpipe", 2, "optim_grads_params", outer=1)
+
+
+def _zero_bubble(schedule, strategy):
+    """Parity, with every backward of a stage that is not the first split in two (the first stage has no input
+    gradient: torch runs its whole backward in the weight step); returns the passes each kind ran."""
+    passes = Counter()
+    whole = ShardedPipelineStage.backward_maybe_with_nosync
+
+    def counted(self, backward_type, bwd_kwargs, last_backward=False):
+        passes[(self.stage_index == 0, backward_type)] += 1
+        return whole(self, backward_type, bwd_kwargs, last_backward)
+
+    ShardedPipelineStage.backward_maybe_with_nosync = counted
+    try:
+        _parity(schedule, 2, strategy)
+    finally:
+        ShardedPipelineStage.backward_maybe_with_nosync = whole
+    return dict(passes)
+
+
+@pytest.mark.parametrize("schedule,strategy,world", [
+    ("zbv", "optim_grads_params", 2),
+    ("zbv", "optim_grads", 4),
+    ("interleaved_zb", "optim_grads_params", 4),
+])
+def test_zero_bubble_schedules_train_as_one_process(schedule, strategy, world):
+    split = 3 * 4  # steps x micro-batches: one input and one weight pass each, per stage
+    for rank, passes in enumerate(run_distributed(_zero_bubble, world, schedule, strategy)):
+        first = rank < world // 2  # pp rank 0 holds stage 0 (and stage 3 or 2)
+        assert passes == ({(True, "full"): split, (False, "input"): split, (False, "weight"): split} if first
+                          else {(False, "input"): 2 * split, (False, "weight"): 2 * split}), (rank, passes)
+
+
+def _reductions_per_step():
+    counting = CountingCollectives()
+    pipe = Pipeline("zbv", 2, "no_shard", collectives=counting)
+    groups = sum(1 for part in pipe.parts for g in shardwise.sharded_state(part).groups if g.requires_grad)
+    counts = []
+    for step in range(2):
+        counting.calls.clear()
+        pipe.step(step, 1e9)
+        counts.append(dict(counting.calls))
+    return groups, counts
+
+
+def test_a_zero_bubble_stage_reduces_its_gradients_once_per_step():
+    # no_shard keeps gradients Partial: the weight passes accumulate, one all-reduce per group and step
+    for groups, counts in run_distributed(_reductions_per_step, 4):
+        assert counts == [{"all_reduce": groups}] * 2, (groups, counts)

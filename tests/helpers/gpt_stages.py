@@ -90,7 +90,7 @@ def gpt_batch(step: int, size: int, vocab: int = 64) -> tuple[torch.Tensor, torc
 MICRO_BATCHES = 4
 GLOBAL_BATCH = 8
 LR, WEIGHT_DECAY = 2e-3, 0.1
-VIRTUAL = {"interleaved": 2, "looped_bfs": 2, "zbv": 2}  # stages per rank; the others hold one
+VIRTUAL = {"interleaved": 2, "looped_bfs": 2, "zbv": 2, "interleaved_zb": 2}  # stages per rank; the others hold one
 
 
 class Pipeline:
@@ -102,7 +102,7 @@ class Pipeline:
     """
 
     def __init__(self, schedule: str, pp: int, strategy="optim_grads_params", *, outer: int = 0, tp: int = 1,
-                 config: GPTConfig | None = None, seed: int = 0, **stage_options):
+                 config: GPTConfig | None = None, seed: int = 0, collectives=None):
         world, dev = dist.get_world_size(), device()
         dp = world // (pp * tp)
         names, shape = ["pp"], [pp]
@@ -132,8 +132,9 @@ class Pipeline:
             self.indices = [pp_rank + v * pp for v in range(virtual)]
         extra = {"outer_dp_sharding_strategy": "no_shard"} if outer else {}
         self.parts = [shardwise.fully_shard(gpt_stage(whole, i, count), self.mesh[dp_axes], strategy=strategy,
-                                            unit_modules=[TransformerLayer], **extra) for i in self.indices]
-        self.stages = [ShardedPipelineStage(part, i, count, group=self.pp_group, **stage_options)
+                                            unit_modules=[TransformerLayer], collectives=collectives, **extra)
+                      for i in self.indices]
+        self.stages = [ShardedPipelineStage(part, i, count, group=self.pp_group)
                        for part, i in zip(self.parts, self.indices)]
         self.schedule = build_schedule(schedule, self.stages, MICRO_BATCHES, lm_loss)
         self.params = [p for part in self.parts for p in part.parameters()]
