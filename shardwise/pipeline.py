@@ -34,7 +34,9 @@ stage gives both passes the gathered parameters instead
 The engine reduces a unit when the backward of its inputs fires, which is in
 the input pass, before any weight gradient exists; inside
 :func:`shardwise.engine.split_backward_input` no unit reduces (each still
-frees its weights: the weight pass needs saved activations only), and after
+frees its weights: the weight pass needs saved activations only, as linears,
+embeddings and norms do; a weight gradient that reads the weight itself, such
+as weight normalization's, is not supported under these schedules), and after
 the weight pass :func:`shardwise.engine.reduce_weight_grads` reduces what it
 wrote into the open window, as a whole backward's end would have. The first
 stage has no input gradient: torch runs its whole backward in the weight step.
