@@ -1,12 +1,11 @@
-"""Test-only pipeline stages of shardwise's GPT, under the whole model's parameter names.
+"""A pipeline of shardwise GPT stages on a (pp, [dp_outer,] dp_shard[, tp]) mesh, and its one-process reference.
 
-A stage holds an equal share of a seeded GPT's layers (the embedding on the
-first stage, the final norm and output head on the last), as a module of its
-own whose parameter names are the whole model's (``layers.2.attention.wq.weight``
-on stage 1 of 2), so the stages' state dicts together are the GPT's and a
-pipeline checkpoint loads into an unsplit GPT. With ``config.tp_group`` the
-GPT is built tensor-parallel (its layers split their weights over the TP group;
-logits are gathered), and a seeded TP model equals the seeded TP=1 one.
+Stages come from ``shardwise.models.pipeline_stage`` (an equal share of a seeded
+GPT's layers under the whole model's parameter names, so the stages' state
+dicts together are the GPT's and a pipeline checkpoint loads into an unsplit
+GPT). With ``tp`` > 1 the GPT is built tensor-parallel (its layers split their
+weights over the TP group; logits are gathered), and a seeded TP model equals
+the seeded TP=1 one.
 """
 
 from __future__ import annotations
@@ -15,12 +14,11 @@ import copy
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise
-from shardwise.models import GPT, GPTConfig, TransformerLayer
+from shardwise.models import GPT, GPTConfig, TransformerLayer, pipeline_stage
 from shardwise.pipeline import ShardedPipelineStage, build_schedule, pipeline_groups
 from tests.helpers.distributed import device
 from tests.helpers.parity import state_of
@@ -37,43 +35,6 @@ def gpt_config(**overrides) -> GPTConfig:
 def seeded_gpt(config: GPTConfig, seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     return GPT(config)
-
-
-class GPTStage(nn.Module):
-    """Layers ``keep`` of ``gpt`` (each under its index), with its embedding, norm and head when asked.
-
-    The modules are ``gpt``'s own, not copies (a TP layer holds a process group, which cannot be copied):
-    stages of one GPT take disjoint parts of it."""
-
-    def __init__(self, gpt: GPT, keep: list[int], first: bool, last: bool):
-        super().__init__()
-        self.config = gpt.config
-        self.embed = gpt.embed if first else None
-        self.layers = nn.ModuleDict({str(i): gpt.layers[i] for i in keep})
-        self.norm = gpt.norm if last else None
-        self.output = gpt.output if last else None
-        self.register_buffer("rope_cos", gpt.rope_cos.clone(), persistent=False)
-        self.register_buffer("rope_sin", gpt.rope_sin.clone(), persistent=False)
-
-    def forward(self, x):
-        if self.embed is not None:
-            x = self.embed(x)
-        for layer in self.layers.values():
-            x = layer(x, self.rope_cos, self.rope_sin)
-        if self.output is not None:
-            x = self.output(self.norm(x))
-        return x
-
-
-def gpt_stage(gpt: GPT, index: int, count: int) -> GPTStage:
-    """Stage ``index`` of ``count``: an equal share of the layers, in order."""
-    layers = len(gpt.layers)
-    if layers % count:
-        raise ValueError(f"count={count} stages do not split {layers} layers equally")
-    if gpt.config.tie_embeddings:
-        raise ValueError("tie_embeddings=True ties the first stage's embedding to the last stage's head")
-    per = layers // count
-    return GPTStage(gpt, list(range(index * per, (index + 1) * per)), index == 0, index == count - 1)
 
 
 def lm_loss(logits, targets):
@@ -131,7 +92,7 @@ class Pipeline:
         else:
             self.indices = [pp_rank + v * pp for v in range(virtual)]
         extra = {"outer_dp_sharding_strategy": "no_shard"} if outer else {}
-        self.parts = [shardwise.fully_shard(gpt_stage(whole, i, count), self.mesh[dp_axes], strategy=strategy,
+        self.parts = [shardwise.fully_shard(pipeline_stage(whole, i, count), self.mesh[dp_axes], strategy=strategy,
                                             unit_modules=[TransformerLayer], collectives=collectives, **extra)
                       for i in self.indices]
         self.stages = [ShardedPipelineStage(part, i, count, group=self.pp_group)
