@@ -10,7 +10,8 @@ CUDA device, so the schedule runs by hand: activations and gradients go over the
 ``send``/``recv``, and the chunks are called as Megatron's schedules call them when Megatron-LM sets
 ``no_sync_func`` and ``grad_sync_func`` (its default with ``--overlap-grad-reduce``): every backward under
 ``no_sync``, except the first stage's last one without virtual stages; ``start_grad_sync`` after a chunk's
-last backward where that backward did not sync; then Megatron-Core's own ``finalize_model_grads(chunks)``.
+last backward where that backward did not sync; then Megatron-Core's own ``finalize_model_grads(chunks)``
+(with tied embeddings, which it cannot finish for sharded chunks, the fix V1's warning names).
 Clipping by the norm over both stages (``clip_grad_norm_(..., extra_groups=[pp])``); every loss, norm and
 full parameter agrees with one process training the whole model on the whole batch (fp32, rtol 1e-5).
 The run on GPUs with Megatron's GPTModel and schedules: ``scripts/megatron_lm_step.py --pp 2``.
@@ -52,14 +53,19 @@ MAX_NORM = 0.5  # below every step's gradient norm here, so clipping bites (asse
 class StageLM(nn.Module):
     """A small LM; a stage is a copy with the other stages' parts set to None (the whole model's names)."""
 
-    def __init__(self, c: TinyConfig):
+    def __init__(self, c: TinyConfig, tied: bool = False):
         super().__init__()
         self.pre_process = self.post_process = True
-        self.share_embeddings_and_output_weights = False
+        self.share_embeddings_and_output_weights = tied
         self.embed = nn.Embedding(c.vocab, c.dim)
         self.blocks = nn.ModuleDict({str(i): Block(c) for i in range(c.layers)})
         self.norm = nn.LayerNorm(c.dim)
         self.head = nn.Linear(c.dim, c.vocab, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def shared_embedding_or_output_weight(self):
+        return self.embed.weight if self.pre_process else self.head.weight
 
     def forward(self, x):
         if self.embed is not None:
@@ -81,6 +87,8 @@ def stage_of(model: StageLM, index: int, count: int) -> StageLM:
         part.embed = None
     if not part.post_process:
         part.norm = part.head = None
+    if part.share_embeddings_and_output_weights and part.post_process and not part.pre_process:
+        part.head.weight.shared = part.head.weight.shared_embedding = True  # as Megatron's LanguageModule marks it
     return part
 
 
@@ -155,7 +163,32 @@ def _run_schedule(chunks, stages, count, pp, tokens, targets):
     return losses
 
 
-def _train_pipeline(strategy: str, virtual: int):
+def _finalize(chunks, tied: bool) -> None:
+    """Megatron-Core's own ``finalize_model_grads``; with tied embeddings, which it cannot finish for
+    sharded chunks (the warning), the fix the warning names: its DP sync, then the tied weight's local
+    gradient shard all-reduced over the embedding group."""
+    if not tied:
+        finalize_model_grads(chunks)  # finish_grad_sync on every chunk, then the PP syncs
+        return
+    for chunk in chunks:
+        chunk.finish_grad_sync()
+    group = parallel_state.get_embedding_group()
+    weight = chunks[0].module.shared_embedding_or_output_weight()
+    dist.all_reduce(weight.grad.to_local(), group=group)  # both ends shard the weight alike
+
+
+def _clip(params, pp) -> float:
+    """Clip by the norm over both stages, the duplicate of a tied weight counted once (as Megatron does)."""
+    counted = [p for p in params if not getattr(p, "shared", False)]
+    norm = shardwise.clip_grad_norm_(counted, MAX_NORM, extra_groups=[pp])
+    coefficient = torch.clamp(MAX_NORM / (norm + 1e-6), max=1.0)
+    for p in params:
+        if getattr(p, "shared", False) and p.grad is not None:
+            p.grad.to_local().mul_(coefficient)
+    return norm.item()
+
+
+def _train_pipeline(strategy: str, virtual: int, tied: bool = False):
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=PP)
     try:
         pg = RealProcessGroups.use_mpu_process_groups()
@@ -164,10 +197,14 @@ def _train_pipeline(strategy: str, virtual: int):
         count, pp_rank = PP * virtual, dist.get_rank(pp)
         stages = [pp_rank + v * PP for v in range(virtual)]
         torch.manual_seed(0)
-        whole = StageLM(CONFIG)
+        whole = StageLM(CONFIG, tied)
         # one wrapper per chunk; Megatron-LM disables bucketing for the chunks after the first
-        chunks = [FullyShardedDataParallelV1(config, ddp, stage_of(whole, s, count).to(dev), disable_bucketing=v > 0,
-                                             device=dev, pg_collection=pg) for v, s in enumerate(stages)]
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            chunks = [FullyShardedDataParallelV1(config, ddp, stage_of(whole, s, count).to(dev),
+                                                 disable_bucketing=v > 0, device=dev, pg_collection=pg)
+                      for v, s in enumerate(stages)]
+        assert any("share_embeddings_and_output_weights=True" in str(w.message) for w in said) == tied
         params = [p for chunk in chunks for p in chunk.parameters()]
         opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-6)
         dp_rank, dp = dist.get_rank(pg.dp_cp), dist.get_world_size(pg.dp_cp)
@@ -179,8 +216,8 @@ def _train_pipeline(strategy: str, virtual: int):
             for chunk in chunks:
                 chunk.zero_grad_buffer()
             micro = _run_schedule(chunks, stages, count, pp, tokens, targets)
-            finalize_model_grads(chunks)  # Megatron-Core's own: finish_grad_sync on every chunk, then the PP syncs
-            norms.append(shardwise.clip_grad_norm_(params, MAX_NORM, extra_groups=[pp]).item())
+            _finalize(chunks, tied)
+            norms.append(_clip(params, pp))
             opt.step()
             for chunk in chunks:
                 chunk.start_param_sync()
@@ -198,9 +235,9 @@ def _train_pipeline(strategy: str, virtual: int):
         parallel_state.destroy_model_parallel()
 
 
-def _train_reference():
+def _train_reference(tied: bool = False):
     torch.manual_seed(0)
-    model = StageLM(CONFIG).to(device())
+    model = StageLM(CONFIG, tied).to(device())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
     losses, norms = [], []
     for step in range(STEPS):
@@ -214,9 +251,9 @@ def _train_reference():
     return losses, norms, state_of(model)
 
 
-def _parity(strategy: str, virtual: int):
-    losses, norms, state = _train_pipeline(strategy, virtual)
-    ref_losses, ref_norms, ref_state = _train_reference()
+def _parity(strategy: str, virtual: int, tied: bool = False):
+    losses, norms, state = _train_pipeline(strategy, virtual, tied)
+    ref_losses, ref_norms, ref_state = _train_reference(tied)
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
                                torch.tensor(ref_losses, dtype=torch.float64), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(norms, dtype=torch.float64),
@@ -227,13 +264,14 @@ def _parity(strategy: str, virtual: int):
     return losses
 
 
-@pytest.mark.parametrize("strategy,virtual", [
-    ("optim", 1),  # ZeRO-1: the first stage reduces in its last backward, the second in start_grad_sync
-    ("optim_grads_params", 1),  # ZeRO-3: reduce-scattered every micro-batch, the window closed once
-    ("optim_grads_params", 2),  # virtual stages: two wrappers per rank, every chunk through start_grad_sync
+@pytest.mark.parametrize("strategy,virtual,tied", [
+    ("optim", 1, False),  # ZeRO-1: the first stage reduces in its last backward, the second in start_grad_sync
+    ("optim_grads_params", 1, False),  # ZeRO-3: reduce-scattered every micro-batch, the window closed once
+    ("optim_grads_params", 2, False),  # virtual stages: two wrappers per rank, every chunk through start_grad_sync
+    ("optim", 1, True),  # tied embeddings: warned about; the named fix trains as one process
 ])
-def test_pp2_dp2_chunks_train_as_one_process(strategy, virtual):
-    results = run_distributed(_parity, 4, strategy, virtual)
+def test_pp2_dp2_chunks_train_as_one_process(strategy, virtual, tied):
+    results = run_distributed(_parity, 4, strategy, virtual, tied)
     assert all(r == results[0] for r in results)
 
 
