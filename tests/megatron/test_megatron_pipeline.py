@@ -116,7 +116,7 @@ def _real_configs(strategy: str):
 def _run_schedule(chunks, stages, count, pp, tokens, targets):
     """One step's forwards and backwards, micro-batch by micro-batch (GPipe order), as Megatron's schedules
     call the chunks given ``no_sync_func`` and ``grad_sync_func``; returns the last stage's micro-batch losses."""
-    me, pp_rank, world = dist.get_rank(), dist.get_rank(pp), dist.get_world_size(pp)
+    pp_rank, world = dist.get_rank(pp), dist.get_world_size(pp)
     peer = {+1: dist.get_global_rank(pp, (pp_rank + 1) % world), -1: dist.get_global_rank(pp, (pp_rank - 1) % world)}
     shape = (tokens.shape[0] // MICRO_BATCHES, tokens.shape[1], CONFIG.dim)
     no_sync = contextlib.ExitStack()  # Megatron's multi_no_sync: every chunk's no_sync at once
