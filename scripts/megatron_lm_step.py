@@ -21,10 +21,10 @@ stage, one wrapper per chunk, bucketing off after the first as Megatron-LM does)
 ``GPTModel`` per chunk with its ``pre_process`` / ``post_process`` (untied embeddings,
 GPTModel's default), and ``get_forward_backward_func()`` then returns Megatron's
 pipelined (interleaved) schedule, given per-chunk ``no_sync_func`` / ``grad_sync_func``;
-the data-parallel group is each stage's. On 2 GPUs:
+the data-parallel group is each stage's. On 2 GPUs (PP2 x DP1; not run yet), both
+wrappers, whose lines in ``pp2.jsonl`` should carry the same losses and grad norms:
 
-    torchrun --nproc-per-node 2 scripts/megatron_lm_step.py --wrapper megatron --pp 2 --layers 4 --hidden 512 --heads 8 --seq 512 --micro-batches 4 --strategy optim
-    torchrun --nproc-per-node 2 scripts/megatron_lm_step.py --wrapper shardwise --pp 2 --layers 4 --hidden 512 --heads 8 --seq 512 --micro-batches 4 --strategy optim
+    for w in megatron shardwise; do torchrun --nproc-per-node 2 scripts/megatron_lm_step.py --wrapper $w --pp 2 --vpp 2 --layers 4 --hidden 512 --heads 8 --seq 512 --micro-batches 4 --strategy optim_grads_params --out pp2.jsonl; done
 
 ``--save-at N --ckpt DIR`` writes the model's and optimizer's DCP state
 (``state_dict_for_save_checkpoint()`` and the optimizer's ``fsdp_dtensor``
