@@ -16,6 +16,16 @@ tokens/s, peak memory) and writes it to ``--out``:
     python scripts/megatron_lm_step.py --wrapper shardwise --version 1 --strategy optim_grads_params
     python scripts/megatron_lm_step.py --wrapper megatron --strategy optim
 
+``--pp N`` splits the model over N pipeline stages (``--vpp V``: V virtual chunks per
+stage, one wrapper per chunk, bucketing off after the first as Megatron-LM does):
+``GPTModel`` per chunk with its ``pre_process`` / ``post_process`` (untied embeddings,
+GPTModel's default), and ``get_forward_backward_func()`` then returns Megatron's
+pipelined (interleaved) schedule, given per-chunk ``no_sync_func`` / ``grad_sync_func``;
+the data-parallel group is each stage's. On 2 GPUs (PP2 x DP1; not run yet), both
+wrappers, whose lines in ``pp2.jsonl`` should carry the same losses and grad norms:
+
+    for w in megatron shardwise; do torchrun --nproc-per-node 2 scripts/megatron_lm_step.py --wrapper $w --pp 2 --vpp 2 --layers 4 --hidden 512 --heads 8 --seq 512 --micro-batches 4 --strategy optim_grads_params --out pp2.jsonl; done
+
 ``--save-at N --ckpt DIR`` writes the model's and optimizer's DCP state
 (``state_dict_for_save_checkpoint()`` and the optimizer's ``fsdp_dtensor``
 state dict) after step N; ``--load DIR`` starts from such a checkpoint.
@@ -38,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--version", type=int, default=1, help="shardwise's megatron_fsdp_version (1 or 2)")
     p.add_argument("--strategy", default="optim_grads_params")
     p.add_argument("--instances", type=int, default=1, help="num_distributed_optimizer_instances")
+    p.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size")
+    p.add_argument("--vpp", type=int, default=1, help="virtual pipeline chunks per stage (with --pp > 1)")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
@@ -73,6 +85,23 @@ def batches(args, step: int, dp_rank: int, dp_size: int):
     return out
 
 
+def build_chunks(args, config, GPTModel, spec, Float16Module):
+    """This rank's model chunks: one GPTModel under Float16Module per virtual stage, each with the
+    embedding only on the first stage and the output layer only on the last (Megatron-LM's get_model)."""
+    from megatron.core import parallel_state
+
+    virtual = args.vpp if args.pp > 1 else 1
+    chunks = []
+    for v in range(virtual):
+        kwargs = {} if virtual == 1 else {"vp_stage": v}
+        first = parallel_state.is_pipeline_first_stage(ignore_virtual=virtual == 1, **kwargs)
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=virtual == 1, **kwargs)
+        model = GPTModel(config, spec, vocab_size=args.vocab, max_sequence_length=args.seq,
+                         pre_process=first, post_process=last, **kwargs)
+        chunks.append(Float16Module(config, model))
+    return chunks
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if not dist.is_initialized():
@@ -85,7 +114,11 @@ def main(argv=None) -> dict:
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    parallel_state.initialize_model_parallel(1, 1, num_distributed_optimizer_instances=args.instances)
+    if args.pp > 1 and (args.save_at or args.load):
+        raise SystemExit(f"--pp {args.pp}: --save-at / --load are written for one chunk (--pp 1) only")
+    virtual = args.vpp if args.pp > 1 and args.vpp > 1 else None
+    parallel_state.initialize_model_parallel(1, args.pp, virtual_pipeline_model_parallel_size=virtual,
+                                             num_distributed_optimizer_instances=args.instances)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
 
@@ -107,9 +140,10 @@ def main(argv=None) -> dict:
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         ffn_hidden_size=args.ffn or 4 * args.hidden, bf16=True, params_dtype=torch.bfloat16,
         hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
+        pipeline_model_parallel_size=args.pp, virtual_pipeline_model_parallel_size=virtual,
+        pipeline_dtype=torch.bfloat16 if args.pp > 1 else None,
     )
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=args.vocab, max_sequence_length=args.seq)
-    model = Float16Module(config, model)
+    chunks = build_chunks(args, config, GPTModel, get_gpt_layer_local_spec(), Float16Module)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True, use_megatron_fsdp=True, overlap_grad_reduce=True, overlap_param_gather=True,
         data_parallel_sharding_strategy=args.strategy, grad_reduce_in_fp32=True,
@@ -119,16 +153,20 @@ def main(argv=None) -> dict:
     if args.wrapper == "shardwise":
         ddp_config.megatron_fsdp_version = args.version  # the next release's field; 0.19 has none
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    model = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model, pg_collection=pg_collection)
+    chunks = [FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=v > 0,
+                                       pg_collection=pg_collection) for v, chunk in enumerate(chunks)]
+    model = chunks[0]
     wrapper_class = f"{type(model).__module__}.{type(model).__name__}"
 
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.lr, weight_decay=0.1, adam_beta1=0.9,
                         adam_beta2=0.95, clip_grad=1.0, bf16=True, use_distributed_optimizer=True),
-        [model],
+        chunks,
     )
-    config.no_sync_func = model.no_sync
-    config.grad_sync_func = model.start_grad_sync
+    # Megatron-LM's train(): one function per chunk, or the function itself for one chunk
+    per_chunk = (lambda name: [getattr(c, name) for c in chunks] if len(chunks) > 1 else getattr(model, name))
+    config.no_sync_func = per_chunk("no_sync")
+    config.grad_sync_func = per_chunk("start_grad_sync")
     config.finalize_model_grads_func = finalize_model_grads
     forward_backward = get_forward_backward_func()
 
@@ -138,7 +176,7 @@ def main(argv=None) -> dict:
     attention_mask = torch.ones(1, 1, args.seq, args.seq, dtype=torch.bool, device="cuda").triu(1)  # True = masked
 
     def forward_step(data_iterator, chunk):
-        batch = next(data_iterator)
+        batch = next(data_iterator)  # a later stage's GPTModel reads its input from the schedule instead
         per_token = chunk(batch["tokens"], position_ids, attention_mask, labels=batch["labels"])
 
         def loss_func(output):
@@ -165,10 +203,12 @@ def main(argv=None) -> dict:
             profiler.start()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        model.zero_grad_buffer()  # Megatron-LM's train_step
+        for chunk in chunks:  # Megatron-LM's train_step
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
+        data = [iter(batches(args, step, dp_rank, dp_size)) for _ in chunks]
         out = forward_backward(
-            forward_step_func=forward_step, data_iterator=iter(batches(args, step, dp_rank, dp_size)), model=[model],
+            forward_step_func=forward_step, data_iterator=data if len(chunks) > 1 else data[0], model=chunks,
             num_microbatches=args.micro_batches, seq_length=args.seq, micro_batch_size=args.micro_batch,
             forward_only=False,
         )
@@ -183,8 +223,11 @@ def main(argv=None) -> dict:
             if dist.get_rank() == 0:
                 profiler.export_chrome_trace(args.profile)
             profiler = None
-        loss = torch.stack([o["lm loss"] for o in out]).mean()
+        # only the last stage has the losses: the mean over its data ranks, then to every stage
+        loss = torch.stack([o["lm loss"] for o in out]).mean() if out else torch.zeros((), device="cuda")
         dist.all_reduce(loss, group=dp)
+        if args.pp > 1:
+            dist.all_reduce(loss, group=parallel_state.get_pipeline_model_parallel_group())
         losses.append(loss.item() / dp_size)
         grad_norms.append(float(grad_norm))
         assert ok, f"step {step}: optimizer.step() reported a failed update"
@@ -194,10 +237,11 @@ def main(argv=None) -> dict:
     first_timed = args.warmup + (2 if args.profile else 0)  # profiled steps are slower: not timed
     timed = step_times[first_timed:] or step_times
     phases = phase_times[first_timed:] or phase_times
-    tokens = args.micro_batch * args.micro_batches * args.seq
+    tokens = args.micro_batch * args.micro_batches * args.seq / args.pp  # a stage holds 1/pp of the model
     result = {
         "wrapper": args.wrapper if args.wrapper == "megatron" else f"shardwise-v{args.version}",
         "class": wrapper_class, "strategy": args.strategy, "instances": args.instances, "world": dist.get_world_size(),
+        "pp": args.pp, "vpp": len(chunks),
         "layers": args.layers, "hidden": args.hidden, "seq": args.seq, "start_step": start_step,
         "tokens_per_s_per_gpu": round(tokens * len(timed) / sum(timed), 1),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
@@ -206,7 +250,7 @@ def main(argv=None) -> dict:
         "optimizer_step_s": round(sum(o for _, o in phases) / len(phases), 4),
         "losses": losses, "grad_norms": grad_norms,  # full precision: resume checks compare bits
     }
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0:  # the losses are every stage's; tokens/s and memory are rank 0's (first stage)
         print("RESULT " + json.dumps(result), flush=True)
         if args.out:
             with open(args.out, "a") as f:

@@ -19,8 +19,10 @@ package's or Megatron-Core's own objects (read by field name). Both compose
 FSDP with tensor parallelism (a ``dp x tp`` or ``dp_outer x dp_shard x tp``
 mesh) and with expert parallelism (experts over an ``(expert_dp, ep)`` mesh,
 the rest over ``dp_cp``); the model must be built with ``pg_collection``'s
-``tp`` / ``ep`` groups. Not built yet, and rejected by field name: TP together
-with EP, expert tensor parallelism, and (V2) pipeline or context parallelism.
+``tp`` / ``ep`` groups. V1 also composes with pipeline parallelism (each
+stage's chunk over that stage's ``dp_cp``, one wrapper per virtual chunk).
+Not built yet, and rejected by field name: TP together with EP, expert tensor
+parallelism, and (V2) pipeline or context parallelism.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple, Type
 
@@ -12,7 +13,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..engine import broadcast_from_first_replica, install_grads, refresh_model_weights, wait_for_reductions
+from ..engine import (
+    broadcast_from_first_replica,
+    finish_grad_accumulation,
+    refresh_model_weights,
+    wait_for_reductions,
+)
 from ..placements import AxisPlacements
 from ..registry import EXPERTS, module_types
 from ..rng import sync_rng_states
@@ -47,7 +53,7 @@ from .parallelism import (
     detect_parallelism_type,
     mark_tensor_parallel,
 )
-from .process_groups import ProcessGroupCollection, build_process_groups
+from .process_groups import ProcessGroupCollection, build_process_groups, group_size
 
 __all__ = ["FullyShardedDataParallelV1"]
 
@@ -71,6 +77,61 @@ class _DistIndex:
     expert_placements: Optional[dict] = None
     ep_group: Optional[dist.ProcessGroup] = None
     expert_dp_group: Optional[dist.ProcessGroup] = None
+    pp_group: Optional[dist.ProcessGroup] = None  # this chunk's pipeline: its stage's peers on other stages
+
+
+def _check_pipeline_size(cfg: TransformerConfig, pg) -> None:
+    """``pipeline_model_parallel_size`` must be the size of ``pg_collection.pp`` when a collection is given.
+
+    Megatron builds each stage's layers from the config's size and its schedules and
+    ``finalize_model_grads`` talk over the ``pp`` group; a collection without it, or
+    of another size, would shard over a data-parallel group that does not match the
+    stages (``ValueError`` naming both).
+    """
+    if pg is None:
+        return
+    configured, group = cfg.pipeline_model_parallel_size, getattr(pg, "pp", None)
+    if group is None and configured == 1:
+        return
+    if group_size(group) != configured:
+        found = "missing" if group is None else f"{group_size(group)} ranks"
+        raise ValueError(
+            f"pipeline_model_parallel_size={configured} needs pg_collection.pp with {configured} ranks, got {found}"
+        )
+
+
+def _megatron_model(module: nn.Module) -> nn.Module:
+    """The module Megatron's ``finalize_model_grads`` reads stage attributes from: the first one
+    down the ``.module`` chain with ``pre_process`` (a GPTModel under Float16Module), else ``module``."""
+    found = module
+    while not hasattr(found, "pre_process") and isinstance(getattr(found, "module", None), nn.Module):
+        found = found.module
+    return found if hasattr(found, "pre_process") else module
+
+
+def _warn_if_tied_across_stages(module: nn.Module, pp_size: int) -> None:
+    """Say when Megatron-Core's own ``finalize_model_grads`` cannot finish this chunk's step.
+
+    With tied word embeddings over several stages it all-reduces the first and
+    last stages' gradient shards (right: both stages shard the weight alike) and
+    then assigns the local shard as the DTensor parameter's ``.grad``, which torch
+    refuses (a shard of another shape) or which leaves a plain tensor (one
+    data-parallel rank), in 0.16.1 to 0.19.2, for Megatron-FSDP's chunks as for these.
+    """
+    model = _megatron_model(module)
+    holds_end = getattr(model, "pre_process", False) or getattr(model, "post_process", False)
+    tied = getattr(model, "share_embeddings_and_output_weights", False)
+    if pp_size > 1 and holds_end and tied:
+        warnings.warn(
+            f"FullyShardedDataParallelV1: share_embeddings_and_output_weights=True with "
+            f"pipeline_model_parallel_size={pp_size}: Megatron-Core's finalize_model_grads (0.16.1 to 0.19.2) "
+            "all-reduces the tied embedding's local gradient shard between the first and last stage and then "
+            "assigns that shard as the parameter's .grad, which torch refuses for a sharded DTensor parameter; "
+            "untie them (--untie-embeddings-and-output-weights), or all-reduce weight.grad.to_local() over "
+            "the embedding group in your own finalize_model_grads_func",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 # ----------------------------------------------------------------------- V1
@@ -92,6 +153,12 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
     Megatron runs MoE models): the dense layers on the ``dp x tp`` mesh, the
     experts on the ``(expert_dp, ep)`` one, over the same ranks.
     The model must be built with ``pg_collection``'s ``tp`` / ``ep`` groups.
+
+    Pipeline parallelism (``pipeline_model_parallel_size > 1``): ``module`` is
+    one stage's model chunk (one wrapper per chunk with virtual stages), sharded
+    over that stage's ``dp_cp``; Megatron's pipelined schedules and
+    ``finalize_model_grads`` drive it through ``no_sync``, ``start_grad_sync``
+    and ``finish_grad_sync`` as they drive Megatron-FSDP.
     """
 
     _MODULE_TYPE_REGISTRY: Dict[str, set] = {mode: set(names) for mode, names in MODULE_TYPE_REGISTRY.items()}
@@ -141,6 +208,7 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         sizes = self._reject_unbuilt(cfg, ddp, pg_collection, module)
         self.device_type = _device_type(device)
         self.megatron_fsdp_dist_index = index = self._init_dist_index(pg_collection)
+        _warn_if_tied_across_stages(module, group_size(index.pp_group))
         # Parameters no unit owns (embeddings, head, final norm) are packed in groups of at
         # most `bucket_size` elements; one group per dtype with `disable_bucketing`.
         self.bucket_size = None if disable_bucketing else ddp.bucket_size
@@ -190,6 +258,7 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         cannot work, ``NotImplementedError`` for what is not built yet.
         """
         sizes = _model_parallel_sizes(cfg, pg)
+        _check_pipeline_size(cfg, pg)
         unbuilt = _unbuilt_model_parallelism(sizes, module)
         if unbuilt is not None:
             field, value, why = unbuilt
@@ -258,6 +327,7 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
             expert_placements=expert_placements,
             ep_group=getattr(pg_collection, "ep", None),
             expert_dp_group=getattr(pg_collection, "expt_dp", None) if expert_mesh is not None else None,
+            pp_group=getattr(pg_collection, "pp", None),
         )
 
     def _detect_parallelism_type(self, param_name: str, module: nn.Module) -> Optional[str]:
@@ -289,16 +359,24 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         unit gathers are waited for inside the forward hooks."""
 
     def start_grad_sync(self, *unused, **unused_kwargs) -> None:
-        """Nothing to start: each unit's gradients are reduced by a hook as soon as its backward ends."""
+        """Reduce now what backwards run under ``no_sync`` accumulated, and install ``.grad``.
+
+        Megatron's pipelined schedules, given ``grad_sync_func``, run every backward of
+        a stage other than the first (every backward of a virtual chunk) under
+        ``no_sync`` and call this once after the chunk's last: there is no syncing
+        backward to reduce them. After a syncing backward there is nothing left and
+        nothing happens. A collective over the chunk's data-parallel group.
+        """
+        finish_grad_accumulation(self.module)
 
     def finish_grad_sync(self, *unused, **unused_kwargs) -> None:
-        """Wait for outstanding gradient reductions and make sure ``.grad`` is installed.
+        """Finish the step's gradient reduction: whatever ``no_sync`` left open, then wait and install ``.grad``.
 
-        The engine already does both in its end-of-backward callback, so after
-        the last micro-batch's ``backward()`` this only confirms it (idempotent).
+        After a syncing last backward (or ``start_grad_sync``) the engine has already
+        done it all and this only confirms it (idempotent); ``finalize_model_grads``
+        calls it on every chunk whichever schedule ran.
         """
-        wait_for_reductions(self.module)
-        install_grads(self.module)
+        finish_grad_accumulation(self.module)
 
     def broadcast_params(self) -> None:
         """Make every data-parallel replica hold the first replica's weights.
