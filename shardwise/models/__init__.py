@@ -4,6 +4,7 @@ Build one from a :class:`GPTConfig`; ``config.layer_pattern`` mixes layer kinds
 (A = attention, E = mixture of experts, M = Mamba). Every module with
 parameters has ``reset_parameters()``; :func:`init_weights` calls them in a fixed
 order, so meta-device construction plus ``to_empty`` reproduces a direct build.
+:func:`pipeline_stage` cuts a GPT into pipeline stages under the whole model's names.
 """
 
 from ..registry import EXPERTS, LAYER, LINEAR, register_module_type
@@ -14,6 +15,7 @@ from .mamba import MambaLayer, chunked_scan, sequential_scan
 from .mlp import MLP
 from .moe import MoE, Experts, load_balancing_loss
 from .norm_rope import RMSNorm, apply_rope, rope_tables
+from .pipeline_split import GPTStage, StageInitializer, pipeline_stage, stage_indices, stage_layer_counts
 from .tensor_parallel import (
     ColumnParallelLinear,
     Linear,
@@ -42,4 +44,5 @@ __all__ = [
     "RMSNorm", "rope_tables", "apply_rope", "chunked_scan", "sequential_scan", "load_balancing_loss",
     "Linear", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "copy_to_tp_region", "reduce_from_tp_region", "gather_from_tp_region",
+    "GPTStage", "pipeline_stage", "stage_layer_counts", "stage_indices", "StageInitializer",
 ]
