@@ -56,6 +56,16 @@ class TrainConfig:
     outer_strategy: str = field(default="", metadata=_help(
         "outer axis: no_shard (HSDP) or optim (HFSDP); needs --outer-dp"))
     outer_dp: int = field(default=0, metadata=_help("size of the outer data-parallel axis"))
+    pp: int = field(default=1, metadata=_help(
+        "pipeline stages: the model cut by layers over this many ranks (processes = pp x data-parallel ranks; "
+        "--grad-accum is the number of micro-batches)"))
+    pp_schedule: str = field(default="1f1b", metadata=_help(
+        "with --pp: 1f1b, gpipe, interleaved or looped_bfs (several stages per rank: --pp-virtual-stages); "
+        "zero-bubble schedules (zb) are not supported yet"))
+    pp_virtual_stages: int = field(default=1, metadata=_help(
+        "with --pp: stages per rank (interleaved / looped_bfs; rank r holds stages r, r + pp, ...)"))
+    pp_split: str = field(default="", metadata=_help(
+        "with --pp: comma list of layers per stage, e.g. 3,5 (default: even, the first stages one more)"))
     precision: str = field(default="fp32", metadata=_help("compute dtype: fp32 or bf16 (main weights stay fp32)"))
     compile: str = field(default="", metadata=_help(
         "torch.compile each layer's forward with this backend (shardwise.compile_units; the sharding hooks "
@@ -331,6 +341,9 @@ def _validate(cfg: TrainConfig, model: GPTConfig) -> None:
     bad = check_fp8(cfg.fp8, cfg.fp8_all_gather, cfg.precision, cfg.strategy, cfg.outer_strategy, cfg.offload)
     if bad:
         raise ConfigError(*bad)
+    from .pipeline_train import check_flags as check_pipeline_flags
+
+    check_pipeline_flags(cfg, model)
     if cfg.fp8 and (cfg.hf_config or cfg.init_from):
         raise ConfigError("fp8", cfg.fp8, "with --hf-config / --init-from is not built yet (FP8 trains the GPT model)")
     check_data_flags(cfg)
@@ -345,7 +358,11 @@ def _validate(cfg: TrainConfig, model: GPTConfig) -> None:
 
 def check_world(cfg: TrainConfig, model: GPTConfig, world: int) -> None:
     """Checks that need the world size and the data (still before any process group)."""
-    if cfg.outer_dp and world % cfg.outer_dp:
+    if cfg.pp > 1:
+        from .pipeline_train import check_world as check_pipeline_world
+
+        check_pipeline_world(cfg, world)
+    elif cfg.outer_dp and world % cfg.outer_dp:
         raise ConfigError("outer_dp", cfg.outer_dp, f"must divide the number of processes ({world})")
     # lengths and ids; text to tokenize is tokenized here, once, unless each process is a torchrun worker
     check_data(cfg, model, build=not under_launcher())

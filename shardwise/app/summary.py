@@ -15,7 +15,10 @@ def summarize(records: list[dict]) -> dict:
 
     Throughput is tokens over time of the steady steps: each launch's first step (allocation,
     warm-up) is left out unless nothing else is there. Tokens per step are differences of the
-    cumulative ``tokens``, so launches on different numbers of ranks count right.
+    cumulative ``tokens``, so launches on different numbers of ranks count right. ``pp_bubble``
+    (``--pp`` runs): the mean over the steady steps of each step's measured bubble, the fraction of
+    the schedule step the ranks spent outside their stages' computation (waiting on pipeline
+    sends and receives), averaged over the ranks (:class:`.pipeline_train.StageTimer`).
     """
     launches: dict[int, list[dict]] = {}
     for r in records:
@@ -30,6 +33,7 @@ def summarize(records: list[dict]) -> dict:
     tail = [r["loss"] for r in records[-10:]]
     mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
     evals = [r for r in records if r.get("eval_loss") is not None]
+    bubbles = [r["pp_bubble"] for r in steady if r.get("pp_bubble") is not None]
     last_eval = {"eval_loss": evals[-1]["eval_loss"], "eval_perplexity": evals[-1]["eval_perplexity"],
                  "eval_step": evals[-1]["step"]} if evals else {}
     return {
@@ -41,6 +45,7 @@ def summarize(records: list[dict]) -> dict:
         "mfu": sum(mfus) / len(mfus) if mfus else None,
         "peak_mem_gib": max(r["mem_gib"] for r in records),
         "train_time_s": sum(part[-1]["elapsed_s"] for part in launches.values()),
+        **({"pp_bubble": sum(bubbles) / len(bubbles)} if bubbles else {}),
         **last_eval,
     }
 
@@ -63,13 +68,15 @@ def finish(out_dir: Path, cfg: TrainConfig, n_params: int, world: int, wall_time
     mfu = f", MFU {100 * summary['mfu']:.1f}%" if summary["mfu"] is not None else ""
     resumed = f" (resumed at step {', '.join(map(str, summary['resumed_at']))})" if summary["resumed_at"] else ""
     speed = f"{summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else "tokens/s n/a"
+    bubble = (f", pipeline bubble {100 * summary['pp_bubble']:.1f}% (time outside the stages' computation)"
+              if "pp_bubble" in summary else "")
     evaluated = (f"  eval loss {summary['eval_loss']:.3f} (perplexity {summary['eval_perplexity']:.2f}) at step "
                  f"{summary['eval_step']}\n" if "eval_loss" in summary else "")
     print(f"\n{label}: {n_params / 1e6:.2f}M params, {world} ranks, {summary['steps']} steps{resumed}\n"
           f"  loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} "
           f"(last-10 mean {summary['last10_mean_loss']:.3f})\n"
           f"{evaluated}"
-          f"  {speed}{mfu}, peak mem {summary['peak_mem_gib']:.2f} GiB\n"
+          f"  {speed}{mfu}{bubble}, peak mem {summary['peak_mem_gib']:.2f} GiB\n"
           f"  train {summary['train_time_s']:.1f}s, wall {wall_time:.1f}s\n"
           f"  outputs: {out_dir}/ (metrics.jsonl, loss.png, summary.json, config.json"
           f"{', tensorboard/' if cfg.tensorboard else ''}{', wandb/' if cfg.wandb else ''})", flush=True)

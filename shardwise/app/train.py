@@ -208,7 +208,10 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     phase("data (rank 0 tokenizes text that has no cache yet; the others wait)")
     train_tokens, eval_tokens = open_data(cfg, rank, world)  # before the model: a data error costs no model load
     phase("model setup (fully_shard)")
-    if not (cfg.hf_config or cfg.init_from):  # what it will take, before anything is built
+    if cfg.pp > 1:  # the memory estimate models one model over all ranks, not a pipeline's stages
+        if rank == 0:
+            say("memory estimate: not made for --pp (it models one model sharded over every rank)")
+    elif not (cfg.hf_config or cfg.init_from):  # what it will take, before anything is built
         from .memory import check_fits, estimate_for_run, host_available_bytes
 
         estimate = estimate_for_run(
@@ -226,8 +229,14 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     torch.manual_seed(cfg.seed)
     policy = shardwise.MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if cfg.precision == "bf16" else None)
-    model, n_params, flops_per_token, matrices = _build_model(cfg, model_cfg, device, policy, rank)
-    run = DataParallelRun(model)
+    if cfg.pp > 1:
+        from .pipeline_train import build_pipeline
+
+        run, (n_params, flops_per_token, matrices) = build_pipeline(
+            cfg, model_cfg, device, world, policy, say if rank == 0 else (lambda message: None))
+    else:
+        model, n_params, flops_per_token, matrices = _build_model(cfg, model_cfg, device, policy, rank)
+        run = DataParallelRun(model)
     for module in run.modules:
         _limit_collective_waits(module, cfg.timeout)
     for group in run.extra_groups:  # the pipeline's group: no parameter's mesh names it
@@ -237,8 +246,11 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
                                   lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **({"fused": True} if fused else {}))
     check_optimizer_params(optimizer, run.module)
     torch.manual_seed(cfg.seed + 1 + rank)  # dropout differs per rank
-    loader = TokenLoader(train_tokens, cfg.seq_len, cfg.micro_batch_size, rank, world, cfg.seed, device)
-    checkpoints = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.keep_checkpoints)
+    data_rank = rank % run.data_ranks  # a pipeline's stages of one replica read the same micro-batches
+    loader = TokenLoader(train_tokens, cfg.seq_len, cfg.micro_batch_size, data_rank, run.data_ranks, cfg.seed,
+                         device)
+    checkpoints = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.keep_checkpoints,
+                                    part_group=run.extra_groups[0] if run.extra_groups else None)
     phase("checkpoint load")
     start, grad_accum, tokens, schedule = restore(cfg, checkpoints, run.module, optimizer, loader,
                                                   run.data_ranks, rank)
@@ -274,7 +286,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     # One bar per process: a thread lock will do. tqdm's default multiprocessing lock is a named
     # semaphore, which a killed rank leaks (and the resource tracker warns about at exit).
     tqdm.set_lock(threading.RLock())
-    bar = tqdm(total=cfg.steps, initial=min(start - 1, cfg.steps), desc=f"{model_label(cfg)} x{world}",
+    bar = tqdm(total=cfg.steps, initial=min(start - 1, cfg.steps), desc=f"{model_label(cfg)} x{world}{f' pp{cfg.pp}' if cfg.pp > 1 else ''}",
                disable=rank != 0, dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
     try:
         trained = run_steps(cfg, run, optimizer, loader, checkpoints, schedule, start, grad_accum,

@@ -37,6 +37,15 @@ What is left here is what the standard path does not do:
 ``describe_model`` / ``describe_optimizer`` give the JSON-friendly facts the
 manager stores next to the DCP files (``shardwise.json``), which
 ``shardwise ckpt info`` and ``export`` read without a process group.
+
+A model split over ranks (a pipeline's stages, each a ``fully_shard`` root
+holding the whole model's names for its parameters) passes ``part_group``:
+the ranks of that group hold different parts of one model. Saving writes one
+``optim_groups`` for the whole model (the parts' groups joined in the group's
+rank order); loading checks this part's keys against the checkpoint, the
+other parts' keys counting as known; ``merge_descriptions`` joins the parts'
+``describe_model`` / ``describe_optimizer``. So a checkpoint of the parts is
+the whole model's and loads into the whole model, or into other parts.
 """
 
 from __future__ import annotations
@@ -75,6 +84,7 @@ __all__ = [
     "tied_aliases",
     "describe_model",
     "describe_optimizer",
+    "merge_descriptions",
     "save_state",
     "load_state",
 ]
@@ -219,6 +229,45 @@ def describe_optimizer(model: nn.Module, optimizer) -> dict:
     return {"class": optimizer_class(optimizer), "groups": len(optimizer.param_groups), "state": kinds}
 
 
+def _gather_parts(value, part_group) -> list:
+    """``value`` from every rank of ``part_group``, in its rank order (``[value]`` without one)."""
+    if part_group is None:
+        return [value]
+    out = [None] * dist.get_world_size(part_group)
+    dist.all_gather_object(out, value, group=part_group)
+    return out
+
+
+def merge_descriptions(model: nn.Module, optimizer=None, part_group=None) -> dict:
+    """``describe_model`` (and ``"optimizer"``: ``describe_optimizer``) of the whole model; a collective over
+    ``part_group`` when the ranks hold parts of it. Mesh and placements are this part's (every part is sharded
+    over a data-parallel mesh of the same shape)."""
+    mine = describe_model(model)
+    if optimizer is not None:
+        mine["optimizer"] = describe_optimizer(model, optimizer)
+    parts = _gather_parts(mine, part_group)
+    merged = {**mine, "tensors": {}, "tied": {}}
+    for part in parts:
+        merged["tensors"].update(part["tensors"])
+        merged["tied"].update(part["tied"])
+    if optimizer is not None:
+        merged["optimizer"] = {**mine["optimizer"], "state": {}}
+        for part in parts:
+            merged["optimizer"]["state"].update(part["optimizer"]["state"])
+    return merged
+
+
+def _merge_groups(groups: list, part_group) -> list:
+    """The whole model's ``param_groups`` (FQN lists) from every part's: hyperparameters of the first
+    part, each group's FQNs joined in the group's rank order."""
+    parts = _gather_parts(groups, part_group)
+    if any(len(p) != len(groups) for p in parts):
+        raise ValueError(f"the parts of the model have optimizers of different group counts "
+                         f"({[len(p) for p in parts]}); every part needs the same parameter groups")
+    return [{**group, "params": [fqn for part in parts for fqn in part[i]["params"]]}
+            for i, group in enumerate(groups)]
+
+
 # ------------------------------------------------------------------- save
 def save_state(
     path: str | Path,
@@ -228,13 +277,19 @@ def save_state(
     *,
     save_rng: bool = True,
     process_group=None,
+    part_group=None,
 ) -> Metadata:
-    """Write this rank's shard of ``model`` (and ``optimizer``) into the DCP folder ``path`` (a collective)."""
+    """Write this rank's shard of ``model`` (and ``optimizer``) into the DCP folder ``path`` (a collective).
+
+    ``part_group``: the ranks hold different parts of one model (see the module docstring).
+    """
     rank = dist.get_rank(process_group) if dist.is_initialized() else 0
     tensors, _ = model_tensors(model)
     state: dict[str, Any] = {MODEL_PREFIX + k: v.detach() for k, v in tensors.items()}
     if optimizer is not None:
         state.update(_optimizer_entries(model, optimizer))
+        if part_group is not None:
+            state[OPTIM_GROUPS_KEY] = _merge_groups(state[OPTIM_GROUPS_KEY], part_group)
     state[f"extra/rank{rank}"] = extra
     if save_rng:
         state[f"rng/rank{rank}"] = capture_rng_state()
@@ -283,11 +338,13 @@ def _saved_size(md: Metadata, key: str) -> torch.Size | None:
 
 
 def _check_model(path, md: Metadata, wanted: dict[str, torch.Size], aliases: dict[str, str],
-                 raw: dict[str, str], strict: bool) -> tuple[dict[str, str], list[str]]:
+                 raw: dict[str, str], strict: bool, elsewhere: frozenset = frozenset()
+                 ) -> tuple[dict[str, str], list[str]]:
     """Match the model's keys against the checkpoint: ``({FQN: saved key}, skipped FQNs)``.
 
     A checkpoint may name a tied weight by another of its names, or a weight
     by its name with wrapper parts (``_checkpoint_wrapped_module``...).
+    ``elsewhere``: keys the other parts of a split model hold (not unexpected here).
     """
     saved = {k[len(MODEL_PREFIX):] for k in md.state_dict_metadata if k.startswith(MODEL_PREFIX)}
     others: dict[str, list[str]] = {}
@@ -303,7 +360,8 @@ def _check_model(path, md: Metadata, wanted: dict[str, torch.Size], aliases: dic
     used = {rename.get(n, n) for n in wanted}
     missing = sorted(n for n in wanted if rename.get(n, n) not in saved)
     known = set(wanted) | set(aliases) | set(raw.values())
-    unexpected = sorted(s for s in saved - used if s not in known or aliases.get(s, s) not in wanted)
+    unexpected = sorted(s for s in saved - used - elsewhere
+                        if s not in known or aliases.get(s, s) not in wanted)
     mismatched = []
     for name, shape in wanted.items():
         size = _saved_size(md, MODEL_PREFIX + rename.get(name, name))
@@ -329,6 +387,7 @@ def load_state(
     restore_rng: bool = True,
     meta: dict | None = None,
     process_group=None,
+    part_group=None,
 ) -> LoadedState:
     """Read this rank's part of ``model`` (and ``optimizer``) from the DCP folder ``path`` (a collective).
 
@@ -336,6 +395,7 @@ def load_state(
     for each DTensor, the saved chunks that overlap its local shard. ``meta``
     is the manager's ``shardwise.json`` (optimizer class and state kinds,
     saved world size); without it they are inferred from the DCP metadata.
+    ``part_group``: the ranks hold different parts of one model (see the module docstring).
     """
     path = Path(path)
     meta = meta or {}
@@ -346,13 +406,17 @@ def load_state(
 
     tensors, _ = model_tensors(model)
     _, aliases, raw = _names(model)
-    keep, skipped = _check_model(path, md, {k: v.shape for k, v in tensors.items()}, aliases, raw, strict)
+    parts = _gather_parts(sorted(set(tensors) | set(aliases) | set(raw.values())), part_group)
+    elsewhere = frozenset(k for part in parts for k in part) - set(tensors)
+    keep, skipped = _check_model(path, md, {k: v.shape for k, v in tensors.items()}, aliases, raw, strict,
+                                 elsewhere)
     state: dict[str, Any] = {saved_key: tensors[name] for name, saved_key in keep.items()}
     renamed = {name: key[len(MODEL_PREFIX):] for name, key in keep.items()}
 
     installer = None
     if optimizer is not None:
-        installer = _plan_optimizer_load(path, md, model, optimizer, meta, state, strict, skipped, renamed)
+        installer = _plan_optimizer_load(path, md, model, optimizer, meta, state, strict, skipped, renamed,
+                                         part=part_group is not None)
 
     saved_world = meta.get("world_size")
     extra_key = f"extra/rank{rank}" if saved_world == world else "extra/rank0"
@@ -380,8 +444,11 @@ def load_state(
     return LoadedState(step=meta.get("step"), extra=state.get(extra_key), rng_restored=want_rng, skipped=skipped)
 
 
-def _plan_optimizer_load(path, md, model, optimizer, meta, state, strict, skipped, renamed):
-    """Add the optimizer's entries to ``state``; return what installs them once DCP has read them."""
+def _plan_optimizer_load(path, md, model, optimizer, meta, state, strict, skipped, renamed, part=False):
+    """Add the optimizer's entries to ``state``; return what installs them once DCP has read them.
+
+    ``part``: the model is one part of a split model, whose groups hold a part of each saved group's FQNs.
+    """
     saved_opt = meta.get("optimizer") or {}
     saved_class, current_class = saved_opt.get("class"), optimizer_class(optimizer)
     if OPTIM_GROUPS_KEY not in md.state_dict_metadata:
@@ -429,7 +496,10 @@ def _plan_optimizer_load(path, md, model, optimizer, meta, state, strict, skippe
         saved_groups = loaded[OPTIM_GROUPS_KEY]
         current = [[fqn for fqn, _ in pairs] for _, pairs in groups]
         as_saved = [[renamed.get(f, f) for f in names] for names in current]
-        if len(saved_groups) != len(current) or any(s["params"] != c for s, c in zip(saved_groups, as_saved)):
+        def fits(saved: list, names: list) -> bool:  # state is keyed by FQN: the order within a group is free
+            return set(names) <= set(saved) if part else set(names) == set(saved)  # a part holds some of each
+
+        if len(saved_groups) != len(current) or not all(fits(s["params"], c) for s, c in zip(saved_groups, as_saved)):
             message = ("the optimizer's parameter groups differ from the checkpoint's "
                        f"(checkpoint: {[s['params'] for s in saved_groups]}, optimizer: {current})")
             if strict:

@@ -49,7 +49,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .dcp_state import describe_model, describe_optimizer, load_state, save_state
+from .dcp_state import load_state, merge_descriptions, save_state
 from .integrity import (
     COMPLETE_MARKER,
     FORMAT,
@@ -140,11 +140,14 @@ class CheckpointManager:
         manager.save(step, model, optimizer, extra={"data": loader.state_dict()})
 
     ``verify`` (default on) checks every file's sha256 before a load: one
-    more read of the checkpoint, shared by the ranks.
+    more read of the checkpoint, shared by the ranks. ``part_group``: the
+    ranks of that group hold different parts of one model, each under the
+    whole model's names (a pipeline's stages): the checkpoint is the whole
+    model's, and loads into the whole model or into other parts.
     """
 
     def __init__(self, directory: str | os.PathLike, keep_last: int | None = 3, *,
-                 process_group=None, save_rng: bool = True, verify: bool = True):
+                 process_group=None, save_rng: bool = True, verify: bool = True, part_group=None):
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last={keep_last!r} must be a whole number of at least 1 (or None to keep every "
                              f"checkpoint)")
@@ -153,6 +156,7 @@ class CheckpointManager:
         self.process_group = process_group
         self.save_rng = save_rng
         self.verify = verify
+        self.part_group = part_group
 
     # ------------------------------------------------------------ process group
     @property
@@ -248,16 +252,19 @@ class CheckpointManager:
 
         try:
             written = save_state(tmp, model, optimizer, extra, save_rng=self.save_rng,
-                                 process_group=self.process_group)
+                                 process_group=self.process_group, part_group=self.part_group)
         except (Exception, CheckpointException) as e:  # DCP raises the same on every rank
             # The .tmp folder stays (reported on load, removed by the next save), as after a crash.
             raise CheckpointSaveError(f"could not save checkpoint step {step}: writing {tmp} failed: {_cause(e)}",
                                       tmp) from (e if isinstance(e, Exception) else None)
         manifest = self._hash(tmp, written)
+        described = None  # what shardwise.json says of the model: rank 0 writes it (all the parts' ranks gather it)
+        if self.part_group is not None or self.rank == 0:
+            described = merge_descriptions(model, optimizer, self.part_group)
         error = None
         if self.rank == 0:
             try:
-                self._commit(step, tmp, final, model, optimizer, time.perf_counter() - started, manifest)
+                self._commit(step, tmp, final, described, time.perf_counter() - started, manifest)
                 self._prune(step)
             except Exception as e:  # tell the other ranks before raising here
                 error = f"rank 0 could not complete checkpoint {final}: {type(e).__name__}: {e}"
@@ -305,7 +312,7 @@ class CheckpointManager:
             raise CheckpointSaveError(f"could not save checkpoint {tmp}: {'; '.join(bad)}", tmp)
         return {name: row for part, _ in results for name, row in part.items()}
 
-    def _commit(self, step, tmp: Path, final: Path, model, optimizer, seconds: float, manifest: dict) -> None:
+    def _commit(self, step, tmp: Path, final: Path, described: dict, seconds: float, manifest: dict) -> None:
         (tmp / TOKEN_FILE).unlink(missing_ok=True)
         meta = {
             "format": FORMAT,
@@ -314,8 +321,8 @@ class CheckpointManager:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "torch": torch.__version__,
             "save_seconds": round(seconds, 3),
-            **describe_model(model),
-            "optimizer": describe_optimizer(model, optimizer) if optimizer is not None else None,
+            **described,
+            "optimizer": described.get("optimizer"),
             "files_bytes": sum(row["bytes"] for row in manifest.values()),
             "checksum": "sha256",
             "files": dict(sorted(manifest.items())),
@@ -364,7 +371,7 @@ class CheckpointManager:
             self._verify(path, meta)
         try:
             loaded = load_state(path, model, optimizer, strict=strict, restore_rng=restore_rng and self.save_rng,
-                                meta=meta, process_group=self.process_group)
+                                meta=meta, process_group=self.process_group, part_group=self.part_group)
         except CheckpointException as e:  # DCP's per-rank read failures (raised on every rank)
             raise CheckpointCorruptError(f"reading checkpoint {path} failed: {_cause(e)}", path) from None
         log.info("loaded checkpoint %s in %.1fs", path, time.perf_counter() - started)
