@@ -240,7 +240,7 @@ def build_pipeline(cfg, model_cfg, device: torch.device, world: int, policy, say
     from torch.distributed.device_mesh import init_device_mesh
 
     from ..models import GPT
-    from ..models.pipeline_split import StageInitializer, pipeline_stage, stage_indices
+    from ..models.pipeline_split import StageInitializer, pipeline_stage, stage_indices, stage_layer_counts
     from ..pipeline import ShardedPipelineStage, pipeline_groups
 
     dp = world // cfg.pp
@@ -277,7 +277,8 @@ def build_pipeline(cfg, model_cfg, device: torch.device, world: int, policy, say
         for module in modules:
             shardwise.compile_units(module, modules=unit_modules, backend=cfg.compile)
     stages = [ShardedPipelineStage(module, i, num_stages, group=pp_group) for module, i in zip(modules, indices)]
-    layers = [len(part.layer_ids) for part in parts]
-    say(f"pipeline: {cfg.pp} stages x {dp} data-parallel ranks, schedule {cfg.pp_schedule}, {cfg.grad_accum} "
-        f"micro-batches; this rank holds stage(s) {indices} with {layers} layers")
+    counts = stage_layer_counts(model_cfg.n_layers, num_stages, split)
+    say(f"pipeline: {cfg.pp} ranks x {dp} data-parallel replicas, {num_stages} stages of {counts} layers "
+        f"(embedding on the first, norm and head on the last), schedule {cfg.pp_schedule} (a micro-batch per "
+        f"--grad-accum)")
     return PipelineRun(cfg, modules, stages, pp_group, dp, device), facts

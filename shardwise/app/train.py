@@ -18,8 +18,8 @@ stopped; under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) it is the worker. Rank
 shows a progress bar and writes to ``--out-dir`` (default ``runs/<name>``):
 ``config.json``, ``metrics.jsonl`` (one JSON object per step: step, loss, lr,
 grad_norm, tokens (cumulative over the whole run), step_time_s, tokens_per_s,
-mfu, mem_gib, elapsed_s, launch; after an evaluation also eval_loss,
-eval_perplexity, eval_tokens, eval_time_s), ``summary.json`` and ``loss.png``
+mfu, mem_gib, elapsed_s, launch; with ``--pp`` also pp_bubble; after an evaluation
+also eval_loss, eval_perplexity, eval_tokens, eval_time_s), ``summary.json`` and ``loss.png``
 (both computed from the whole ``metrics.jsonl``, resumed parts included), and
 with ``--tensorboard`` / ``--wandb`` their files (:mod:`.loggers`). Data,
 tokenizer and evaluation flags: :mod:`.corpus`, :mod:`.tokenized`, :mod:`.evaluate`.
@@ -34,8 +34,8 @@ This module is the command and its worker: :func:`main` (launching), :func:`trai
 (each rank: the process group, the model, the optimizer). The parts have their own
 modules: :mod:`.config` (settings and their checks), :mod:`.run_folder`,
 :mod:`.lr` (the schedule), :mod:`.resume`, :mod:`.loop` (the steps and metrics) and
-:mod:`.summary` (``summary.json``, ``loss.png``). Their public names are importable
-from here too.
+:mod:`.summary` (``summary.json``, ``loss.png``); ``--pp`` (pipeline stages) is
+:mod:`.pipeline_train`. Their public names are importable from here too.
 """
 
 from __future__ import annotations
