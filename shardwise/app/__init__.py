@@ -2,7 +2,10 @@
 
 * :mod:`.cli`: the ``shardwise`` command (``python -m shardwise <command>``);
   it dispatches to ``train``, ``ckpt`` and ``bench``;
-* :mod:`.train`: ``shardwise train`` (the training loop, run folders, metrics);
+* :mod:`.train`: ``shardwise train`` (the command and its worker), with
+  :mod:`.errors` (``ConfigError``), :mod:`.config` (flags and checks),
+  :mod:`.run_folder`, :mod:`.lr`, :mod:`.resume`, :mod:`.loop` (the steps,
+  metrics) and :mod:`.summary`;
   :mod:`.data` (token files, the loader), :mod:`.presets` (model sizes),
   :mod:`.hf_train` (``--hf-config`` / ``--init-from``), :mod:`.corpus` (the
   run's data from its flags), :mod:`.tokenized` (tokenizing, packing, the

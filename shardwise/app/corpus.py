@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from .data import CACHE_DIR_NAME, check_data_path, load_tokens, stdlib_files, text_files
+from .errors import ConfigError  # the app's one error type for settings
 from .tokenized import (TokenizeError, Tokenizer, build_cache, cache_file, cached_tokens, input_files,
                         load_tokenizer, tokenizer_in_folder)
 
@@ -38,8 +39,6 @@ BUILD_WAIT_S = 24 * 3600.0  # how long ranks wait for rank 0 to tokenize (a dead
 
 
 def _error(flag: str, value, why: str):
-    from .train import ConfigError  # the app's one error type for settings (train imports this module)
-
     return ConfigError(flag, value, why)
 
 

@@ -29,6 +29,7 @@ from ..hf.mapping import hf_to_gpt_fields
 from ..hf.models import (INSTALL_HINT, HFCausalLM, MetaInit, build_hf_model, decoder_layer_classes, hf_reset,
                          load_config, require_transformers)
 from ..models import GPT, GPTConfig
+from .errors import ConfigError
 
 __all__ = ["resolve", "build_model"]
 
@@ -45,11 +46,9 @@ def _say(message: str) -> None:
 def resolve(cfg, model_cfg: GPTConfig) -> GPTConfig:
     """Check ``--hf-config`` / ``--init-from`` before any process starts; the model config to train.
 
-    Raises ``shardwise.app.train.ConfigError`` (``--flag value: reason``). May set
+    Raises ``shardwise.app.errors.ConfigError`` (``--flag value: reason``). May set
     ``cfg.hf_config`` (an ``--init-from`` folder that is no GPT shape).
     """
-    from .train import ConfigError
-
     flag, value = ("hf_config", cfg.hf_config) if cfg.hf_config else ("init_from", cfg.init_from)
     try:
         require_transformers()

@@ -11,7 +11,8 @@ import torch
 
 from shardwise.app import cli
 from shardwise.app.data import TokenLoader, load_tokens, stdlib_corpus
-from shardwise.app.train import ConfigError, _lr_at, main, resolve_config
+from shardwise.app.lr import lr_at
+from shardwise.app.train import ConfigError, main, resolve_config
 
 from tests.helpers import REPO
 
@@ -109,7 +110,7 @@ def test_precedence_preset_then_json_then_flags(tmp_path):
 
 def test_lr_schedule_warms_up_then_decays():
     cfg, _ = resolve_config(["--steps", "100", "--warmup-steps", "10", "--lr", "1.0"])
-    lrs = [_lr_at(cfg, s) for s in range(1, 101)]
+    lrs = [lr_at(cfg, s) for s in range(1, 101)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert lrs[-1] == pytest.approx(cfg.min_lr_ratio) and all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
 
