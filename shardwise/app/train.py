@@ -83,6 +83,26 @@ def _param_groups(model: torch.nn.Module, matrix_names: set[str], weight_decay: 
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _pipeline_estimate(cfg: TrainConfig, model_cfg: GPTConfig, world: int, fused: bool) -> str:
+    """The memory estimate's line for ``--pp``: the peak of every pipeline rank (shardwise.app.pipeline_memory)."""
+    from ..pipeline_order import PIPELINE_SCHEDULES
+    from .pipeline_memory import estimate_pipeline
+    from .pipeline_train import parse_split, schedule_name
+
+    name = schedule_name(cfg)
+    if name not in PIPELINE_SCHEDULES or cfg.offload:
+        why = "--offload" if cfg.offload else f"the {name} schedule"
+        return f"memory estimate: not made for --pp with {why} (the pipeline estimate does not model it yet)"
+    ranks = estimate_pipeline(
+        model_cfg, cfg.seq_len, cfg.micro_batch_size, pp=cfg.pp, dp=world // cfg.pp, schedule=name,
+        n_microbatches=cfg.grad_accum, virtual=cfg.pp_virtual_stages, split=parse_split(cfg.pp_split),
+        strategy=cfg.strategy, outer=cfg.outer_dp or None, outer_strategy=cfg.outer_strategy or "no_shard",
+        precision=cfg.precision, vocab_units=False, optimizer="fused" if fused else "foreach")  # no offload here
+    peaks = ", ".join(f"{e.gpu_bytes / 2**30:.2f}" for e in ranks)
+    worst = max(range(cfg.pp), key=lambda r: ranks[r].gpu_bytes)
+    return f"memory estimate: per pipeline rank {peaks} GiB; the largest, rank {worst}: {ranks[worst].describe()}"
+
+
 def _limit_collective_waits(model: torch.nn.Module | None, timeout_s: float) -> None:
     """Make every collective of the world group (and of ``model``'s device meshes) wait at most ``timeout_s``.
 
@@ -208,9 +228,9 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     phase("data (rank 0 tokenizes text that has no cache yet; the others wait)")
     train_tokens, eval_tokens = open_data(cfg, rank, world)  # before the model: a data error costs no model load
     phase("model setup (fully_shard)")
-    if cfg.pp > 1:  # the memory estimate models one model over all ranks, not a pipeline's stages
+    if cfg.pp > 1:  # each pipeline rank's stages and the micro-batches its schedule keeps in flight
         if rank == 0:
-            say("memory estimate: not made for --pp (it models one model sharded over every rank)")
+            say(_pipeline_estimate(cfg, model_cfg, world, fused))
     elif not (cfg.hf_config or cfg.init_from):  # what it will take, before anything is built
         from .memory import check_fits, estimate_for_run, host_available_bytes
 
