@@ -53,6 +53,14 @@ class DataParallelRun:
     def train(self) -> None:
         self.module.train()
 
+    def optimizer(self, make):
+        """The optimizer the loop steps: ``make(module)`` of the model."""
+        return make(self.module)
+
+    def checkpointed(self, optimizer):
+        """``(model, optimizer)`` as a checkpoint saves and loads them."""
+        return self.module, optimizer
+
     def parameters(self) -> list:
         return list(self.module.parameters())
 
@@ -145,6 +153,6 @@ def run_steps(cfg, run, optimizer, loader, checkpoints, schedule, start, grad_ac
             facts = {"world_size": world, "data_ranks": run.data_ranks, "micro_batch_size": cfg.micro_batch_size,
                      "grad_accum": grad_accum, "global_batch": cfg.micro_batch_size * grad_accum * run.data_ranks,
                      "seq_len": cfg.seq_len, "tokens": tokens, "schedule": schedule.to_dict()}
-            checkpoints.save(step, run.module, optimizer, extra={"data": loader.state_dict(), "run": facts})
+            checkpoints.save(step, *run.checkpointed(optimizer), extra={"data": loader.state_dict(), "run": facts})
     return trained
 

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from .errors import ConfigError
 
-__all__ = ["PP_SCHEDULES", "check_flags", "check_world", "parse_split", "PipelineRun", "StageTimer",
-           "build_pipeline"]
+__all__ = ["PP_SCHEDULES", "check_flags", "check_world", "parse_split", "PipelineRun", "StageOptimizers",
+           "StageTimer", "build_pipeline"]
 
 # --pp-schedule choices, and the name shardwise.pipeline.SCHEDULES gives each ("zb": torch's ZBV).
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved", "looped_bfs", "zb", "interleaved_zb")
@@ -118,10 +118,6 @@ def check_flags(cfg, model) -> None:
     for name, why in not_built:
         if getattr(cfg, name):
             raise ConfigError(name, getattr(cfg, name), f"with --pp: {why}")
-    if virtual > 1 and (cfg.save_every or cfg.resume):
-        name, value = ("save_every", cfg.save_every) if cfg.save_every else ("resume", cfg.resume)
-        raise ConfigError(name, value, f"with --pp-virtual-stages {virtual}: a checkpoint of several stage "
-                          "modules per rank is not built yet (one stage per rank saves and resumes)")
 
 
 def check_world(cfg, world: int) -> int:
@@ -192,11 +188,35 @@ class StageTimer:
         return max(0.0, 1.0 - busy / total) if total > 0 else 0.0
 
 
+class StageOptimizers:
+    """One optimizer per stage module of this rank, stepped as one by the loop.
+
+    A checkpoint needs each optimizer over one module (torch's optimizer state-dict functions map its
+    parameters through that module's names), so a rank with several stages keeps one each. It is not
+    a fused optimizer to ``clip_grad_norm_``: the clipping factor scales the gradients instead.
+    """
+
+    def __init__(self, optimizers: list):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
 class PipelineRun:
     """The loop's view of a pipeline (as :class:`.loop.DataParallelRun` is of one model).
 
-    ``modules``: this rank's stage modules (sharded); ``module``: the one a checkpoint saves (one
-    stage per rank). ``step_metrics`` gives ``pp_bubble``: the mean over all ranks of the fraction
+    ``modules``: this rank's stage modules (sharded); ``module``: the stage when there is one per rank
+    (:meth:`checkpointed` says what a checkpoint holds). ``step_metrics`` gives ``pp_bubble``: the mean over all ranks of the fraction
     of the schedule step a rank spent outside its stages' computation (:class:`StageTimer`).
     """
 
@@ -214,6 +234,19 @@ class PipelineRun:
     def train(self) -> None:
         for module in self.modules:
             module.train()
+
+    def optimizer(self, make):
+        """``make(module)`` of the stage, or :class:`StageOptimizers` of every stage this rank holds."""
+        if len(self.modules) == 1:
+            return make(self.modules[0])
+        return StageOptimizers([make(module) for module in self.modules])
+
+    def checkpointed(self, optimizer):
+        """``(model, optimizer)`` as a checkpoint saves and loads them: the stage modules and one optimizer each
+        (``shardwise.checkpoint`` maps each optimizer's state through its own module)."""
+        if isinstance(optimizer, StageOptimizers):
+            return list(self.modules), list(optimizer.optimizers)
+        return self.module, optimizer
 
     def parameters(self) -> list:
         return [p for module in self.modules for p in module.parameters()]

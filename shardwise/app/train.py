@@ -261,17 +261,20 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
         _limit_collective_waits(module, cfg.timeout)
     for group in run.extra_groups:  # the pipeline's group: no parameter's mesh names it
         group.set_timeout(datetime.timedelta(seconds=cfg.timeout))
-    optimizer = torch.optim.AdamW([group for module in run.modules
-                                   for group in _param_groups(module, matrices, cfg.weight_decay)],
-                                  lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **({"fused": True} if fused else {}))
-    check_optimizer_params(optimizer, run.module)
+    optimizer = run.optimizer(lambda module: torch.optim.AdamW(
+        _param_groups(module, matrices, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+        **({"fused": True} if fused else {})))
+    saved_model, saved_optimizer = run.checkpointed(optimizer)
+    for module, each in zip(*((saved_model, saved_optimizer) if isinstance(saved_model, list)
+                              else ([saved_model], [saved_optimizer]))):
+        check_optimizer_params(each, module)
     torch.manual_seed(cfg.seed + 1 + rank)  # dropout differs per rank
     data_rank = rank % run.data_ranks  # a pipeline's stages of one replica read the same micro-batches
     loader = TokenLoader(train_tokens, cfg.seq_len, cfg.micro_batch_size, data_rank, run.data_ranks, cfg.seed,
                          device)
     checkpoints = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.keep_checkpoints)
     phase("checkpoint load")
-    start, grad_accum, tokens, schedule = restore(cfg, checkpoints, run.module, optimizer, loader,
+    start, grad_accum, tokens, schedule = restore(cfg, checkpoints, saved_model, saved_optimizer, loader,
                                                   run.data_ranks, rank)
     evaluator = None
     if eval_tokens is not None:

@@ -36,6 +36,20 @@ def init_weights(model: nn.Module) -> None:
             module.reset_parameters()
 
 
+def run_layers(layers, x, rope_cos, rope_sin, recompute: bool):
+    """``x`` through ``layers`` in order (each recomputed in backward when ``recompute``), and the MoE layers'
+    load-balancing losses (the whole GPT's forward and a pipeline stage's share it)."""
+    aux = []
+    for layer in layers:
+        if recompute:
+            x = checkpoint(layer, x, rope_cos, rope_sin, use_reentrant=False)
+        else:
+            x = layer(x, rope_cos, rope_sin)
+        if isinstance(layer, MoETransformerLayer):
+            aux.append(layer.aux_loss)
+    return x, aux
+
+
 class GPT(nn.Module):
     """Llama-style decoder. ``forward(tokens)`` gives logits, ``forward(tokens, targets)`` the loss.
 
@@ -74,14 +88,7 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {tokens.shape[1]} > max_seq_len={self.config.max_seq_len}")
         x = F.dropout(self.embed(tokens), self.config.dropout, self.training)
         recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
-        aux = []
-        for layer in self.layers:
-            if recompute:
-                x = checkpoint(layer, x, self.rope_cos, self.rope_sin, use_reentrant=False)
-            else:
-                x = layer(x, self.rope_cos, self.rope_sin)
-            if isinstance(layer, MoETransformerLayer):
-                aux.append(layer.aux_loss)
+        x, aux = run_layers(self.layers, x, self.rope_cos, self.rope_sin, recompute)
         x = self.norm(x)
         if self.output is not None:
             logits = self.output(x)

@@ -42,14 +42,12 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..materialize import MetaInitializer
 from ..rng import set_torch_generator_states, torch_generator_states
-from .gpt import GPT
+from .gpt import GPT, run_layers
 from .norm_rope import rope_tables
 from .tensor_parallel import copy_to_tp_region, gather_from_tp_region
-from .transformer import MoETransformerLayer
 
 __all__ = ["GPTStage", "pipeline_stage", "stage_layer_counts", "stage_indices", "StageInitializer"]
 
@@ -147,14 +145,7 @@ class GPTStage(nn.Module):
         if self.is_first:
             x = F.dropout(self.embed(x), c.dropout, self.training)
         recompute = c.activation_checkpointing and self.training and torch.is_grad_enabled()
-        aux = []
-        for layer in self.layers.values():
-            if recompute:
-                x = checkpoint(layer, x, self.rope_cos, self.rope_sin, use_reentrant=False)
-            else:
-                x = layer(x, self.rope_cos, self.rope_sin)
-            if isinstance(layer, MoETransformerLayer):
-                aux.append(layer.aux_loss)
+        x, aux = run_layers(self.layers.values(), x, self.rope_cos, self.rope_sin, recompute)
         self.aux_loss = torch.stack(aux).sum() if aux else None
         if self.aux_loss is not None and torch.is_grad_enabled() and c.moe_aux_loss_coef:
             x = _AddAuxGrad.apply(x, self.aux_loss, float(c.moe_aux_loss_coef))

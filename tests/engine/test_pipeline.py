@@ -24,7 +24,7 @@ import shardwise
 from shardwise.pipeline import ShardedPipelineStage, build_schedule, pipeline_groups
 from tests.helpers.counting import CountingCollectives
 from tests.helpers.distributed import device, run_distributed
-from tests.helpers.parity import assert_close_states, state_of
+from tests.helpers.parity import assert_close_states, state_of, train_clipped
 from tests.helpers.tiny_model import Block, TinyConfig, batch
 
 CONFIG = TinyConfig(layers=4)
@@ -144,15 +144,8 @@ def _train_reference(steps: int, config: TinyConfig = CONFIG):
     torch.manual_seed(0)
     model = PipeLM(config).to(device())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    losses, norms = [], []
-    for step in range(steps):
-        tokens, targets = (t.to(device()) for t in batch(step, GLOBAL_BATCH, config))
-        loss = lm_loss(model(tokens), targets)
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    batches = ([t.to(device()) for t in batch(step, GLOBAL_BATCH, config)] for step in range(steps))
+    losses, norms = train_clipped(model, opt, batches, lm_loss, MAX_NORM)
     return losses, norms, state_of(model)
 
 

@@ -79,6 +79,20 @@ def state_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in module.state_dict().items()}
 
 
+def train_clipped(model, opt, batches, loss_fn: Callable, max_norm: float) -> tuple[list[float], list[float]]:
+    """One process's reference run: for each ``(tokens, targets)``, ``loss_fn(model(tokens), targets)``,
+    backward, torch's clipping to ``max_norm``, a step. Returns the losses and the norms before clipping."""
+    losses, norms = [], []
+    for tokens, targets in batches:
+        loss = loss_fn(model(tokens), targets)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms
+
+
 def _call(model, *batch):
     return model(*batch)
 

@@ -42,7 +42,7 @@ from shardwise.megatron.process_groups import ProcessGroupCollection
 from shardwise.megatron.v1 import _check_pipeline_size, _warn_if_tied_across_stages
 
 from tests.helpers.distributed import device, run_distributed
-from tests.helpers.parity import assert_close_states, state_of
+from tests.helpers.parity import assert_close_states, state_of, train_clipped
 from tests.helpers.tiny_model import Block, TinyConfig
 
 CONFIG = TinyConfig(layers=4, reuse_last_block=False)
@@ -239,15 +239,8 @@ def _train_reference(tied: bool = False):
     torch.manual_seed(0)
     model = StageLM(CONFIG, tied).to(device())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
-    losses, norms = [], []
-    for step in range(STEPS):
-        tokens, targets = (t.to(device()) for t in batch(step))
-        loss = lm_loss(model(tokens), targets)
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    batches = ([t.to(device()) for t in batch(step)] for step in range(STEPS))
+    losses, norms = train_clipped(model, opt, batches, lm_loss, MAX_NORM)
     return losses, norms, state_of(model)
 
 
