@@ -36,7 +36,9 @@ def _torch_multi_order(cls, pp, rank, m, v):
 
 
 def test_the_schedules_are_the_ones_the_pipeline_builds():
-    assert set(PIPELINE_SCHEDULES) == set(SCHEDULES)
+    # every schedule the pipeline builds but the zero-bubble ones, which the memory estimate does not model yet
+    assert set(SCHEDULES) - set(PIPELINE_SCHEDULES) == {"zbv", "interleaved_zb"}
+    assert set(PIPELINE_SCHEDULES) <= set(SCHEDULES)
 
 
 @pytest.mark.parametrize("cls,name", [(ScheduleInterleaved1F1B, "interleaved"), (ScheduleLoopedBFS, "looped_bfs")])
