@@ -233,18 +233,26 @@ class ShardedState:
     def _finish_backward(self) -> None:
         if not self.defer_reduction:
             self._reduce_all()
+        self._end_window()
+        self.callback_queued = False
+
+    def _reduce_order(self) -> list[Unit]:
+        """The units in the order a backward reaches them (reverse forward order; unseen units, then the root)."""
+        ordered = list(reversed(self.forward_order)) + [u for u in self.units if id(u) not in self._order_index]
+        return ordered + [self.root]
+
+    def _end_window(self) -> None:
+        """What ends a backward's reductions: every unit resharded and its iteration counts reset."""
         for unit in self.all_units:
             unit.reshard()
             # Under no_sync other micro-batches' forwards may still await their backward (a
             # pipeline schedule): their counts stay; the step's end (sync) forgets stale ones.
             unit.reset_iteration(keep_forward_counts=not self.sync_grads)
         self.streams.pool.clear()
-        self.callback_queued = False
 
     def _reduce_all(self) -> None:
         """Reduce every unit holding gradients not yet reduced; wait; install ``.grad`` when syncing."""
-        ordered = list(reversed(self.forward_order)) + [u for u in self.units if id(u) not in self._order_index]
-        for unit in ordered + [self.root]:
+        for unit in self._reduce_order():
             # grads from a forward before the last backward's end count too (pipeline micro-batches)
             if (unit.ran_with_grad or any(g.has_unsharded_grads() for g in unit.groups)) and not unit.reduced:
                 self._reduce(unit)
@@ -269,16 +277,12 @@ class ShardedState:
         if self.callback_queued:
             raise RuntimeError("reduce_weight_grads was called during a backward of the model; call it after "
                                "the weight pass has returned")
-        ordered = list(reversed(self.forward_order)) + [u for u in self.units if id(u) not in self._order_index]
-        for unit in ordered + [self.root]:
+        for unit in self._reduce_order():
             if any(g.has_unsharded_grads() for g in unit.groups):
                 self._reduce(unit)
         self._land_in_flight()
         self.host_steps.wait()
-        for unit in self.all_units:
-            unit.reshard()
-            unit.reset_iteration(keep_forward_counts=not self.sync_grads)
-        self.streams.pool.clear()
+        self._end_window()
 
     # ------------------------------------------- accumulation ended outside backward
     def finish_accumulation(self) -> None:

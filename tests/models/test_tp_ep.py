@@ -105,6 +105,18 @@ def test_tp2_gpt_matches_tp1():
     assert run_distributed(_tp_gpt, WORLD, True) == [True, True]
 
 
+def _unsplit_moe(config: dict, xs: list, ws: list):
+    """The reference: one MoE (seed 5) over every rank's tokens, backward of the weighted sum.
+    Returns the module (its grads set), the input (its grad set) and the detached output."""
+    torch.manual_seed(5)
+    ref = MoE(GPTConfig(**config))
+    init_weights(ref)
+    x_all = torch.cat(xs).requires_grad_()
+    out_all = ref(x_all)
+    (out_all * torch.cat(ws)).sum().backward()
+    return ref, x_all, out_all.detach()
+
+
 def _ep_moe():
     rank = dist.get_rank()
     config = dict(dim=8, n_layers=1, n_heads=2, moe_num_experts=4, moe_top_k=2, moe_ffn_hidden=12)
@@ -112,12 +124,7 @@ def _ep_moe():
     xs = [torch.randn(3, 5, 8, generator=g) for g in gens]  # every rank's tokens differ
     ws = [torch.randn(3, 5, 8, generator=g) for g in gens]
 
-    torch.manual_seed(5)
-    ref = MoE(GPTConfig(**config))
-    init_weights(ref)
-    x_all = torch.cat(xs).requires_grad_()
-    out_all = ref(x_all)
-    (out_all * torch.cat(ws)).sum().backward()
+    ref, x_all, out_all = _unsplit_moe(config, xs, ws)
 
     torch.manual_seed(5)
     ep = MoE(GPTConfig(**config, ep_group=dist.group.WORLD))
@@ -174,12 +181,7 @@ def _tp_ep_moe(layout):
     ws = [torch.randn(3, 5, 8, generator=g) for g in gens]
     data = rank // 2
 
-    torch.manual_seed(5)
-    ref = MoE(GPTConfig(**config))
-    init_weights(ref)
-    x_all = torch.cat(xs).requires_grad_()
-    out_all = ref(x_all)
-    (out_all * torch.cat(ws)).sum().backward()
+    ref, x_all, out_all = _unsplit_moe(config, xs, ws)
 
     torch.manual_seed(5)
     moe = MoE(GPTConfig(**config, tp_group=tp_group, ep_group=ep_group))

@@ -31,7 +31,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -39,6 +38,7 @@ from ...device import device_for
 from ...models import GPT, StageInitializer, pipeline_stage, stage_indices
 from ...pipeline_order import textbook_bubble
 from ..pipeline_memory import estimate_pipeline_rank
+from ..pipeline_train import lm_loss
 from .sizes import SIZES, model_config
 from .wrappers import make_optimizer
 
@@ -98,10 +98,6 @@ class SavedBytes:
         if entry[1] == 0:
             del self.live[key]
             self.now -= entry[0]
-
-
-def _lm_loss(logits, targets):
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def _timed(stage, busy: list[float]) -> None:
@@ -172,7 +168,7 @@ def run_pipeline(opts, size_name: str) -> dict:
     busy = [0.0]
     for stage in stages:
         _timed(stage, busy)
-    schedule = build_schedule(schedule_name, stages, n_mb, _lm_loss)
+    schedule = build_schedule(schedule_name, stages, n_mb, lm_loss)
     optimizer = make_optimizer([p for part in sharded for p in part.parameters()], device)
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     steps, warmup = opts.steps_for(size), opts.warmup_for(size)
