@@ -138,20 +138,25 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class StageTimer:
-    """Busy time of this rank's stages in one schedule step, to measure the pipeline bubble.
+    """The pipeline bubble: the share of each schedule step a rank spends outside its stages' work.
 
-    Busy is the time inside the stages' ``forward_one_chunk``, ``backward_one_chunk`` and
-    ``perform_reduce_grad`` (the computation, with the data-parallel all-gathers and reductions
-    the engine does in it); the rest of ``schedule.step`` is waiting on pipeline sends and
-    receives or bookkeeping. On CUDA both are device time (events on the current stream,
-    read after the step), on the CPU wall time.
+    Busy is the time inside this rank's stages' ``forward_one_chunk``, ``backward_one_chunk``,
+    ``backward_weight_one_chunk`` (the zero-bubble schedules' weight pass) and ``perform_reduce_grad``:
+    the computation, with the data-parallel all-gathers and the gradient reduction the engine does
+    inside them (the stage's own work, which a deeper pipeline does not change). The bubble is the
+    rest of ``schedule.step``: waiting on neighbouring stages, sends and receives, the schedule's
+    bookkeeping. The optimizer step is outside the window, as in the textbook
+    ``(pp - 1) / (v m + pp - 1)``. On CUDA the times are device time (events on the current stream,
+    read by :meth:`bubble`, so a timed step adds no synchronization), on the CPU wall time.
+    ``train --pp`` (``pp_bubble``) and ``bench --pp`` (``bubble``) both report the mean over all ranks.
     """
 
-    _TIMED = ("forward_one_chunk", "backward_one_chunk", "perform_reduce_grad")
+    _TIMED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk", "perform_reduce_grad")
 
     def __init__(self, stages, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.spans: list = []
+        self.steps: list = []  # (begin, end, busy spans) of each step run since the last bubble()
+        self._spans: list = []
         for stage in stages:
             for name in self._TIMED:
                 setattr(stage, name, self._timed(getattr(stage, name)))
@@ -169,23 +174,30 @@ class StageTimer:
             try:
                 return method(*args, **kwargs)
             finally:
-                self.spans.append((begin, self._mark()))
+                self._spans.append((begin, self._mark()))
         return timed
 
     def _seconds(self, begin, end) -> float:
         return begin.elapsed_time(end) / 1e3 if self.cuda else end - begin
 
-    def run(self, fn) -> float:
-        """Call ``fn`` (one schedule step); the fraction of it this rank was not busy."""
-        self.spans.clear()
+    def run(self, fn) -> None:
+        """Call ``fn`` (one schedule step), timed."""
+        self._spans = []
         begin = self._mark()
         fn()
-        end = self._mark()
-        if self.cuda:
-            end.synchronize()
-        total = self._seconds(begin, end)
-        busy = sum(self._seconds(a, b) for a, b in self.spans)
-        return max(0.0, 1.0 - busy / total) if total > 0 else 0.0
+        self.steps.append((begin, self._mark(), self._spans))
+
+    def bubble(self) -> float:
+        """This rank's mean bubble over the steps run since the last call (0 when none); forgets them."""
+        steps, self.steps = self.steps, []
+        if self.cuda and steps:
+            steps[-1][1].synchronize()
+        fractions = []
+        for begin, end, spans in steps:
+            total = self._seconds(begin, end)
+            busy = sum(self._seconds(a, b) for a, b in spans)
+            fractions.append(max(0.0, 1.0 - busy / total) if total > 0 else 0.0)
+        return sum(fractions) / len(fractions) if fractions else 0.0
 
 
 class StageOptimizers:
@@ -216,8 +228,8 @@ class PipelineRun:
     """The loop's view of a pipeline (as :class:`.loop.DataParallelRun` is of one model).
 
     ``modules``: this rank's stage modules (sharded); ``module``: the stage when there is one per rank
-    (:meth:`checkpointed` says what a checkpoint holds). ``step_metrics`` gives ``pp_bubble``: the mean over all ranks of the fraction
-    of the schedule step a rank spent outside its stages' computation (:class:`StageTimer`).
+    (:meth:`checkpointed` says what a checkpoint holds). ``step_metrics`` gives ``pp_bubble``: the step's
+    bubble (:class:`StageTimer`), the mean over all ranks.
     """
 
     def __init__(self, cfg, modules, stages, pp_group, dp: int, device: torch.device):
@@ -229,7 +241,6 @@ class PipelineRun:
         self.last = any(s.is_last for s in stages)
         self.timer = StageTimer(stages, device)
         self._schedule, self._micro = None, None
-        self._idle = 0.0
 
     def train(self) -> None:
         for module in self.modules:
@@ -266,21 +277,21 @@ class PipelineRun:
         inputs = torch.cat([b[0] for b in batches])
         targets = torch.cat([b[1] for b in batches])
         losses: list = []
-        self._idle = self.timer.run(lambda: schedule.step(
+        self.timer.run(lambda: schedule.step(  # no outputs returned: nobody reads the logits
             *((inputs,) if self.first else ()), target=targets if self.last else None,
-            losses=losses if self.last else None))
+            losses=losses if self.last else None, return_outputs=False))
         if self.last:
             return torch.stack(losses).detach().float().sum()
         return torch.zeros((), device=device)
 
     def step_metrics(self) -> dict:
-        idle = torch.tensor([self._idle], dtype=torch.float64, device=self.stages[0].device)
-        dist.all_reduce(idle)
-        return {"pp_bubble": idle.item() / dist.get_world_size()}
+        bubble = torch.tensor([self.timer.bubble()], dtype=torch.float64, device=self.stages[0].device)
+        dist.all_reduce(bubble)
+        return {"pp_bubble": bubble.item() / dist.get_world_size()}
 
 
 def build_pipeline(cfg, model_cfg, device: torch.device, world: int, policy, say) -> tuple:
-    """This rank's stages, sharded: ``(PipelineRun, whole-model facts)``.
+    """This rank's stages, sharded: ``(PipelineRun, whole-model facts)`` (``bench --pp`` builds through it too).
 
     The facts are ``(n_params, flops_per_token, matrix names)`` of the whole model (built on the
     meta device first, so nothing but this rank's stages is ever allocated with ``--meta-init``).

@@ -16,9 +16,8 @@ def summarize(records: list[dict]) -> dict:
     Throughput is tokens over time of the steady steps: each launch's first step (allocation,
     warm-up) is left out unless nothing else is there. Tokens per step are differences of the
     cumulative ``tokens``, so launches on different numbers of ranks count right. ``pp_bubble``
-    (``--pp`` runs): the mean over the steady steps of each step's measured bubble, the fraction of
-    the schedule step the ranks spent outside their stages' computation (waiting on pipeline
-    sends and receives), averaged over the ranks (:class:`.pipeline_train.StageTimer`).
+    (``--pp`` runs): the mean over the steady steps of each step's measured bubble, averaged over
+    the ranks (:class:`.pipeline_train.StageTimer` says what it counts).
     """
     launches: dict[int, list[dict]] = {}
     for r in records:

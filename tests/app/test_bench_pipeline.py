@@ -24,6 +24,9 @@ def test_a_pipeline_bench_measures_what_the_estimate_predicts(tmp_path, schedule
     assert run["status"] == "ok" and (run["pp"], run["dp"], run["virtual"], run["n_microbatches"]) == (2, 1, virtual, 4)
     assert run["tokens_per_s_per_gpu"] > 0 and 0 < run["bubble"] < 1 and run["loss_last"] > 0
     assert run["bubble_textbook"] == pytest.approx(1 / (virtual * 4 + 1))
+    # train --pp's pp_bubble (StageTimer): the mean over the ranks, here one per pipeline rank
+    assert all(0 <= b < 1 for b in run["bubble_per_pp_rank"])
+    assert run["bubble"] == pytest.approx(sum(run["bubble_per_pp_rank"]) / 2)
     # the saved activations held at once: the schedule's chunks in flight times a chunk's bytes, per pipeline rank
     # (1F1B: 2 on the first rank, 1 on the last; interleaved with 4 stages of 1 layer: 5 and 3 chunks)
     for estimate, measured in zip(run["activations_estimate"], run["activations_measured"]):

@@ -151,3 +151,29 @@ def test_bad_pipeline_flags_name_flag_and_value(argv, message, capsys, tmp_path)
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "x").exists()
+
+
+def test_the_bubble_is_the_step_outside_the_stages_work():
+    # busy: forward, backward, the zero-bubble weight pass and the gradient reduction; the wait between is bubble
+    import time
+    from types import SimpleNamespace
+
+    from shardwise.app.pipeline_train import StageTimer
+
+    work = lambda *args, **kwargs: time.sleep(0.05)  # noqa: E731
+    stage = SimpleNamespace(forward_one_chunk=work, backward_one_chunk=work, backward_weight_one_chunk=work,
+                            perform_reduce_grad=work)
+    timer = StageTimer([stage], torch.device("cpu"))
+    assert timer.bubble() == 0.0  # no step yet
+
+    def step(wait: float):
+        for name in StageTimer._TIMED:
+            getattr(stage, name)()
+        time.sleep(wait)  # as if waiting on a neighbour's send
+
+    timer.run(lambda: step(0.2))
+    assert 0.3 < timer.bubble() < 0.7  # 0.2 s of about 0.4 s
+    assert timer.bubble() == 0.0  # a step is read once
+    timer.run(lambda: step(0.2))
+    timer.run(lambda: step(0.0))
+    assert 0.15 < timer.bubble() < 0.4  # the mean of about 1/2 and 0
