@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 from .buffers import InFlight, StreamSet
 from .group import ParamGroup
 from .mesh import ShardingPlan
-from .offload import HostSteps, step_group
+from .backward_steps import BackwardSteps
 from .unit import Unit
 
 __all__ = ["ShardedState", "opaque_to_compiler"]
@@ -73,7 +73,7 @@ class ShardedState:
         # id(group) -> optimizer stepped as soon as the group's grads are final (see
         # shardwise.optim.BackwardOptimizer); empty for the usual optimizer.step() loop.
         self.backward_optimizers: dict[int, torch.optim.Optimizer] = {}
-        self.host_steps = HostSteps()
+        self.backward_steps = BackwardSteps(streams)
         self.grad_forward = False
         # A split backward's input pass (a zero-bubble pipeline schedule): the weight gradients come
         # in a later pass, so no unit reduces in this one (see reduce_weight_grads).
@@ -217,11 +217,8 @@ class ShardedState:
         for group, flight in self.in_flight:
             flight.wait()
             optimizer = self.backward_optimizers.get(id(group))
-            if optimizer is not None and self.sync_grads:
-                if group.offloaded:  # on the host, beside the rest of the backward
-                    self.host_steps.submit(group, optimizer)
-                else:
-                    step_group(group, optimizer)
+            if optimizer is not None and self.sync_grads:  # beside the rest of the backward
+                self.backward_steps.submit(group, optimizer)
         self.in_flight = []
 
     # ------------------------------------------------------- end of backward
@@ -259,7 +256,7 @@ class ShardedState:
             elif not unit.ran_with_grad and self.sync_grads:
                 self.in_flight.extend(unit.finalize_idle_groups())
         self._land_in_flight()
-        self.host_steps.wait()  # every group is stepped before anything reads weights or grads again
+        self.backward_steps.join()  # every group is stepped before anything reads weights or grads again
         late = [u.name for u in self.all_units if any(g.has_unsharded_grads() for g in u.groups)]
         if late:
             raise RuntimeError(
@@ -281,7 +278,7 @@ class ShardedState:
             if any(g.has_unsharded_grads() for g in unit.groups):
                 self._reduce(unit)
         self._land_in_flight()
-        self.host_steps.wait()
+        self.backward_steps.join()
         self._end_window()
 
     # ------------------------------------------- accumulation ended outside backward
@@ -299,7 +296,7 @@ class ShardedState:
             for unit in self.all_units:
                 self.in_flight.extend(unit.finalize_idle_groups())
             self._land_in_flight()
-            self.host_steps.wait()
+            self.backward_steps.join()
             for unit in self.all_units:
                 unit.install_grads()
                 unit.reset_iteration()

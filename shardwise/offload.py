@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-__all__ = ["OffloadPolicy", "HostMemory", "HostSteps", "step_group", "choose_offloaded"]
+__all__ = ["OffloadPolicy", "HostMemory", "choose_offloaded"]
 
 
 @dataclass(frozen=True)
@@ -100,36 +100,3 @@ def choose_offloaded(policy: OffloadPolicy | None, units: list[tuple[str, nn.Mod
         chosen.add(id(module))
         taken += count
     return chosen
-
-
-def step_group(group, optimizer: torch.optim.Optimizer) -> None:
-    """A backward optimizer's step of one ``ParamGroup``: install its grads, step, free them."""
-    group.install_grads()
-    optimizer.step()
-    group.discard_grads()  # the fp32 grad shard is freed right here
-
-
-class HostSteps:
-    """Backward-optimizer steps of offloaded groups, run on the CPU by one worker thread.
-
-    The step of a group waits for its gradients' copy to the host and runs
-    while the autograd thread goes on launching the rest of the backward on
-    the GPU (the CPU kernels release the GIL); one worker keeps the steps in
-    reduction order. ``wait()`` at the end of backward re-raises a step's error.
-    """
-
-    def __init__(self):
-        self._pool = None
-        self._pending: list = []
-
-    def submit(self, group, optimizer: torch.optim.Optimizer) -> None:
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-host-step")
-        self._pending.append(self._pool.submit(step_group, group, optimizer))
-
-    def wait(self) -> None:
-        pending, self._pending = self._pending, []
-        for future in pending:
-            future.result()

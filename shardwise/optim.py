@@ -229,8 +229,10 @@ def _clear_folded(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
 class BackwardOptimizer:
     """Run an optimizer per parameter group as soon as that group's gradients are final.
 
-    The step of a group happens during backward, right after its reduction,
-    and its fp32 gradient shard is freed at once, so the whole model's
+    The step of a group happens during backward, right after its reduction
+    (on a GPU on the reduce stream, beside the backward of the units before
+    it: ``shardwise.backward_steps``), and its fp32 gradient shard is freed at
+    once, so the whole model's
     gradients never exist together (4 bytes/param/N less at peak with fp32
     grads). The math is the same as one ``optimizer.step()`` after backward for
     optimizers that treat parameters independently (SGD, Adam, AdamW); it

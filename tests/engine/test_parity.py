@@ -46,6 +46,7 @@ def test_clip_grad_norm_matches_torch(world):
 
 
 @pytest.mark.parametrize("world,strategy,outer,micro_batches", [
+    (1, "optim_grads_params", None, 2),  # one process: what a one-GPU run checks of the reduce-stream steps
     (2, "optim_grads_params", None, 1),
     (2, "optim", None, 4),
     (4, "optim_grads_params", "optim", 2),
