@@ -112,7 +112,6 @@ def check_flags(cfg, model) -> None:
                           "--no-tie-embeddings")
     not_built = [("hf_config", "the transformers model cannot be cut into stages; --pp trains the GPT model"),
                  ("init_from", "reading --init-from rows into stages is not built yet"),
-                 ("fp8", "FP8 linears inside pipeline stages are not built yet"),
                  ("eval_data", "evaluation through the pipeline's stages is not built yet"),
                  ("eval_fraction", "evaluation through the pipeline's stages is not built yet")]
     for name, why in not_built:
@@ -316,6 +315,10 @@ def build_pipeline(cfg, model_cfg, device: torch.device, world: int, policy, say
     indices = rank_stage_indices(cfg, pp_rank)
     with torch.device("meta" if cfg.meta_init else device):
         whole = GPT(model_cfg)
+    if cfg.fp8:  # the whole model's linears, before it is cut: each stage keeps the ones it holds
+        from .fp8 import convert_model
+
+        say(convert_model(whole, cfg.fp8, cfg.fp8_skip, cfg.fp8_all_gather).describe())
     facts = (whole.num_params(), whole.flops_per_token(cfg.seq_len),
              {n for n, p in whole.named_parameters() if p.dim() >= 2 and not n.startswith("embed.")})
     split = parse_split(cfg.pp_split)
