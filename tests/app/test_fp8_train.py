@@ -56,7 +56,7 @@ def test_fp8_run_exports_plain_weights(tmp_path):
     from safetensors.torch import load_file
 
     from shardwise.checkpoint.export import export_safetensors
-    from shardwise.models import GPT, GPTConfig
+    from shardwise.models import GPT
 
     run = tmp_path / "run"
     argv = ["--preset", "tiny", "--out-dir", str(run), "--data", str(REPO / "shardwise" / "models"), "--steps", "2",
