@@ -15,10 +15,10 @@ from typing import Callable
 import torch
 import torch.utils._pytree as pytree
 
+from .backward_steps import BackwardSteps
 from .buffers import InFlight, StreamSet
 from .group import ParamGroup
 from .mesh import ShardingPlan
-from .backward_steps import BackwardSteps
 from .unit import Unit
 
 __all__ = ["ShardedState", "opaque_to_compiler"]
