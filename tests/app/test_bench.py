@@ -10,6 +10,7 @@ import torch
 from shardwise.app.bench import cli, report, runner
 from shardwise.app.bench.runner import exposed_length, interval_length, merge_intervals
 
+from tests.helpers.bench import tiny_options
 from tests.helpers.distributed import device, run_distributed
 
 
@@ -149,9 +150,7 @@ def test_options_per_size_steps_and_errors(capsys):
 
 # ------------------------------------------------------------------ end to end on 2 processes
 def _bench_tiny(out: str, compile: str = "off", wrappers=("shardwise", "fsdp2", "ddp", "none")):
-    opts = runner.BenchOptions(sizes=["tiny"], wrappers=list(wrappers), device=device().type,
-                               steps={"*": 2}, warmup={"*": 1}, profile_steps=1, compile=compile,
-                               compile_backend="aot_eager")
+    opts = tiny_options(wrappers, 2, profile_steps=1, compile=compile, compile_backend="aot_eager")
     return cli.worker(opts, out, "test")
 
 
@@ -216,8 +215,7 @@ def test_profile_gathers_every_rank():
 
 
 def _bench_tiny_offloaded(out: str):
-    opts = runner.BenchOptions(sizes=["tiny"], wrappers=["shardwise", "fsdp2"], device=device().type,
-                               steps={"*": 2}, warmup={"*": 1}, profile_steps=0, offload=0.5)
+    opts = tiny_options(["shardwise", "fsdp2"], 2, profile_steps=0, offload=0.5)
     return cli.worker(opts, out, "test")
 
 
@@ -233,8 +231,7 @@ def test_tiny_benchmark_offloaded(tmp_path):
 
 
 def _bench_tiny_grad_comm(out: str, grad_comm_dtype: str):
-    opts = runner.BenchOptions(sizes=["tiny"], wrappers=["shardwise"], device=device().type,
-                               steps={"*": 3}, warmup={"*": 1}, profile_steps=0, grad_comm_dtype=grad_comm_dtype)
+    opts = tiny_options(["shardwise"], 3, profile_steps=0, grad_comm_dtype=grad_comm_dtype)
     return cli.worker(opts, out, "test")
 
 
@@ -250,8 +247,7 @@ def test_gradients_can_travel_in_bf16(tmp_path):
 
 
 def _bench_tiny_clipped(out: str, max_grad_norm: float, wrappers=("shardwise", "fsdp2", "shardwise-obo")):
-    opts = runner.BenchOptions(sizes=["tiny"], wrappers=list(wrappers), device=device().type,
-                               steps={"*": 3}, warmup={"*": 1}, profile_steps=0, max_grad_norm=max_grad_norm)
+    opts = tiny_options(wrappers, 3, profile_steps=0, max_grad_norm=max_grad_norm)
     return cli.worker(opts, out, "test")
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from shardwise.app.bench import cli, report, runner
-from tests.helpers.distributed import device, run_distributed
+from tests.helpers.bench import tiny_options
+from tests.helpers.distributed import run_distributed
 
 
 def test_fp8_options(capsys):
@@ -36,9 +37,7 @@ def test_fp8_rows_compare_within_their_mode():
 
 
 def _bench_fp8(out: str):
-    opts = runner.BenchOptions(sizes=["tiny"], wrappers=["shardwise-fp8ag", "fsdp2-fp8ag", "megatron-fsdp"],
-                               device=device().type, steps={"*": 2}, warmup={"*": 1}, profile_steps=1,
-                               fp8=("tensorwise",))
+    opts = tiny_options(["shardwise-fp8ag", "fsdp2-fp8ag", "megatron-fsdp"], 2, profile_steps=1, fp8=("tensorwise",))
     return cli.worker(opts, out, "test")
 
 

@@ -18,6 +18,7 @@ import torch
 from shardwise.app.train import main, resolve_config
 from tests.helpers import REPO
 from tests.helpers.distributed import run_distributed
+from tests.helpers.train_runs import train_records
 
 MAX_NORM = 1.0
 # 4 layers (4 stages for interleaved x 2), fp32; 8 sequences per step whatever the layout
@@ -27,17 +28,8 @@ TINY = ["--preset", "tiny", "--dim", "32", "--n-layers", "4", "--n-heads", "2", 
         "--warmup-steps", "1"]  # so the first steps' rates are the same in a run of 2 steps and one of 4
 
 
-def _train(argv: list[str]):
-    from shardwise.app.train import resolve_config, train
-
-    cfg, model_cfg = resolve_config(argv)
-    train(cfg, model_cfg)
-    metrics = Path(cfg.out_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else None
-
-
 def _run(world: int, out: Path, *flags: str) -> list[dict]:
-    return run_distributed(_train, world, [*TINY, "--out-dir", str(out), *flags])[0]
+    return run_distributed(train_records, world, [*TINY, "--out-dir", str(out), *flags])[0]
 
 
 def _curve(records: list[dict], key: str = "loss") -> torch.Tensor:

@@ -15,6 +15,8 @@ from shardwise.app.lr import lr_at
 from shardwise.app.train import ConfigError, main, resolve_config
 
 from tests.helpers import REPO
+from tests.helpers.distributed import run_distributed
+from tests.helpers.train_runs import train_records
 
 
 def _env():
@@ -156,17 +158,18 @@ def test_cli_dispatch(capsys):
     assert set(cli.COMMANDS) >= {"train"}
 
 
+# The two pairs of runs below train through the command's worker body on the gloo pool (no new launcher):
+# what they compare lives in the training; test_smoke_run_writes_metrics_and_plot goes through the command line.
+SMALL = ["--preset", "tiny", "--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1",
+         "--ffn-hidden", "64", "--seq-len", "32", "--micro-batch-size", "2"]
+
+
 def test_meta_init_trains_exactly_like_a_direct_build(tmp_path):
     losses = {}
     for flag in ("--meta-init", "--no-meta-init"):
-        out = tmp_path / flag
-        cmd = [sys.executable, "-m", "shardwise", "train", "--preset", "tiny", "--steps", "2", "--nproc", "2",
-               "--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1", "--ffn-hidden", "64",
-               "--seq-len", "32", "--micro-batch-size", "2", flag, "--out-dir", str(out)]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        losses[flag] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert losses["--meta-init"] == losses["--no-meta-init"]
+        records = run_distributed(train_records, 2, [*SMALL, "--steps", "2", flag, "--out-dir", str(tmp_path / flag)])[0]
+        losses[flag] = [r["loss"] for r in records]
+    assert len(losses["--meta-init"]) == 2 and losses["--meta-init"] == losses["--no-meta-init"]
 
 
 def test_offloaded_run_clips_through_the_fused_step_as_the_device_run_clips_in_place(tmp_path):
@@ -175,14 +178,10 @@ def test_offloaded_run_clips_through_the_fused_step_as_the_device_run_clips_in_p
     records = {}
     for flags in ((), ("--offload",)):
         out = tmp_path / ("offload" if flags else "plain")
-        cmd = [sys.executable, "-m", "shardwise", "train", "--preset", "tiny", "--steps", "3", "--nproc", "1",
-               "--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1", "--ffn-hidden", "64",
-               "--seq-len", "32", "--micro-batch-size", "2", "--max-grad-norm", "0.01", *flags, "--out-dir", str(out)]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        records[flags] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        argv = [*SMALL, "--steps", "3", "--max-grad-norm", "0.01", *flags, "--out-dir", str(out)]
+        records[flags] = run_distributed(train_records, 1, argv)[0]
     plain, offloaded = records[()], records[("--offload",)]
-    assert all(r["grad_norm"] > 0.1 for r in plain)  # clipped at every step
+    assert len(plain) == 3 and all(r["grad_norm"] > 0.1 for r in plain)  # clipped at every step
     assert offloaded[0]["loss"] == plain[0]["loss"] and offloaded[0]["grad_norm"] == plain[0]["grad_norm"]
     # fused and per-tensor AdamW round differently (~5e-7); an unapplied factor would move the loss by far more
     for key in ("loss", "grad_norm"):

@@ -256,9 +256,11 @@ def test_v1_broadcast_params_with_experts():
 
 
 # ------------------------------------------------------------ tensor and expert parallel together
-def _tp_ep_dp(version, strategy):
+def _tp_ep_dp(cases):
     """TP 2 (attention, dense MLPs, embedding, head) with EP 2 of whole experts (expert TP 1): the groups
-    are Megatron-Core's own (``parallel_state`` on gloo), each EP group a TP group, as it lays out MoE models."""
+    are Megatron-Core's own (``parallel_state`` on gloo), each EP group a TP group, as it lays out MoE models.
+    Every ``(version, strategy)`` of ``cases`` trains under one ``initialize_model_parallel`` (its dozens of
+    gloo groups are the slow part of a case on CPU)."""
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection as MegatronGroups
 
@@ -268,30 +270,37 @@ def _tp_ep_dp(version, strategy):
         pg = MegatronGroups.use_mpu_process_groups()
         assert dist.get_process_group_ranks(pg.ep) == dist.get_process_group_ranks(pg.tp)
         assert dist.get_world_size(pg.expt_tp) == 1 and dist.get_world_size(pg.expt_dp) == 2
-
-        def wrap(model):
-            config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_moe_experts=4,
-                                       tensor_model_parallel_size=2, expert_model_parallel_size=2,
-                                       expert_tensor_parallel_size=1)
-            wrapped = FullyShardedDataParallel(config, ddp_config(version, strategy), model, device=device(),
-                                               pg_collection=pg)
-            plan = wrapped.sharded_state.plan
-            assert plan.mesh.mesh_dim_names == ("dp_shard", "tp") and plan.mesh.get_group("tp") is pg.tp
-            expert_mesh = wrapped.megatron_fsdp_dist_index.expert_mesh if version == 1 else wrapped.moe_mesh
-            assert expert_mesh.get_group("ep") is pg.ep and expert_mesh.get_group("expert_dp") is pg.expt_dp
-            wq, w1 = model.layers[0].attention.wq.weight, model.layers[1].mlp.experts.w1
-            assert wq.placements[wq.device_mesh.mesh_dim_names.index("tp")] == Shard(0) and wq.shape == (32, 32)
-            assert w1.device_mesh.mesh_dim_names == ("ep", "expert_dp") and w1.shape[0] == 4
-            return wrapped
-
-        train_and_compare(gpt_config(tp_group=pg.tp, ep_group=pg.ep, **MOE), wrap, gpt_config(**MOE), pg)
+        for version, strategy in cases:
+            try:
+                _tp_ep_dp_case(pg, version, strategy)
+            except Exception as error:
+                raise AssertionError(f"V{version} {strategy}: {error}") from error
     finally:
         parallel_state.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("version,strategy", [(1, "optim_grads_params"), (2, "optim")])
-def test_tp2_ep2_with_megatrons_groups_matches_one_process(version, strategy):
-    run_distributed(_tp_ep_dp, 4, version, strategy)
+def _tp_ep_dp_case(pg, version, strategy):
+    def wrap(model):
+        config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_moe_experts=4,
+                                   tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                                   expert_tensor_parallel_size=1)
+        wrapped = FullyShardedDataParallel(config, ddp_config(version, strategy), model, device=device(),
+                                           pg_collection=pg)
+        plan = wrapped.sharded_state.plan
+        assert plan.mesh.mesh_dim_names == ("dp_shard", "tp") and plan.mesh.get_group("tp") is pg.tp
+        expert_mesh = wrapped.megatron_fsdp_dist_index.expert_mesh if version == 1 else wrapped.moe_mesh
+        assert expert_mesh.get_group("ep") is pg.ep and expert_mesh.get_group("expert_dp") is pg.expt_dp
+        wq, w1 = model.layers[0].attention.wq.weight, model.layers[1].mlp.experts.w1
+        assert wq.placements[wq.device_mesh.mesh_dim_names.index("tp")] == Shard(0) and wq.shape == (32, 32)
+        assert w1.device_mesh.mesh_dim_names == ("ep", "expert_dp") and w1.shape[0] == 4
+        return wrapped
+
+    train_and_compare(gpt_config(tp_group=pg.tp, ep_group=pg.ep, **MOE), wrap, gpt_config(**MOE), pg)
+
+
+def test_tp2_ep2_with_megatrons_groups_matches_one_process():
+    """V1 ZeRO-3 and V2 ZeRO-1, in one worker task (one parallel_state initialization)."""
+    run_distributed(_tp_ep_dp, 4, [(1, "optim_grads_params"), (2, "optim")])
 
 
 # ------------------------------------------------------------ rejections
