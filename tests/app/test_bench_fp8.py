@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.app.bench import cli, report, runner
+from shardwise.app.bench import cli, report
 from tests.helpers.bench import tiny_options
 from tests.helpers.distributed import run_distributed
 

@@ -13,6 +13,7 @@ from shardwise.app.train import main, resolve_config
 from tests.helpers import REPO
 from tests.helpers.distributed import run_distributed
 from tests.helpers.hf_cases import export_and_compare, train_then_logits
+from tests.helpers.train_runs import train_records
 
 BF16 = ["--precision", "bf16"]
 
@@ -77,15 +78,7 @@ def test_fp8_run_exports_plain_weights(tmp_path):
 
 
 def _losses(argv: list[str]) -> list[float]:
-    import json
-    from pathlib import Path
-
-    from shardwise.app.train import train
-
-    cfg, model_cfg = resolve_config(argv)
-    train(cfg, model_cfg)
-    metrics = Path(cfg.out_dir) / "metrics.jsonl"
-    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return [r["loss"] for r in train_records(argv) or []]
 
 
 # two layers of width 32 (FP8 matmuls take multiples of 16), bf16 compute, eager (compiled FP8 is the GPU's)
