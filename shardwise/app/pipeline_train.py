@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .errors import ConfigError
+from .weight_decay import decayed_names
 
 __all__ = ["PP_SCHEDULES", "check_flags", "check_world", "parse_split", "PipelineRun", "StageOptimizers",
            "StageTimer", "build_pipeline"]
@@ -319,8 +320,7 @@ def build_pipeline(cfg, model_cfg, device: torch.device, world: int, policy, say
         from .fp8 import convert_model
 
         say(convert_model(whole, cfg.fp8, cfg.fp8_skip, cfg.fp8_all_gather).describe())
-    facts = (whole.num_params(), whole.flops_per_token(cfg.seq_len),
-             {n for n, p in whole.named_parameters() if p.dim() >= 2 and not n.startswith("embed.")})
+    facts = (whole.num_params(), whole.flops_per_token(cfg.seq_len), decayed_names(whole))
     split = parse_split(cfg.pp_split)
     parts = [pipeline_stage(whole, i, num_stages, split=split) for i in indices]
     init_fn = None

@@ -69,18 +69,12 @@ from .lr import LRSchedule, lr_schedule, resumed_schedule
 from .resume import global_batch_plan, restore
 from .run_folder import prepare_run_folder
 from .summary import finish, model_label, summarize
+from .weight_decay import decayed_names, param_groups
 
 __all__ = ["TrainConfig", "ConfigError", "LRSchedule", "resolve_config", "train", "main", "summarize",
            "build_parser", "prepare_run_folder", "lr_schedule", "resumed_schedule", "global_batch_plan"]
 
 RENDEZVOUS_S = 600.0  # how long ranks may take to meet at start (imports, data), whatever --timeout is
-
-
-def _param_groups(model: torch.nn.Module, matrix_names: set[str], weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (decay if name in matrix_names else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def _pipeline_estimate(cfg: TrainConfig, model_cfg: GPTConfig, world: int, fused: bool) -> str:
@@ -193,14 +187,7 @@ def _build_model(cfg: TrainConfig, model_cfg: GPTConfig, device: torch.device, p
             init_fn.plan()  # records the RNG state each layer's init starts from in a direct build
         unit_modules = list(dict.fromkeys(type(layer) for layer in model.layers))
     n_params, flops_per_token = model.num_params(), model.flops_per_token(cfg.seq_len)
-    embeddings = {  # no weight decay on embeddings (GPT's ``embed.``, HF's ``embed_tokens``...)
-        f"{module_name}.{name}" if module_name else name
-        for module_name, module in model.named_modules() if isinstance(module, torch.nn.Embedding)
-        for name, _ in module.named_parameters(recurse=False)
-    }
-    matrices = {
-        n for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("embed.") and n not in embeddings
-    }
+    matrices = decayed_names(model)
     mesh = shardwise.build_dp_mesh(outer=cfg.outer_dp, device_type=device.type) if cfg.outer_dp else None
     model = shardwise.fully_shard(
         model, mesh=mesh, strategy=cfg.strategy, outer_dp_sharding_strategy=cfg.outer_strategy or None,
@@ -262,7 +249,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     for group in run.extra_groups:  # the pipeline's group: no parameter's mesh names it
         group.set_timeout(datetime.timedelta(seconds=cfg.timeout))
     optimizer = run.optimizer(lambda module: torch.optim.AdamW(
-        _param_groups(module, matrices, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+        param_groups(module, matrices, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
         **({"fused": True} if fused else {})))
     saved_model, saved_optimizer = run.checkpointed(optimizer)
     for module, each in zip(*((saved_model, saved_optimizer) if isinstance(saved_model, list)
