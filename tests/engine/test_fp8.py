@@ -161,6 +161,12 @@ def sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
     return math.inf if noise == 0 else 20 * math.log10(ref.norm().item() / noise)
 
 
+# A reference gradient is the bf16 sum of the ranks' bf16 gradients where the sharded run sums them in fp32: one
+# bf16 rounding, at most eps/2 relative per element, so an SQNR of at least 20*log10(2/eps) = 48.2 dB on any
+# processor (the FP8 casts are the same on both sides). The bound allows twice that error.
+GRAD_SQNR_DB = 20 * math.log10(2 / torch.finfo(torch.bfloat16).eps) - 20 * math.log10(2)
+
+
 def _parity_case(all_gather: bool, outer: int | None) -> dict:
     import copy
 
@@ -217,10 +223,10 @@ def test_fp8_gpt_matches_one_process_torchao(all_gather, world, outer):
     out = run_distributed(_parity_case, world, all_gather, outer)[0]
     assert out["converted"] == 14  # 7 linears per layer; the output head stays bf16
     assert len(out["fp8_groups"]) == (2 if all_gather else 0), out["fp8_groups"]
-    # the same FP8 casts as the one process: the loss to fp32 rounding, every gradient to bf16 accumulation
-    # (measured ~50 dB; FP8 casts of different values, e.g. from bf16 weights, give ~22 dB)
+    # the same FP8 casts as the one process: the loss to fp32 rounding, every gradient to one bf16 rounding
+    # (GRAD_SQNR_DB; FP8 casts of different values, e.g. from bf16 weights, give ~22 dB)
     assert abs(out["loss"] - out["ref_loss"]) <= 1e-5 * abs(out["ref_loss"]), out
-    assert out["grad_sqnr"] >= 40.0, out
+    assert out["grad_sqnr"] >= GRAD_SQNR_DB, out
     assert out["losses"][-1] < out["loss"], out
 
 
@@ -447,4 +453,4 @@ def test_tied_weights_gather_in_fp8_only_when_every_holder_is_an_fp8_linear():
     assert out["gathered"] == ["first.weight"], out
     assert out["groups"]["<root>[float32,fp8]"] == ["first.weight"], out["groups"]
     assert abs(out["loss"] - out["ref_loss"]) <= 1e-5 * abs(out["ref_loss"]), out
-    assert out["grad_sqnr"] >= 40.0, out
+    assert out["grad_sqnr"] >= GRAD_SQNR_DB, out
