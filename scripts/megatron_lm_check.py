@@ -1,19 +1,20 @@
 """Megatron-LM's own entry point with ``use_in_megatron()``: what it builds, checked; what it passes, recorded.
 
-For each command line of :data:`CASES` (a tiny GPT, mock data, Megatron-FSDP with
-every sharding strategy, with and without ``--use-cpu-initialization``, with
-``--overlap-grad-reduce --overlap-param-gather``, HSDP), every rank runs, from the
-Megatron-LM tree given by ``--megatron-lm`` (its own ``megatron/core`` too):
+Every rank imports ``pretrain_gpt.py`` from the Megatron-LM tree given by
+``--megatron-lm`` (its own ``megatron/core`` too) and calls ``use_in_megatron()``
+after those imports, where the README puts the one added line. Then, for each
+command line of :data:`CASES` (a tiny GPT, mock data, Megatron-FSDP with every
+sharding strategy, with and without ``--use-cpu-initialization``, with
+``--overlap-grad-reduce --overlap-param-gather``, HSDP), Megatron-LM's own:
 
-1. Megatron-LM's ``parse_args`` + ``validate_args`` + ``set_global_variables`` on
-   ``pretrain_gpt.py``'s command line, its ``_initialize_distributed`` (model-parallel
-   groups from the arguments) and ``_set_random_seed``;
-2. ``use_in_megatron()`` (the README's one added line), after those imports;
-3. its ``setup_model_and_optimizer``: ``core_transformer_config_from_args``, the model
-   builder (``get_model`` in 0.16, ``GPTModelBuilder`` / ``dist_utils`` in 0.19) with
-   ``pretrain_gpt.py``'s own model provider, the DDP config as ``training.py`` builds
-   it, and Megatron's ``get_megatron_optimizer``;
-4. its ``train`` for zero iterations: the set-up before the loop, where ``training.py``
+1. ``parse_args`` + ``validate_args`` + ``set_global_variables`` on ``pretrain_gpt.py``'s
+   command line, ``_initialize_distributed`` (model-parallel groups from the arguments)
+   and ``_set_random_seed`` (``initialize_megatron`` without its kernel builds);
+2. the model part of its ``setup_model_and_optimizer``: ``core_transformer_config_from_args``,
+   the model builder (``get_model`` in 0.16, ``GPTModelBuilder`` / ``dist_utils`` in 0.19)
+   with ``pretrain_gpt.py``'s own model provider and the DDP config as ``training.py``
+   builds it (Megatron's optimizer allocates on ``'cuda'`` by name: left for the GPU);
+3. its ``train`` for zero iterations: the set-up before the loop, where ``training.py``
    installs ``no_sync_func`` / ``grad_sync_func`` / ``param_sync_func`` on the model
    config when ``isinstance(model[0], (megatron_FSDP, DDP))``;
 
@@ -21,7 +22,8 @@ and checks that each chunk is shardwise's, that every ``megatron.*`` module's bi
 of Megatron's class (``training.py``'s ``megatron_FSDP`` included) and ``unwrap_model``
 see it, and that the sync functions are the chunks'. ``--record FILE`` writes the
 ``TransformerConfig`` / ``DistributedDataParallelConfig`` values the chunks were given
-(JSON-plain fields; dtypes as ``torch.<name>``) under the tree's version, for
+(Megatron's own objects, ``chunk.config`` / ``chunk.ddp_config``: JSON-plain fields, dtypes
+as ``torch.<name>``) under the tree's version, for
 ``tests/megatron/test_megatron_lm_configs.py``. Run under ``torchrun`` (4 processes:
 HSDP needs two replicas of two):
 
@@ -291,7 +293,8 @@ def case_failures(result: dict) -> list[str]:
     return wrong
 
 
-def run_case(name: str, cmdline: str, megatron_classes: tuple) -> dict:
+def run_case(cmdline: str, megatron_classes: tuple) -> dict:
+    """One command line through Megatron-LM (steps 1-3 above), and what it built."""
     from megatron.core.utils import unwrap_model
     from megatron.training import get_args, training
 
@@ -346,7 +349,7 @@ def main() -> None:
         replaced = names.names
         try:
             for name in opts.cases:
-                results[name] = run_case(name, CASES[name], megatron_classes)
+                results[name] = run_case(CASES[name], megatron_classes)
         finally:
             names.restore()
         results_restored = _bindings_of(megatron_classes)

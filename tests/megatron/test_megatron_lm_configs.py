@@ -30,7 +30,14 @@ from megatron.core.distributed import DistributedDataParallelConfig as RealDDPCo
 from megatron.core.process_groups_config import ProcessGroupCollection as RealProcessGroups
 from megatron.core.transformer import TransformerConfig as RealTransformerConfig
 
-from shardwise.megatron import FullyShardedDataParallelV1, FullyShardedDataParallelV2, use_in_megatron
+from shardwise.megatron import (
+    FullyShardedDataParallelV1,
+    FullyShardedDataParallelV2,
+    TransformerConfig,
+    as_ddp_config,
+    as_transformer_config,
+    use_in_megatron,
+)
 from shardwise.models import GPT, GPTConfig
 from shardwise.placements import OUTER_STRATEGY_PLACEMENTS, STRATEGY_PLACEMENTS
 
@@ -75,6 +82,17 @@ def test_the_record_has_both_releases_and_every_case():
         assert any("--overlap-grad-reduce --overlap-param-gather" in c for c in cmdlines.values()), release
         # Megatron-LM passes None for the flags left unset: the case the type check once refused
         assert any(c["TransformerConfig"]["use_cpu_initialization"] is None for c in entry["cases"].values())
+
+
+def test_none_in_a_bool_field_reads_as_false_and_elsewhere_is_still_refused():
+    real = RealTransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=2)
+    real.use_cpu_initialization = None  # Megatron-LM's value for the flag left unset
+    assert as_transformer_config(real).use_cpu_initialization is False and real.use_cpu_initialization is None
+    assert TransformerConfig(use_cpu_initialization=None).use_cpu_initialization is False
+    ddp = RealDDPConfig(use_megatron_fsdp=True)
+    ddp.num_distributed_optimizer_instances = None  # an int Megatron-Core would compare: not Megatron-LM's value
+    with pytest.raises(TypeError, match="num_distributed_optimizer_instances=None must be int"):
+        as_ddp_config(ddp)
 
 
 def _placements_asked(ddp) -> tuple:
