@@ -59,13 +59,19 @@ def _check_field_types(config) -> None:
 
     ``None`` passes where the field is ``Optional`` or where Megatron's own
     default is ``None`` (``suggested_communication_unit_size: int = None``):
-    every value the real classes hold by default is accepted.
+    every value the real classes hold by default is accepted. ``None`` in a
+    ``bool`` field is what Megatron-LM passes for a flag left unset (its argparse
+    default, e.g. ``--use-cpu-initialization``); Megatron-Core reads its bools
+    by truth value, so the field is read as ``False``.
     """
     for f in fields(config):
         value = getattr(config, f.name)
         kind, optional = _declared_kind(str(f.type))
         admits = _ADMITS.get(kind)
         if admits is None or (value is None and (optional or f.default is None)):
+            continue
+        if value is None and kind == "bool":
+            setattr(config, f.name, False)
             continue
         wrong_bool = isinstance(value, bool) and bool not in admits
         if wrong_bool or not isinstance(value, admits):

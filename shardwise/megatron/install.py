@@ -1,20 +1,29 @@
 """Make Megatron-Core and Megatron-LM build and recognise shardwise's wrappers.
 
-Megatron-LM builds its Megatron-FSDP chunks with the name
-``FullyShardedDataParallel`` imported from ``megatron.core.distributed``, and
-recognises them with ``isinstance``: ``unwrap_model`` against that name
-(Megatron-Core 0.16-0.19), ``training.py`` against the V1/V2 classes (the next
-release). A wrapper Megatron does not recognise trains, but its ``no_sync_func``
-is never installed and ``unwrap_model`` stops at it, silently.
-:func:`use_in_megatron` points those names at shardwise, in the Megatron
-modules already imported and in the packages later imports read from, and
-gives the change back on :meth:`MegatronNames.restore` (or at the end of a
-``with`` block). ``megatron.core`` is imported only here, only when asked.
+Megatron-LM builds its Megatron-FSDP chunks with Megatron-Core's
+``FullyShardedDataParallel`` class and recognises them with ``isinstance``,
+under whatever name a module imported it: ``megatron.core.distributed``'s,
+``training.py``'s ``megatron_FSDP`` (core_r0.16 .. core_r0.19, where 0.16's
+``get_model`` builds with it and both check it before installing
+``no_sync_func`` / ``grad_sync_func``), ``dist_utils``'s (0.19),
+``unwrap_model``'s (read at each call). A wrapper Megatron does not recognise
+trains, but its sync functions are never installed and ``unwrap_model`` stops
+at it, silently; a name left pointing at Megatron's class builds Megatron's own
+FSDP, silently.
+
+:func:`use_in_megatron` therefore replaces by identity: every attribute of
+every imported ``megatron.*`` module that *is* one of Megatron's classes, whatever
+its name. Modules imported later need no hook: their ``from ... import`` reads
+the class from a module already replaced (the adapter module and the packages
+that re-export it are imported here first). :meth:`MegatronNames.restore` (or
+the end of a ``with`` block) puts Megatron's classes back, in modules imported
+since too. ``megatron.core`` is imported only here, only when asked.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from typing import Any
 
@@ -22,8 +31,9 @@ from .mcore_fsdp_adapter import FullyShardedDataParallel, FullyShardedDataParall
 
 __all__ = ["use_in_megatron", "MegatronNames", "ShardwiseFSDPType"]
 
+logger = logging.getLogger(__name__)
+
 _ADAPTER = "megatron.core.distributed.fsdp.mcore_fsdp_adapter"
-_PACKAGES = ("megatron.core.distributed", "megatron.core.distributed.fsdp", _ADAPTER)
 _WRAPPERS = (FullyShardedDataParallelV1, FullyShardedDataParallelV2)
 
 
@@ -41,7 +51,7 @@ class _FactoryType(type):
 
 
 class ShardwiseFSDPType(metaclass=_FactoryType):
-    """What Megatron's ``FullyShardedDataParallel`` name means after :func:`use_in_megatron`.
+    """What Megatron's ``FullyShardedDataParallel`` class becomes after :func:`use_in_megatron`.
 
     Calling it is :func:`shardwise.megatron.FullyShardedDataParallel` (V1 or V2
     by ``ddp_config.megatron_fsdp_version``); ``isinstance(chunk, it)`` holds for
@@ -49,21 +59,54 @@ class ShardwiseFSDPType(metaclass=_FactoryType):
     """
 
 
+# Megatron's adapter class names and what each becomes (V1 / V2: Megatron-Core's next release has them)
+_OURS = {
+    "FullyShardedDataParallel": ShardwiseFSDPType,
+    "FullyShardedDataParallelV1": FullyShardedDataParallelV1,
+    "FullyShardedDataParallelV2": FullyShardedDataParallelV2,
+}
+
+
+def _rebind(pairs: list[tuple[Any, Any]]) -> list[tuple[Any, str, Any]]:
+    """In every imported ``megatron.*`` module, point each attribute that is some ``old`` at its ``new``.
+
+    ``pairs`` is ``[(old, new), ...]``; returns ``(module, attribute, old)`` for each one changed.
+    """
+    changed = []
+    for module_name in sorted(m for m in list(sys.modules) if m == "megatron" or m.startswith("megatron.")):
+        module = sys.modules.get(module_name)
+        namespace = getattr(module, "__dict__", None)
+        if namespace is None:
+            continue
+        for attribute, value in list(namespace.items()):
+            for old, new in pairs:
+                if value is old:
+                    setattr(module, attribute, new)
+                    changed.append((module, attribute, old))
+                    break
+    return changed
+
+
 class MegatronNames:
     """The Megatron module attributes :func:`use_in_megatron` replaced, and their originals."""
 
-    def __init__(self, replaced: list[tuple[Any, str, Any]]):
-        self.replaced = replaced
+    def __init__(self, swaps: list[tuple[Any, Any]], replaced: list[tuple[Any, str, Any]]):
+        self.swaps = swaps  # (Megatron's class, shardwise's replacement)
+        self.replaced = replaced  # (module, attribute, Megatron's class)
 
     @property
     def modules(self) -> list[str]:
         return sorted({module.__name__ for module, _, _ in self.replaced})
 
+    @property
+    def names(self) -> list[str]:
+        """``module.attribute`` of each replaced binding (``megatron.training.training.megatron_FSDP``)."""
+        return [f"{module.__name__}.{attribute}" for module, attribute, _ in self.replaced]
+
     def restore(self) -> None:
-        """Put Megatron's own classes back where they were replaced."""
-        for module, name, original in reversed(self.replaced):
-            setattr(module, name, original)
-        self.replaced = []
+        """Put Megatron's own classes back: where they were replaced, and in modules imported since."""
+        _rebind([(ours, original) for original, ours in self.swaps])
+        self.swaps, self.replaced = [], []
 
     def __enter__(self) -> "MegatronNames":
         return self
@@ -75,12 +118,11 @@ class MegatronNames:
 def use_in_megatron() -> MegatronNames:
     """Make Megatron use shardwise's Megatron-FSDP wrappers; call it before building the model.
 
-    ``FullyShardedDataParallel`` becomes :class:`ShardwiseFSDPType` and, where
-    Megatron has them, ``FullyShardedDataParallelV1`` / ``V2`` become shardwise's
-    classes: in ``megatron.core.distributed``, its ``fsdp`` package and
-    ``mcore_fsdp_adapter`` (where later ``from ... import`` statements and
-    ``unwrap_model`` read them), and in every already imported ``megatron.*``
-    module that holds Megatron's originals (``megatron.training.training``).
+    Megatron's ``FullyShardedDataParallel`` class becomes :class:`ShardwiseFSDPType`
+    and, where Megatron has them, its ``FullyShardedDataParallelV1`` / ``V2`` become
+    shardwise's classes, under every name an imported ``megatron.*`` module binds
+    them to (``training.py``'s ``megatron_FSDP`` included); later imports read
+    shardwise's from those modules. Says once, at INFO, what it replaced.
     ``ImportError`` with the install command when Megatron-Core is missing.
     """
     try:
@@ -90,20 +132,17 @@ def use_in_megatron() -> MegatronNames:
             "use_in_megatron() needs Megatron-Core (pip install megatron-core); shardwise.megatron "
             f"itself works without it ({err})"
         ) from err
-    ours = {
-        "FullyShardedDataParallel": ShardwiseFSDPType,
-        "FullyShardedDataParallelV1": FullyShardedDataParallelV1,
-        "FullyShardedDataParallelV2": FullyShardedDataParallelV2,
-    }
-    originals = {name: getattr(adapter, name) for name in ours if hasattr(adapter, name)}
-    originals = {name: value for name, value in originals.items() if value is not ours[name]}
-    replaced = []
-    for module_name in sorted({*_PACKAGES, *(m for m in list(sys.modules) if m.startswith("megatron."))}):
-        module = sys.modules.get(module_name)
-        if module is None:
-            continue
-        for name, original in originals.items():
-            if getattr(module, name, None) is original:
-                replaced.append((module, name, original))
-                setattr(module, name, ours[name])
-    return MegatronNames(replaced)
+    swaps = [
+        (getattr(adapter, name), ours)
+        for name, ours in _OURS.items()
+        if isinstance(getattr(adapter, name, None), type) and getattr(adapter, name) not in _OURS.values()
+    ]
+    names = MegatronNames(swaps, _rebind(swaps))
+    if swaps:
+        logger.info(
+            "use_in_megatron: Megatron's %s replaced by shardwise's in %d bindings: %s",
+            ", ".join(original.__name__ for original, _ in swaps), len(names.replaced), ", ".join(names.names),
+        )
+    else:
+        logger.info("use_in_megatron: Megatron's Megatron-FSDP classes are already shardwise's; nothing replaced")
+    return names
