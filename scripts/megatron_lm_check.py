@@ -336,9 +336,9 @@ def main() -> None:
     put_on_path(tree)
     sys.path.insert(1, str(REPO))
     os.chdir(tree)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     results = {}
     with cuda_on_the_cpu():
         megatron_classes = _megatron_classes()
