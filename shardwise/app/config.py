@@ -88,7 +88,8 @@ class TrainConfig:
         "text file, folder of text files, or .bin token file (default: Python stdlib sources as bytes); with "
         "--tokenizer also .jsonl and .parquet files"))
     data_dtype: str = field(default="", metadata=_help(
-        "token dtype of a .bin file: uint8, uint16 or uint32 (default: its <file>.bin.json sidecar's, else uint16)"))
+        "token dtype of a .bin file: uint8, uint16 or uint32 (default: its <file>.bin.json sidecar's; a .bin "
+        "without a sidecar needs it)"))
     tokenizer: str = field(default="", metadata=_help(
         "tokenize text with this tokenizer.json file or Hugging Face tokenizer folder (default: the --init-from / "
         "--hf-config folder's when it has one; 'bytes': UTF-8 bytes)"))

@@ -129,7 +129,7 @@ def test_data_sources(tmp_path):
     assert bytes(load_tokens(str(tmp_path / "a.txt"))) == b"hello"
     ids = np.arange(1000, 1100, dtype=np.uint16)
     ids.tofile(tmp_path / "t.bin")
-    assert np.array_equal(load_tokens(str(tmp_path / "t.bin")), ids)
+    assert np.array_equal(load_tokens(str(tmp_path / "t.bin"), "uint16"), ids)
     np.arange(50, dtype=np.uint8).tofile(tmp_path / "u.bin")
     assert np.array_equal(load_tokens(str(tmp_path / "u.bin"), "uint8"), np.arange(50))
 
