@@ -128,6 +128,22 @@ def test_ckpt_without_a_checkpoint_says_where_it_looked(layout, target, message,
     assert message.format(t=tmp_path / target, r=run) in line, line
 
 
+def test_ckpt_takes_a_run_folder_for_its_checkpoints(tmp_path, capsys):
+    """``ckpt info/verify/export RUN`` read ``RUN/checkpoints`` (where train writes them), not "no checkpoints"."""
+    from shardwise.app.ckpt import main as ckpt_main
+    from tests.checkpoint.test_checkpoint_export import _export_source
+
+    run = tmp_path / "run"
+    run_distributed(_export_source, 2, str(run / "checkpoints"))
+    (run / "config.json").write_text("{}")
+    assert ckpt_main(["info", str(run)]) == 0
+    assert f"checkpoint: {run / 'checkpoints' / 'step_00000002'}\nstep: 2" in capsys.readouterr().out
+    assert ckpt_main(["verify", str(run)]) == 0
+    assert f"ok       {run / 'checkpoints' / 'step_00000002'}" in capsys.readouterr().out
+    assert ckpt_main(["export", str(run), str(tmp_path / "out")]) == 0
+    assert f"exported {run / 'checkpoints' / 'step_00000002'}: wrote 1 file(s)" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------ learning-rate schedule
 def test_warmup_is_capped_by_steps_and_a_short_run_decays():
     cfg, _ = resolve_config(["--preset", "tiny", "--steps", "30"])  # the preset warms up for 30 steps
