@@ -34,7 +34,7 @@ import traceback
 import warnings
 from typing import Callable
 
-__all__ = ["free_port", "launch_local", "under_launcher", "run_guarded", "WorkerError", "shutdown_process_groups",
+__all__ = ["free_port", "launch_local", "under_launcher", "process_started_at", "run_guarded", "WorkerError", "shutdown_process_groups",
            "dump_stacks_on_sigusr1", "one_line_warnings", "describe_collective_error", "EXIT_INTERRUPTED"]
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -54,6 +54,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def process_started_at() -> float:
+    """When this process started, as ``time.time()`` (Linux: ``/proc``), else now: a command's wall time
+    then includes the interpreter's start and the imports (torch's take seconds)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks since boot
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        started = boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+    return started if 0 <= time.time() - started < 86400 * 365 else time.time()
 
 
 def under_launcher() -> bool:

@@ -104,6 +104,41 @@ def test_config_file_accepts_whole_floats_and_resume_bools(tmp_path):
     assert cfg.resume == ""
 
 
+# ------------------------------------------------------------------ before any process starts
+def _no_launch(*args, **kwargs):
+    raise AssertionError("the run was launched")
+
+
+@pytest.mark.parametrize("argv,needed", [
+    (["--preset", "8b"], "2 ranks x 74.8 GiB per rank = 149.6 GiB needed, 23.0 GiB available (MemAvailable)"),
+    (["--preset", "1b", "--fp8", "tensorwise"], "2 ranks x 20.4 GiB per rank = 40.8 GiB needed"),
+    (["--preset", "1b", "--pp", "2", "--grad-accum", "2"], "2 pipeline ranks need 37.2 GiB together"),
+])
+def test_a_cpu_run_larger_than_the_host_is_refused_before_it_starts(argv, needed, tmp_path, capsys, monkeypatch):
+    """On the CPU every rank takes the host's memory: the estimate times the ranks, against MemAvailable (here
+    a 23 GiB machine), refused in one line with what would help, before any process starts."""
+    from shardwise.app import memory, train
+
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 23 * 2**30)
+    monkeypatch.setattr(train, "launch_local", _no_launch)
+    assert main(argv + ["--device", "cpu", "--out-dir", str(tmp_path / "run")]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith("shardwise train: error: this configuration does not fit in this machine's memory: ")
+    assert needed in line and "a smaller model" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_fp8_on_the_cpu_says_it_is_emulated_and_compiled(tmp_path, capsys, monkeypatch, data):
+    from shardwise.app import train
+
+    launched = []
+    monkeypatch.setattr(train, "launch_local", lambda *args: launched.append(args) or 0)
+    assert main(["--fp8", "tensorwise", "--precision", "bf16", "--device", "cpu", *TINY, "--data", data,
+                 "--out-dir", str(tmp_path / "run")]) == 0 and launched
+    assert ("shardwise train: --fp8 tensorwise on the CPU: the FP8 matmuls are emulated (no FP8 hardware), so each "
+            "layer is compiled (inductor) at the first step, which takes minutes") in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ shardwise ckpt
 @pytest.mark.parametrize("layout,target,message", [
     ("run", "run/checkpoints", "{t}: no such checkpoint folder; the run folder {r} has no checkpoints: shardwise "
