@@ -309,7 +309,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     checkpoints = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.keep_checkpoints)
     phase("checkpoint load")
     start, grad_accum, tokens, schedule = restore(cfg, checkpoints, saved_model, saved_optimizer, loader,
-                                                  run.data_ranks, rank)
+                                                  run.data_ranks, rank, model_cfg.to_dict())
     evaluator = None
     if eval_tokens is not None:
         from .evaluate import Evaluator
