@@ -43,17 +43,39 @@ def full_tensor_dict(state: dict, cpu: bool = True, same: dict | None = None) ->
     return out
 
 
-def full_state_dict(model: nn.Module, rank0_only: bool = False, cpu: bool = True) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with every sharded value gathered into a plain tensor.
+def full_state_dict(model: nn.Module, rank0_only: bool = False, cpu: bool = True, *,
+                    dtype: torch.dtype | None = None, include_tied: bool = True) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every sharded value gathered into a plain tensor: the one full state dict.
 
-    Same keys as ``nn.Module.state_dict()`` (tied aliases and persistent
-    buffers included). A collective: every rank must call it. With
-    ``rank0_only`` the other ranks get an empty dict (they still take part).
+    Same keys as ``nn.Module.state_dict()`` (tied aliases and persistent buffers included; with
+    ``include_tied=False`` a tied parameter appears once, under its first name, as Hugging Face saves
+    it). Parameters come as the fp32 main weights, or cast to ``dtype``. A collective: every rank must
+    call it; tensors are gathered one at a time. ``rank0_only`` (default ``False``, as torch's
+    ``FullStateDictConfig``): the other ranks take part but keep nothing and get an empty dict.
     """
     sharded_state(model)  # refuses a model fully_shard did not wrap
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    first: dict[int, str] = {}  # a tied parameter's first name
+    named = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        named[name] = first.setdefault(id(param), name)
+    out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        same = {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}
-        out = full_tensor_dict(model.state_dict(), cpu=cpu, same=same)
-    if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+        for key, value in model.state_dict().items():
+            canonical = named.get(key, key)
+            if canonical != key:  # an alias of a parameter already (or about to be) gathered
+                continue
+            if isinstance(value, DTensor):
+                full = gathered(value, cpu, dtype)
+            elif isinstance(value, torch.Tensor):
+                full = value.detach().cpu().clone() if cpu else value.detach()
+            else:
+                full = value
+            if keep:
+                out[key] = full
+            del full
+    if not keep:
         return {}
+    if include_tied:
+        return {key: out[named.get(key, key)] for key in model.state_dict(keep_vars=True)}
     return out

@@ -57,13 +57,14 @@ from ..checkpoint import CheckpointError, CheckpointManager
 from ..device import device_for
 from ..models import GPT, GPTConfig
 from ..replaced import check_optimizer_params
+from ..teardown import destroy_process_groups
 from .config import (ConfigError, TrainConfig, build_parser, check_world, default_out_dir, device_type,
                      resolve_config)
 from .corpus import open_data
 from .data import TokenLoader
-from .errors import PROG, say
+from .errors import PROG, Problems, say
 from .launch import (EXIT_INTERRUPTED, WorkerError, describe_collective_error, launch_local, one_line_warnings,
-                     process_started_at, run_guarded, shutdown_process_groups, under_launcher)
+                     process_started_at, run_guarded, under_launcher)
 from .loop import DataParallelRun, Phase, run_steps
 from .memory import DoesNotFit
 from .lr import LRSchedule, lr_schedule, resumed_schedule
@@ -212,7 +213,7 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = Non
         raise
     finally:
         if owns_group:
-            shutdown_process_groups()
+            destroy_process_groups()
 
 
 
@@ -383,16 +384,17 @@ def main(argv=None) -> int:
     launched = under_launcher()
     one_line_warnings(_worker_prog() if launched else PROG)
     try:
-        cfg, model_cfg = resolve_config(argv)
+        problems = Problems()  # every problem of the flags and of the world size, said at once
+        cfg, model_cfg = resolve_config(argv, problems)
         if launched:
             world = int(os.environ["WORLD_SIZE"])
-        elif cfg.nproc:
+        elif cfg.nproc > 0:
             world = cfg.nproc
         else:
             world = torch.cuda.device_count() if device_type(cfg) == "cuda" else 2
         if device_type(cfg) == "cuda" and not launched and world > torch.cuda.device_count():
-            raise ConfigError("nproc", world, f"more processes than GPUs ({torch.cuda.device_count()})")
-        check_world(cfg, model_cfg, world)
+            problems.add("nproc", world, f"more processes than GPUs ({torch.cuda.device_count()})")
+        check_world(cfg, model_cfg, world, problems)  # raises them all, then reads the data
         if device_type(cfg) == "cpu":  # the ranks share the host's memory: all of it, before any starts
             check_host_memory(cfg, model_cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         cfg = replace(cfg, out_dir=default_out_dir(cfg))

@@ -104,11 +104,34 @@ def test_config_file_accepts_whole_floats_and_resume_bools(tmp_path):
     assert cfg.resume == ""
 
 
-# ------------------------------------------------------------------ before any process starts
+def test_every_problem_of_the_flags_is_reported_at_once(tmp_path, capsys, monkeypatch):
+    """``--nproc 3 --pp 2`` has two problems (1F1B's micro-batches, the pipeline's divisibility): both in one run,
+    one line each, as every other independent problem; a setting derived from a refused one is not reported."""
+    from shardwise.app import train
+
+    monkeypatch.setattr(train, "launch_local", _no_launch)
+    out = ["--out-dir", str(tmp_path / "run")]
+    assert main(["--nproc", "3", "--pp", "2", *out]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "shardwise train: error: 2 problems:",
+        "  --grad-accum 1: is the number of micro-batches, of which torch's 1F1B schedule needs at least one per "
+        "stage (2 with --pp 2)",
+        "  --pp 2: must divide the number of processes (3): each of the world / pp data-parallel replicas is a whole "
+        "pipeline"]
+    assert main(["--lr", "nan", "--steps", "0", "--strategy", "zero9", "--dim", "0", *out]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "shardwise train: error: 4 problems:" and [line.split(":")[0] for line in err[1:]] == [
+        "  --lr nan", "  --steps 0", "  --dim 0", "  --strategy zero9"], err
+    with pytest.raises(ConfigError, match=r"2 problems:\n  --beta1 2\.0: must be in \[0, 1\)\n  --beta2 -1\.0"):
+        resolve_config(["--beta1", "2", "--beta2", "-1"])
+    assert not (tmp_path / "run").exists()
+
+
 def _no_launch(*args, **kwargs):
     raise AssertionError("the run was launched")
 
 
+# ------------------------------------------------------------------ before any process starts
 @pytest.mark.parametrize("argv,needed", [
     (["--preset", "8b"], "2 ranks x 74.8 GiB per rank = 149.6 GiB needed, 23.0 GiB available (MemAvailable)"),
     (["--preset", "1b", "--fp8", "tensorwise"], "2 ranks x 20.4 GiB per rank = 40.8 GiB needed"),
