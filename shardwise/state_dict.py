@@ -1,4 +1,4 @@
-"""Full (unsharded) values of a sharded model's state, for export and tests."""
+"""Full (unsharded) values of a sharded model's state: ``full_state_dict``, the one in-job full state dict."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from .engine import sharded_state
 
-__all__ = ["full_state_dict", "full_tensor_dict", "gathered"]
+__all__ = ["full_state_dict", "gathered"]
 
 
 def gathered(value: DTensor, cpu: bool = True, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -20,26 +20,6 @@ def gathered(value: DTensor, cpu: bool = True, dtype: torch.dtype | None = None)
     out = out.cpu() if cpu else out
     if out.untyped_storage().data_ptr() == local.untyped_storage().data_ptr() and out.numel():
         out = out.clone()
-    return out
-
-
-def full_tensor_dict(state: dict, cpu: bool = True, same: dict | None = None) -> dict:
-    """``state`` with every DTensor replaced by its full tensor (a collective per DTensor).
-
-    ``same`` maps keys to an identity (e.g. the parameter's id): keys with the
-    same identity (tied parameters) are gathered once.
-    """
-    out, done = {}, {}
-    for key, value in state.items():
-        if isinstance(value, DTensor):
-            ident = (same or {}).get(key, key)
-            if ident not in done:
-                done[ident] = gathered(value, cpu)
-            out[key] = done[ident]
-        elif isinstance(value, torch.Tensor):
-            out[key] = value.detach().cpu() if cpu else value.detach()
-        else:
-            out[key] = value
     return out
 
 
@@ -61,7 +41,8 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False, cpu: bool = True
         named[name] = first.setdefault(id(param), name)
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for key, value in model.state_dict().items():
+        state = model.state_dict()
+        for key, value in state.items():
             canonical = named.get(key, key)
             if canonical != key:  # an alias of a parameter already (or about to be) gathered
                 continue
@@ -77,5 +58,5 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False, cpu: bool = True
     if not keep:
         return {}
     if include_tied:
-        return {key: out[named.get(key, key)] for key in model.state_dict(keep_vars=True)}
+        return {key: out[named.get(key, key)] for key in state}
     return out
