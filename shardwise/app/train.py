@@ -131,7 +131,7 @@ def _run_estimate(cfg: TrainConfig, model_cfg: GPTConfig, world: int, device_typ
 def check_host_memory(cfg: TrainConfig, model_cfg: GPTConfig, world: int, ranks_per_host: int) -> None:
     """A CPU run: every rank's estimated peak together against the host's available memory (before any
     process starts); :class:`.memory.DoesNotFit` says what would fit."""
-    from .memory import DoesNotFit, check_fits_on_cpu, host_available_bytes
+    from .memory import check_fits_on_cpu, host_available_bytes
 
     available = host_available_bytes()
     if cfg.pp > 1:

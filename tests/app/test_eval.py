@@ -239,6 +239,7 @@ def test_the_eval_line_says_how_much_of_the_held_out_data_it_covers():
     part = Evaluator(tokens, 32, 2, 8, 10, 0, 5)
     assert part.describe() == ("eval: 80 windows of 32 tokens, 2% of the 4000 held-out windows (the first ones; "
                                "--eval-batches 0 evaluates all, more batches more of them)")
-    assert Evaluator(tokens, 32, 2, 8, 0, 0, 5).describe() == "eval: 4000 windows of 32 tokens, all of the held-out data"
+    assert Evaluator(tokens, 32, 2, 8, 0, 0, 5).describe() == \
+        "eval: 4000 windows of 32 tokens, all of the held-out data"
     assert Evaluator(tokens[:33 * 10], 32, 2, 8, 10, 0, 5).describe().endswith(
         "all of the held-out data (fewer than --eval-batches asks for)")
