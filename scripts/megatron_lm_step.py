@@ -301,6 +301,6 @@ def load_checkpoint(folder, model, optimizer) -> int:
 
 if __name__ == "__main__":
     main()
-    from shardwise.app.launch import shutdown_process_groups
+    from shardwise import destroy_process_groups
 
-    shutdown_process_groups()
+    destroy_process_groups()

@@ -23,6 +23,7 @@ from .offload import OffloadPolicy
 from .precision import MixedPrecisionPolicy
 from .replaced import check_optimizer_params
 from .state_dict import full_state_dict
+from .teardown import destroy_process_groups
 
 __all__ = [
     "fully_shard",
@@ -57,4 +58,5 @@ __all__ = [
     "check_optimizer_params",
     "grad_norm",
     "full_state_dict",
+    "destroy_process_groups",
 ]

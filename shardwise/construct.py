@@ -52,14 +52,27 @@ def check_module(module: nn.Module, mixed_precision: MixedPrecisionPolicy | None
     policy; the policy to use."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-    for name, m in module.named_modules():
-        if hasattr(m, state_attr):
-            where = f"submodule {name!r}" if name else "module"
-            raise ValueError(f"{where} ({type(m).__name__}) is already sharded by shardwise.fully_shard")
+    sharded = [(name, m) for name, m in module.named_modules() if hasattr(m, state_attr)]
+    if sharded and sharded[0][0] == "":
+        raise ValueError(f"module ({type(module).__name__}) is already sharded by shardwise.fully_shard")
+    if sharded:  # FSDP2's idiom, fully_shard on each layer and then on the root: here one call does both
+        classes = list(dict.fromkeys(_unsharded_class(m).__name__ for _, m in sharded))
+        raise ValueError(
+            f"submodule {sharded[0][0]!r} ({_unsharded_class(sharded[0][1]).__name__}) is already sharded by "
+            f"shardwise.fully_shard: shardwise shards a model in one call, its layers as units. Instead of "
+            f"fully_shard on each layer and then on the model, call fully_shard(model, unit_modules=["
+            f"{', '.join(classes)}]) once, on the model before any layer was sharded")
     policy = mixed_precision or MixedPrecisionPolicy()
     if not isinstance(policy, MixedPrecisionPolicy):
         raise TypeError(f"mixed_precision must be a MixedPrecisionPolicy, got {type(policy).__name__}")
     return policy
+
+
+def _unsharded_class(module: nn.Module) -> type:
+    """The module's own class (``fully_shard`` makes it a ``Sharded<Class>`` subclass)."""
+    mro = type(module).__mro__
+    names = [c.__name__ for c in mro]
+    return mro[names.index("ShardedModule") + 1] if "ShardedModule" in names[1:] else mro[0]
 
 
 def _check_argument_types(**arguments) -> None:
@@ -82,7 +95,10 @@ def check_options(
         ep_axis=(ep_axis, str),
     )
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(f"offload_policy must be a shardwise.OffloadPolicy or None, got {type(offload_policy).__name__}")
+        torch_meaning = {"CPUOffloadPolicy": ": torch's CPUOffloadPolicy() is shardwise.OffloadPolicy(fraction=1.0)",
+                         "OffloadPolicy": ": torch's OffloadPolicy() (no offload) is offload_policy=None"}
+        raise TypeError(f"offload_policy must be a shardwise.OffloadPolicy or None, got {type(offload_policy).__name__}"
+                        f"{torch_meaning.get(type(offload_policy).__name__, '')}")
     if collectives is not None and not isinstance(collectives, Collectives):
         raise TypeError(f"collectives must be a shardwise.Collectives or None, got {type(collectives).__name__}")
     if init_fn is not None and not callable(init_fn):

@@ -28,14 +28,26 @@ class OffloadPolicy:
         keeps the later half of the units on the GPU (faster, more memory).
     units: the unit modules (or their names) to offload instead of a fraction.
     pin_memory: page-locked host buffers, so copies overlap with compute (CUDA).
+
+    One of ``fraction`` and ``units`` is required: a bare ``OffloadPolicy()``
+    is refused, because torch's ``OffloadPolicy()`` means no offload (its
+    ``CPUOffloadPolicy()`` offloads), so either reading of it would surprise
+    someone. No offload is ``offload_policy=None``.
     """
 
-    fraction: float = 1.0
+    fraction: float | None = None
     units: Sequence[nn.Module | str] | None = None
     pin_memory: bool = True
 
     def __post_init__(self):
-        f = self.fraction
+        if self.fraction is None and self.units is None:
+            raise TypeError(
+                "shardwise.OffloadPolicy() needs fraction= or units=: fraction=1.0 offloads everything (torch's "
+                "CPUOffloadPolicy()), units=[...] the units named; for no offload (torch's OffloadPolicy()) pass "
+                "offload_policy=None")
+        if self.fraction is not None and self.units is not None:
+            raise TypeError("shardwise.OffloadPolicy: give fraction= or units=, not both")
+        f = self.fraction if self.units is None else 0.0
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
             raise ValueError(f"OffloadPolicy.fraction={f!r} must be a number in [0, 1]")
         if self.units is not None and (isinstance(self.units, (str, nn.Module)) or not hasattr(self.units, "__iter__")):

@@ -1,4 +1,4 @@
-"""Full (unsharded) values of a sharded model's state, for export and tests."""
+"""Full (unsharded) values of a sharded model's state: ``full_state_dict``, the one in-job full state dict."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from .engine import sharded_state
 
-__all__ = ["full_state_dict", "full_tensor_dict", "gathered"]
+__all__ = ["full_state_dict", "gathered"]
 
 
 def gathered(value: DTensor, cpu: bool = True, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -23,37 +23,40 @@ def gathered(value: DTensor, cpu: bool = True, dtype: torch.dtype | None = None)
     return out
 
 
-def full_tensor_dict(state: dict, cpu: bool = True, same: dict | None = None) -> dict:
-    """``state`` with every DTensor replaced by its full tensor (a collective per DTensor).
+def full_state_dict(model: nn.Module, rank0_only: bool = False, cpu: bool = True, *,
+                    dtype: torch.dtype | None = None, include_tied: bool = True) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every sharded value gathered into a plain tensor: the one full state dict.
 
-    ``same`` maps keys to an identity (e.g. the parameter's id): keys with the
-    same identity (tied parameters) are gathered once.
-    """
-    out, done = {}, {}
-    for key, value in state.items():
-        if isinstance(value, DTensor):
-            ident = (same or {}).get(key, key)
-            if ident not in done:
-                done[ident] = gathered(value, cpu)
-            out[key] = done[ident]
-        elif isinstance(value, torch.Tensor):
-            out[key] = value.detach().cpu() if cpu else value.detach()
-        else:
-            out[key] = value
-    return out
-
-
-def full_state_dict(model: nn.Module, rank0_only: bool = False, cpu: bool = True) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with every sharded value gathered into a plain tensor.
-
-    Same keys as ``nn.Module.state_dict()`` (tied aliases and persistent
-    buffers included). A collective: every rank must call it. With
-    ``rank0_only`` the other ranks get an empty dict (they still take part).
+    Same keys as ``nn.Module.state_dict()`` (tied aliases and persistent buffers included; with
+    ``include_tied=False`` a tied parameter appears once, under its first name, as Hugging Face saves
+    it). Parameters come as the fp32 main weights, or cast to ``dtype``. A collective: every rank must
+    call it; tensors are gathered one at a time. ``rank0_only`` (default ``False``, as torch's
+    ``FullStateDictConfig``): the other ranks take part but keep nothing and get an empty dict.
     """
     sharded_state(model)  # refuses a model fully_shard did not wrap
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    first: dict[int, str] = {}  # a tied parameter's first name
+    named = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        named[name] = first.setdefault(id(param), name)
+    out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        same = {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}
-        out = full_tensor_dict(model.state_dict(), cpu=cpu, same=same)
-    if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+        state = model.state_dict()
+        for key, value in state.items():
+            canonical = named.get(key, key)
+            if canonical != key:  # an alias of a parameter already (or about to be) gathered
+                continue
+            if isinstance(value, DTensor):
+                full = gathered(value, cpu, dtype)
+            elif isinstance(value, torch.Tensor):
+                full = value.detach().cpu().clone() if cpu else value.detach()
+            else:
+                full = value
+            if keep:
+                out[key] = full
+            del full
+    if not keep:
         return {}
+    if include_tied:
+        return {key: out[named.get(key, key)] for key in state}
     return out

@@ -4,8 +4,9 @@
     shardwise ckpt verify CKPT_DIR
     shardwise ckpt export CKPT_DIR OUT [--dtype bf16] [--max-shard-size 2GB] [--tied-once] [--no-verify]
 
-CKPT_DIR is one checkpoint (``.../step_00000100``) or a folder of them, which
-means its latest complete checkpoint (``verify``: every complete one). OUT is
+CKPT_DIR is one checkpoint (``.../step_00000100``), a folder of them, which
+means its latest complete checkpoint (``verify``: every complete one), or a
+run folder of ``shardwise train`` (its ``checkpoints/`` folder). OUT is
 a ``.safetensors`` file or a folder (which gets ``model.safetensors``); with
 ``--max-shard-size`` the model is split into
 ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``.
@@ -23,20 +24,22 @@ import time
 import warnings
 from pathlib import Path
 
-__all__ = ["main"]
+__all__ = ["main", "checkpoint_folder"]
+
+_CKPT_HELP = "a checkpoint (step_N), a folder of them (its latest), or a train run folder (its checkpoints/)"
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardwise ckpt", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="action", required=True, metavar="{info,verify,export}")
     info = sub.add_parser("info", help="print what a checkpoint holds (world size, strategy, step, tensors, sizes)")
-    info.add_argument("ckpt", metavar="CKPT_DIR")
+    info.add_argument("ckpt", metavar="CKPT_DIR", help=_CKPT_HELP)
     info.add_argument("--json", action="store_true", help="print the full description as JSON")
     verify = sub.add_parser("verify", help="check every file of a checkpoint (or of each in a folder) against "
                                            "the sizes and sha256 recorded at save")
-    verify.add_argument("ckpt", metavar="CKPT_DIR")
+    verify.add_argument("ckpt", metavar="CKPT_DIR", help=_CKPT_HELP)
     export = sub.add_parser("export", help="write the model as safetensors, streaming one tensor at a time")
-    export.add_argument("ckpt", metavar="CKPT_DIR")
+    export.add_argument("ckpt", metavar="CKPT_DIR", help=_CKPT_HELP)
     export.add_argument("out", metavar="OUT", help="a .safetensors file, or a folder (gets model.safetensors)")
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
                         help="cast floating tensors (default: as saved, fp32)")
@@ -76,6 +79,15 @@ def _verify(target: str) -> int:
     return 1 if bad else 0
 
 
+def checkpoint_folder(target: str) -> str:
+    """``target``, or its ``checkpoints/`` folder when ``target`` is a run folder (``shardwise train``'s
+    ``--out-dir``, which holds its checkpoints one level down) rather than a checkpoint or a folder of them."""
+    path = Path(target)
+    if path.is_dir() and not any(path.glob("step_*")) and (path / "checkpoints").is_dir():
+        return str(path / "checkpoints")
+    return target
+
+
 def _where_checkpoints_come_from(target: str) -> str:
     """For a CKPT_DIR with no checkpoint: which run folder was looked in, and that ``train`` writes
     checkpoints only with ``--save-every`` ("" when CKPT_DIR holds step folders: the error says enough)."""
@@ -103,6 +115,7 @@ def _run(args) -> int:
     from ..checkpoint.export import checkpoint_info, export_safetensors, format_info, parse_size, resolve_checkpoint
     from ..checkpoint.integrity import CheckpointError
 
+    args.ckpt = checkpoint_folder(args.ckpt)
     try:
         if args.action == "info":
             info = checkpoint_info(args.ckpt)

@@ -22,7 +22,7 @@ import torch
 from ..models import GPTConfig
 from .corpus import check_flags as check_data_flags, check_world as check_data, resolve_tokenizer
 from .data import DATA_DTYPES, check_data_path
-from .errors import ConfigError
+from .errors import ConfigError, Problems
 from .launch import under_launcher
 from .presets import PRESETS
 
@@ -88,10 +88,12 @@ class TrainConfig:
         "text file, folder of text files, or .bin token file (default: Python stdlib sources as bytes); with "
         "--tokenizer also .jsonl and .parquet files"))
     data_dtype: str = field(default="", metadata=_help(
-        "token dtype of a .bin file: uint8, uint16 or uint32 (default: its <file>.bin.json sidecar's, else uint16)"))
+        "token dtype of a .bin file: uint8, uint16 or uint32 (default: its <file>.bin.json sidecar's; a .bin "
+        "without a sidecar needs it)"))
     tokenizer: str = field(default="", metadata=_help(
         "tokenize text with this tokenizer.json file or Hugging Face tokenizer folder (default: the --init-from / "
-        "--hf-config folder's when it has one; 'bytes': UTF-8 bytes)"))
+        "--hf-config folder's when it has one; 'bytes': UTF-8 bytes; none at hand: the README's 'No tokenizer at "
+        "hand?' trains one on your text with the tokenizers package, no hub needed)"))
     eos_token: str = field(default="", metadata=_help("the token that ends each document (default: the tokenizer's)"))
     text_key: str = field(default="text", metadata=_help("the text field of .jsonl rows and .parquet columns"))
     data_cache: str = field(default="", metadata=_help(
@@ -101,7 +103,8 @@ class TrainConfig:
         "hold out the last fraction of --data's tokens for evaluation instead"))
     eval_every: int = field(default=0, metadata=_help("evaluate every N steps (0 = after the last step only)"))
     eval_batches: int = field(default=10, metadata=_help(
-        "global batches of held-out windows per evaluation (0 = all of them)"))
+        "global batches of held-out windows per evaluation (0 = all of them; the run says which share of the "
+        "held-out windows that is)"))
     tensorboard: bool = field(default=False, metadata=_help(
         "write TensorBoard event files to <out-dir>/tensorboard (needs tensorboard)"))
     wandb: bool = field(default=False, metadata=_help(
@@ -226,8 +229,12 @@ def _read_json(path: str) -> dict:
     return values
 
 
-def resolve_config(argv=None) -> tuple[TrainConfig, GPTConfig]:
-    """Parse and merge flags, ``--config`` and the preset; validate everything that can be."""
+def resolve_config(argv=None, problems: Problems | None = None) -> tuple[TrainConfig, GPTConfig]:
+    """Parse and merge flags, ``--config`` and the preset; validate everything that can be.
+
+    Every problem is reported at once (:class:`.errors.ConfigProblems` for several). With ``problems``
+    given, they are added to it instead of raised, for the caller's further checks (``main``: the
+    world size's) to join them."""
     args = vars(build_parser().parse_args(argv))
     if args.pop("list_presets", False):
         for name, preset in PRESETS.items():
@@ -245,126 +252,141 @@ def resolve_config(argv=None) -> tuple[TrainConfig, GPTConfig]:
         values["max_seq_len"] = values.get("seq_len", TrainConfig.seq_len)
     cfg = TrainConfig(**{k: v for k, v in values.items() if k in _TRAIN_FIELDS})
     model = GPTConfig(**{k: v for k, v in values.items() if k in _MODEL_FIELDS})
-    _validate(cfg, model)
-    if cfg.hf_config or cfg.init_from:
-        from .hf_train import resolve  # checks transformers (says how to install it) and the config/folder
+    found = Problems() if problems is None else problems
+    _validate(cfg, model, found, set(explicit))
+    if not found:  # these read the model's folder and the tokenizer: only for settings that hold together
+        if cfg.hf_config or cfg.init_from:
+            from .hf_train import resolve  # checks transformers (says how to install it) and the config/folder
 
-        model = resolve(cfg, model)
-    model = resolve_tokenizer(cfg, model, explicit)  # the tokenizer in effect; its vocabulary fits the model's
+            model = resolve(cfg, model)
+        model = resolve_tokenizer(cfg, model, explicit)  # the tokenizer in effect; its vocabulary fits the model's
+    if problems is None:
+        found.raise_any()
     return cfg, model
 
 
-def _validate(cfg: TrainConfig, model: GPTConfig) -> None:
+def _validate(cfg: TrainConfig, model: GPTConfig, problems: Problems, explicit=frozenset()) -> None:
+    """Every check of the settings, each problem added to ``problems`` (checks that depend on one skipped)."""
     import shardwise
 
     for obj, names in ((cfg, _TRAIN_FIELDS), (model, _MODEL_FIELDS)):
         for name, f in names.items():
             if str(f.type) == "float" and not math.isfinite(getattr(obj, name)):
-                raise ConfigError(name, getattr(obj, name), "must be a finite number")
+                problems.add(name, getattr(obj, name), "must be a finite number")
     for name in ("steps", "micro_batch_size", "grad_accum", "seq_len"):
         if getattr(cfg, name) < 1:
-            raise ConfigError(name, getattr(cfg, name), "must be at least 1")
+            problems.add(name, getattr(cfg, name), "must be at least 1")
     if not cfg.lr > 0:
-        raise ConfigError("lr", cfg.lr, "must be positive")
+        problems.add("lr", cfg.lr, "must be positive")
     if cfg.min_lr_ratio > 1:
-        raise ConfigError("min_lr_ratio", cfg.min_lr_ratio, "must be at most 1 (a fraction of --lr)")
+        problems.add("min_lr_ratio", cfg.min_lr_ratio, "must be at most 1 (a fraction of --lr)")
     for name in ("beta1", "beta2"):
         if not 0 <= getattr(cfg, name) < 1:
-            raise ConfigError(name, getattr(cfg, name), "must be in [0, 1)")
+            problems.add(name, getattr(cfg, name), "must be in [0, 1)")
     if not cfg.timeout > 0:
-        raise ConfigError("timeout", cfg.timeout, "must be a positive number of seconds")
+        problems.add("timeout", cfg.timeout, "must be a positive number of seconds")
     if not 0 <= cfg.offload_fraction <= 1:
-        raise ConfigError("offload_fraction", cfg.offload_fraction, "must be a fraction in [0, 1]")
+        problems.add("offload_fraction", cfg.offload_fraction, "must be a fraction in [0, 1]")
     if cfg.compile:
         from torch import _dynamo
 
         backends = _dynamo.list_backends(exclude_tags=())
         if cfg.compile not in backends:
-            raise ConfigError("compile", cfg.compile, f"unknown torch.compile backend; choose from {', '.join(backends)}")
+            problems.add("compile", cfg.compile, f"unknown torch.compile backend; choose from {', '.join(backends)}")
     if cfg.resume == "never":
         cfg.resume = ""
     if cfg.resume not in RESUME_MODES:
-        raise ConfigError(f"--resume={cfg.resume}", "", "use --resume (continue if there is a checkpoint) or "
-                          "--resume=required (fail if there is none)")
+        problems.add(f"--resume={cfg.resume}", "", "use --resume (continue if there is a checkpoint) or "
+                     "--resume=required (fail if there is none)")
     if cfg.resume and not (cfg.out_dir or cfg.name):
-        raise ConfigError(f"--resume={cfg.resume}", "", "needs --out-dir (or --name): the run folder whose "
-                          "checkpoints to resume")
+        problems.add(f"--resume={cfg.resume}", "", "needs --out-dir (or --name): the run folder whose "
+                     "checkpoints to resume")
     if cfg.resume and cfg.overwrite:
-        raise ConfigError("overwrite", "", "cannot be combined with --resume: continue the run or replace it")
+        problems.add("overwrite", "", "cannot be combined with --resume: continue the run or replace it")
     if cfg.name and (Path(cfg.name).name != cfg.name or cfg.name in (".", "..") or "/" in cfg.name):
-        raise ConfigError("name", cfg.name, "must be a plain folder name under runs/ (no / or ..); use --out-dir "
-                          "for a path")
+        problems.add("name", cfg.name, "must be a plain folder name under runs/ (no / or ..); use --out-dir "
+                     "for a path")
     for name, f in _MODEL_FIELDS.items():  # after GPTConfig filled in its 0 = automatic defaults
+        if problems.named(_MODEL_FIELDS) and name not in explicit:
+            continue  # derived from a field already refused (--dim 0 makes --ffn-hidden 0): not a problem of its own
         if str(f.type) == "int" and getattr(model, name) < 1:
-            raise ConfigError(name, getattr(model, name), "must be at least 1")
+            problems.add(name, getattr(model, name), "must be at least 1")
     for name in ("norm_eps", "init_std", "rope_theta"):
         if not getattr(model, name) > 0:
-            raise ConfigError(name, getattr(model, name), "must be positive")
+            problems.add(name, getattr(model, name), "must be positive")
     if model.moe_aux_loss_coef < 0:
-        raise ConfigError("moe_aux_loss_coef", model.moe_aux_loss_coef, "must not be negative")
+        problems.add("moe_aux_loss_coef", model.moe_aux_loss_coef, "must not be negative")
     if cfg.keep_checkpoints < 1:
-        raise ConfigError("keep_checkpoints", cfg.keep_checkpoints, "must be at least 1")
+        problems.add("keep_checkpoints", cfg.keep_checkpoints, "must be at least 1")
     for name in ("warmup_steps", "max_grad_norm", "weight_decay", "min_lr_ratio", "nproc", "outer_dp", "save_every"):
         if getattr(cfg, name) < 0:
-            raise ConfigError(name, getattr(cfg, name), "must not be negative")
+            problems.add(name, getattr(cfg, name), "must not be negative")
     try:
         cfg.strategy = shardwise.resolve_strategy(cfg.strategy)
     except ValueError:
-        raise ConfigError("strategy", cfg.strategy,
-                          f"unknown strategy; use one of {sorted(shardwise.STRATEGY_PLACEMENTS)} or 0-3") from None
+        problems.add("strategy", cfg.strategy,
+                     f"unknown strategy; use one of {sorted(shardwise.STRATEGY_PLACEMENTS)} or 0-3")
     if cfg.outer_strategy and cfg.outer_strategy not in OUTER_STRATEGIES:
-        raise ConfigError("outer_strategy", cfg.outer_strategy, f"use one of {', '.join(OUTER_STRATEGIES)}")
+        problems.add("outer_strategy", cfg.outer_strategy, f"use one of {', '.join(OUTER_STRATEGIES)}")
     if cfg.outer_strategy and cfg.outer_dp < 1:
-        raise ConfigError("outer_strategy", cfg.outer_strategy, "needs --outer-dp N (the outer axis size)")
+        problems.add("outer_strategy", cfg.outer_strategy, "needs --outer-dp N (the outer axis size)")
     if cfg.outer_dp and not cfg.outer_strategy:
-        raise ConfigError("outer_dp", cfg.outer_dp, "needs --outer-strategy no_shard or optim")
+        problems.add("outer_dp", cfg.outer_dp, "needs --outer-strategy no_shard or optim")
     if cfg.precision not in ("fp32", "bf16"):
-        raise ConfigError("precision", cfg.precision, "use fp32 or bf16")
+        problems.add("precision", cfg.precision, "use fp32 or bf16")
     if cfg.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError("device", cfg.device, "use auto, cpu or cuda")
+        problems.add("device", cfg.device, "use auto, cpu or cuda")
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device", cfg.device, "no CUDA device is available")
+        problems.add("device", cfg.device, "no CUDA device is available")
     if cfg.data_dtype and cfg.data_dtype not in DATA_DTYPES:
-        raise ConfigError("data_dtype", cfg.data_dtype, f"use one of {', '.join(DATA_DTYPES)}")
+        problems.add("data_dtype", cfg.data_dtype, f"use one of {', '.join(DATA_DTYPES)}")
     if cfg.seq_len > model.max_seq_len:
-        raise ConfigError("max_seq_len", model.max_seq_len, f"is shorter than --seq-len {cfg.seq_len}")
-    try:
-        model.validate()
-    except ValueError as e:
-        name, _, why = str(e).partition(": ")
-        name = name.split("=")[0]
-        raise ConfigError(name, getattr(model, name, "?"), why) from None
+        problems.add("max_seq_len", model.max_seq_len, f"is shorter than --seq-len {cfg.seq_len}")
+    if not problems.named(_MODEL_FIELDS):  # its arithmetic needs sane fields
+        try:
+            model.validate()
+        except ValueError as e:
+            name, _, why = str(e).partition(": ")
+            name = name.split("=")[0]
+            problems.add(name, getattr(model, name, "?"), why)
     why = check_data_path(cfg.data or None, cfg.data_dtype)
     if why:
-        raise ConfigError("data", cfg.data, why)
+        problems.add("data", cfg.data, why)
     from .fp8 import check_fp8
 
     bad = check_fp8(cfg.fp8, cfg.fp8_all_gather, cfg.precision, cfg.strategy, cfg.outer_strategy, cfg.offload)
     if bad:
-        raise ConfigError(*bad)
+        problems.add(*bad)
     from .pipeline_train import check_flags as check_pipeline_flags
 
-    check_pipeline_flags(cfg, model)
+    if not problems.named(("n_layers",)):
+        with problems.collect():
+            check_pipeline_flags(cfg, model)
     if cfg.fp8 and (cfg.hf_config or cfg.init_from):
-        raise ConfigError("fp8", cfg.fp8, "with --hf-config / --init-from is not built yet (FP8 trains the GPT model)")
-    check_data_flags(cfg)
+        problems.add("fp8", cfg.fp8, "with --hf-config / --init-from is not built yet (FP8 trains the GPT model)")
+    with problems.collect():
+        check_data_flags(cfg)
     for name in ("tensorboard", "wandb"):
         if getattr(cfg, name):
             from .loggers import missing_package
 
             why = missing_package(name)
             if why:
-                raise ConfigError(name, "", why)
+                problems.add(name, "", why)
 
 
-def check_world(cfg: TrainConfig, model: GPTConfig, world: int) -> None:
-    """Checks that need the world size and the data (still before any process group)."""
+def check_world(cfg: TrainConfig, model: GPTConfig, world: int, problems: Problems | None = None) -> None:
+    """Checks that need the world size and the data (still before any process group); with ``problems``,
+    added to it (the data is then read only when there are none)."""
+    found = Problems() if problems is None else problems
     if cfg.pp > 1:
         from .pipeline_train import check_world as check_pipeline_world
 
-        check_pipeline_world(cfg, world)
-    elif cfg.outer_dp and world % cfg.outer_dp:
-        raise ConfigError("outer_dp", cfg.outer_dp, f"must divide the number of processes ({world})")
+        with found.collect():
+            check_pipeline_world(cfg, world)
+    elif cfg.outer_dp > 0 and world % cfg.outer_dp:
+        found.add("outer_dp", cfg.outer_dp, f"must divide the number of processes ({world})")
+    found.raise_any()  # with problems of the settings too: all of them, before reading (or tokenizing) data
     # lengths and ids; text to tokenize is tokenized here, once, unless each process is a torchrun worker
     check_data(cfg, model, build=not under_launcher())
 

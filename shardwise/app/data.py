@@ -94,7 +94,7 @@ def write_tokens(path: str | Path, ids, dtype: str | None = None, **meta) -> Pat
 
 
 def bin_dtype(path: str | Path, data_dtype: str = "") -> str:
-    """The dtype of ``.bin`` file ``path``: its sidecar's, else ``data_dtype`` (``""``: uint16).
+    """The dtype of ``.bin`` file ``path``: its sidecar's, else ``data_dtype`` (needed without a sidecar).
 
     Raises ``ValueError`` (the reason, for ``--data PATH: reason``) when the sidecar and an
     explicit ``data_dtype`` disagree, the sidecar is unreadable, or the size does not match.
@@ -116,7 +116,12 @@ def bin_dtype(path: str | Path, data_dtype: str = "") -> str:
             raise ValueError(f"size {size} bytes is not the {tokens} {dtype} tokens its sidecar {side} records "
                              f"(truncated or replaced?)")
         return dtype
-    dtype = data_dtype or "uint16"
+    if not data_dtype:  # a headerless file does not say its width, and no guess is safe: uint32 ids above
+        # 65,535 read as uint16 look like ordinary ids and train, wrongly, without a sign
+        raise ValueError(f"has no sidecar {side.name} saying its token dtype: pass --data-dtype uint8, uint16 or "
+                         f"uint32 (the dtype it was written with), or write {side.name} holding "
+                         f"{{\"dtype\": \"uint32\"}} (shardwise.app.data.write_tokens writes both)")
+    dtype = data_dtype
     itemsize = np.dtype(DATA_DTYPES[dtype]).itemsize
     if size == 0 or size % itemsize:
         raise ValueError(f"size {size} bytes is not a whole number of {dtype} tokens")

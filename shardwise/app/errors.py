@@ -7,9 +7,10 @@ run folder, the data flags, the Hugging Face flags) raises the same
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
-__all__ = ["PROG", "ConfigError", "say"]
+__all__ = ["PROG", "ConfigError", "ConfigProblems", "Problems", "say"]
 
 PROG = "shardwise train"
 
@@ -21,8 +22,52 @@ class ConfigError(ValueError):
     exit_code = 2
 
     def __init__(self, name: str, value, why: str):
+        self.name = name
         flag = name if name.startswith("-") else "--" + name.replace("_", "-")
         super().__init__(f"{flag} {value}: {why}" if value != "" else f"{flag}: {why}")
+
+
+class ConfigProblems(ConfigError):
+    """Several bad settings at once, one ``--flag value: reason`` line each (so one run of the command names
+    everything to fix, not one problem per try)."""
+
+    def __init__(self, errors: list[ConfigError]):
+        self.errors = list(errors)
+        self.name = self.errors[0].name
+        ValueError.__init__(self, f"{len(self.errors)} problems:\n" + "\n".join(f"  {e}" for e in self.errors))
+
+
+class Problems:
+    """The settings' problems found so far: checks add them (or raise, inside :meth:`collect`) and carry on."""
+
+    def __init__(self):
+        self.errors: list[ConfigError] = []
+
+    def add(self, name: str, value, why: str) -> None:
+        """One problem per setting: the first found (a NaN is "not finite", not also "not positive")."""
+        if not self.named((name,)):
+            self.errors.append(ConfigError(name, value, why))
+
+    @contextlib.contextmanager
+    def collect(self):
+        """Run a check that raises :class:`ConfigError` at its first problem: that problem is kept."""
+        try:
+            yield
+        except ConfigError as e:
+            self.errors.extend(getattr(e, "errors", [e]))
+
+    def named(self, names) -> bool:
+        """Whether a problem names one of the fields ``names``."""
+        return any(e.name in names for e in self.errors)
+
+    def __bool__(self) -> bool:
+        return bool(self.errors)
+
+    def raise_any(self) -> None:
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        if self.errors:
+            raise ConfigProblems(self.errors)
 
 
 def say(message: str) -> None:

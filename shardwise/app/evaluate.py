@@ -40,12 +40,18 @@ class Evaluator:
         available = (len(tokens) - 1) // seq_len
         if available < 1:
             raise ValueError(f"{len(tokens)} held-out tokens are too few for one window of seq_len={seq_len}")
+        self.available = available
         self.windows = available if batches == 0 else min(available, batches * global_batch)
         self.short = batches and self.windows < batches * global_batch  # fewer than asked for
 
     def describe(self) -> str:
-        asked = " (all there are)" if self.short else ""
-        return f"eval: {self.windows} windows of {self.seq_len} tokens{asked}"
+        """One line: how much of the held-out data each evaluation covers (by default a few batches of it)."""
+        if self.windows == self.available:
+            covered = "all of the held-out data" + (" (fewer than --eval-batches asks for)" if self.short else "")
+        else:
+            covered = (f"{100 * self.windows / self.available:.3g}% of the {self.available} held-out windows "
+                       f"(the first ones; --eval-batches 0 evaluates all, more batches more of them)")
+        return f"eval: {self.windows} windows of {self.seq_len} tokens, {covered}"
 
     def due(self, step: int) -> bool:
         """Evaluate after ``step``: every ``--eval-every`` steps and after the last."""

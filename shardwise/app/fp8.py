@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ..fp8 import DEFAULT_SKIP, RECIPES, Fp8Conversion, convert_to_fp8, require_torchao, skip_modules
 
-__all__ = ["FP8_MODES", "DEFAULT_SKIP_TEXT", "check_fp8", "convert_model", "skip_names"]
+__all__ = ["FP8_MODES", "DEFAULT_SKIP_TEXT", "check_fp8", "convert_model", "skip_names", "cpu_note"]
 
 FP8_MODES = ("",) + RECIPES  # "" = bf16 linears
 DEFAULT_SKIP_TEXT = ",".join(DEFAULT_SKIP)
@@ -39,7 +39,8 @@ def check_fp8(recipe: str, all_gather: bool, precision: str, strategy: str, oute
     except ImportError as e:
         return "fp8", recipe, str(e)
     if precision != "bf16":
-        return "fp8", recipe, "needs --precision bf16 (the FP8 linears take bf16 inputs and give bf16 outputs)"
+        return "fp8", recipe, ("needs --precision bf16 (the FP8 linears take bf16 inputs and give bf16 outputs; "
+                               "the presets 1b and 8b set it, the default tiny preset computes in fp32)")
     if recipe == "tensorwise" and all_gather:
         why = None
         if strategy != ZERO3:
@@ -51,6 +52,16 @@ def check_fp8(recipe: str, all_gather: bool, precision: str, strategy: str, oute
         if why:
             return "fp8_all_gather", "", f"{why}; add --no-fp8-all-gather to gather bf16 weights"
     return None
+
+
+def cpu_note(recipe: str, compile_backend: str, device_type: str) -> str:
+    """The line a run with ``--fp8`` on the CPU starts with ("" otherwise): it works, for testing, but slowly."""
+    if not recipe or device_type != "cpu":
+        return ""
+    compiled = (f"each layer is compiled ({compile_backend}) at the first step, which takes minutes; "
+                if compile_backend else "")
+    return (f"--fp8 {recipe} on the CPU: the FP8 matmuls are emulated (no FP8 hardware), so {compiled}expect a "
+            f"small fraction of --precision bf16's tokens/s. FP8 pays on GPUs with FP8 tensor cores (H100, H200)")
 
 
 def convert_model(model: nn.Module, recipe: str, skip: str, all_gather: bool) -> Optional[Fp8Conversion]:

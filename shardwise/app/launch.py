@@ -34,7 +34,7 @@ import traceback
 import warnings
 from typing import Callable
 
-__all__ = ["free_port", "launch_local", "under_launcher", "run_guarded", "WorkerError", "shutdown_process_groups",
+__all__ = ["free_port", "launch_local", "under_launcher", "process_started_at", "run_guarded", "WorkerError",
            "dump_stacks_on_sigusr1", "one_line_warnings", "describe_collective_error", "EXIT_INTERRUPTED"]
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -54,6 +54,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def process_started_at() -> float:
+    """When this process started, as ``time.time()`` (Linux: ``/proc``), else now: a command's wall time
+    then includes the interpreter's start and the imports (torch's take seconds)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks since boot
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        started = boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+    return started if 0 <= time.time() - started < 86400 * 365 else time.time()
 
 
 def under_launcher() -> bool:
@@ -187,38 +201,6 @@ def run_guarded(fn: Callable, args: tuple, prog: str) -> int:
             signal.signal(signal.SIGINT, previous)
         sys.stdout.flush()
         sys.stderr.flush()
-
-
-# ------------------------------------------------------------------ process groups at exit
-def shutdown_process_groups() -> None:
-    """Destroy the process groups so that their threads end before the interpreter does.
-
-    ``destroy_process_group`` alone frees nothing here: DTensor's sharding-propagation caches keep
-    the DeviceMeshes of every parameter, each mesh keeps its ProcessGroups (``_pg_registry``), and
-    the groups keep their threads (gloo's transport loop and workers, the TCPStore server, NCCL's
-    watchdog) running into interpreter shutdown, where they race with the process's own teardown
-    (the occasional ``terminate called without an active exception`` / SIGABRT after a finished
-    run). Dropping those references lets every group's destructor join its threads now. Call it
-    instead of ``dist.destroy_process_group()`` at the end of a training script, after the
-    model and optimizer are gone (out of scope or ``del``-ed).
-    """
-    import gc
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-    with contextlib.suppress(Exception):
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-        _clear_sharding_prop_cache()
-    gc.collect()
-    for obj in gc.get_objects():
-        if issubclass(type(obj), DeviceMesh) and isinstance(getattr(obj, "_pg_registry", None), dict):
-            obj._pg_registry.clear()
-    gc.collect()
 
 
 # ------------------------------------------------------------------ local launcher

@@ -30,7 +30,9 @@ only each layer's input. MoE and Mamba layers are counted roughly (not
 calibrated against a measurement); the estimate says so in its notes.
 
 ``check_fits`` compares an estimate with free memory and raises
-:class:`DoesNotFit`, naming the numbers and the changes that would fit.
+:class:`DoesNotFit`, naming the numbers and the changes that would fit;
+``check_fits_on_cpu`` does the same for a CPU run, whose ranks all take their
+memory from the host's (``MemAvailable``).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from ..models import GPT, GPTConfig
 from ..placements import resolve_strategy
 
 __all__ = ["Activations", "activation_bytes", "gpt_units", "estimate_for_run", "check_fits", "DoesNotFit",
-           "host_available_bytes", "OPTIMIZER_TEMPS"]
+           "host_available_bytes", "OPTIMIZER_TEMPS", "check_fits_on_cpu", "cpu_bytes"]
 
 #: state-sized temporaries an AdamW implementation allocates during ``step()`` (foreach: ``sqrt(exp_avg_sq)``
 #: for a whole parameter group at once; fused and the per-tensor loop: none worth counting)
@@ -438,3 +440,47 @@ def check_fits(estimate: MemoryEstimate, gpu_free_bytes: float, host_free_bytes:
     if host_free_bytes is not None and estimate.host_bytes > (1 - warn_within) * host_free_bytes:
         tight.append(f"per host {estimate.host_bytes / GIB:.1f} of {host_free_bytes / GIB:.1f} GiB free")
     return ("memory is tight (" + ", ".join(tight) + "): the allocator may need a few percent more") if tight else ""
+
+
+def cpu_bytes(estimate: MemoryEstimate, ranks_on_host: int) -> int:
+    """Host memory a CPU run takes on one host: each rank's own peak (the estimate's device part) times the
+    ranks there, plus the host part (offloaded state, already for every rank of the host)."""
+    return estimate.gpu_bytes * ranks_on_host + estimate.host_bytes
+
+
+def check_fits_on_cpu(estimate: MemoryEstimate, available_bytes: float | None, ranks_on_host: int) -> None:
+    """Raise :class:`DoesNotFit` when a CPU run's ranks together pass the host's available memory.
+
+    Without this a run too large for the machine starts and swaps, or is killed after minutes without a word.
+    ``available_bytes`` ``None`` (not Linux) checks nothing.
+    """
+    needed = cpu_bytes(estimate, ranks_on_host)
+    if available_bytes is None or needed <= available_bytes:
+        return
+    inputs = estimate.inputs
+    tips = []
+    if "config" in inputs:
+        def numbers(changes: dict, ranks: int) -> tuple[bool, str]:
+            e = estimate_for_run(**{**inputs, **changes})
+            total = cpu_bytes(e, ranks)
+            return total <= available_bytes, f"{total / GIB:.1f} GiB"
+
+        ckpt = inputs["activation_checkpointing"]
+        if not (inputs["config"].activation_checkpointing if ckpt is None else ckpt):
+            tips.append(("--activation-checkpointing", {"activation_checkpointing": True}, ranks_on_host))
+        if inputs["micro_batch"] > 1:
+            tips.append((f"--micro-batch-size {inputs['micro_batch'] // 2}",
+                         {"micro_batch": inputs["micro_batch"] // 2}, ranks_on_host))
+        if resolve_strategy(inputs["strategy"]) != "optim_grads_params":
+            tips.append(("--strategy optim_grads_params", {"strategy": "optim_grads_params"}, ranks_on_host))
+        if ranks_on_host > 1 and inputs["world"] == ranks_on_host and not inputs["outer"]:
+            tips.append(("--nproc 1", {"world": 1, "ranks_per_host": 1}, 1))
+        tips = [f"{flag} ({'fits' if fits else 'still too large'}: {total})"
+                for flag, changes, ranks in tips for fits, total in [numbers(changes, ranks)]]
+    ranks = f"{ranks_on_host} ranks x " if ranks_on_host > 1 else ""
+    host = f" + {estimate.host_bytes / GIB:.1f} GiB offloaded" if estimate.host_bytes else ""
+    raise DoesNotFit(
+        f"this configuration does not fit in this machine's memory: {ranks}{estimate.gpu_bytes / GIB:.1f} GiB per "
+        f"rank{host} = {needed / GIB:.1f} GiB needed, {available_bytes / GIB:.1f} GiB available (MemAvailable). "
+        f"Estimate: {estimate.describe('cpu')}. Would help: " + "".join(tip + "; " for tip in tips)
+        + "a smaller model (--preset, --dim, --n-layers).")

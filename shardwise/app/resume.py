@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from ..checkpoint import CheckpointManager
+import json
+from pathlib import Path
+
+from ..checkpoint import CheckpointManager, CheckpointMismatchError
 from .config import TrainConfig
 from .data import TokenLoader
 from .errors import ConfigError, say
 from .lr import LRSchedule, lr_schedule, resumed_schedule
 
-__all__ = ["global_batch_plan", "restore"]
+__all__ = ["global_batch_plan", "restore", "describe_mismatch"]
 
 
 def global_batch_plan(run: dict, cfg: TrainConfig, world: int) -> tuple[int, str]:
@@ -37,11 +40,53 @@ def global_batch_plan(run: dict, cfg: TrainConfig, world: int) -> tuple[int, str
                         f"{grad_accum} on {world} ranks (checkpoint: {was})")
 
 
+def describe_mismatch(error: CheckpointMismatchError, out_dir: str, model_settings: dict | None) -> str:
+    """What differs between a checkpoint and the model a resumed run built, and what to do, in one line.
+
+    The shapes come from the error; the settings from the run folder's ``config.json`` (the run that
+    saved the checkpoint), compared with ``model_settings`` (this run's model fields).
+    """
+    shapes = [f"{name} {tuple(saved)} in the checkpoint, {tuple(now)} now" for name, saved, now in error.mismatched]
+    parts = []
+    if shapes:
+        more = f" and {len(shapes) - 3} more" if len(shapes) > 3 else ""
+        parts.append(f"{len(shapes)} tensor shapes differ ({'; '.join(shapes[:3])}{more})")
+    for what, names in (("missing from the checkpoint", error.missing), ("only in the checkpoint", error.unexpected)):
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            parts.append(f"{len(names)} tensors {what} ({', '.join(names[:3])}{more})")
+    if error.mismatched or error.missing or error.unexpected:
+        differs = "the checkpoint holds another model: " + "; ".join(parts)
+    else:  # the optimizer's state does not fit
+        differs = " ".join(str(error).split()).removesuffix(
+            "(pass strict=False to load the keys that fit and skip the rest)").strip()
+    saved = _saved_model_settings(out_dir)
+    changed = [f"--{k.replace('_', '-')} {saved[k]} (now {v})" for k, v in (model_settings or {}).items()
+               if k in saved and saved[k] != v]
+    settings = f"; it was saved with {', '.join(changed)}" if changed else ""
+    return (f"{differs}{settings}. Resume with the settings the checkpoint was saved with, or start a new run "
+            f"(another --out-dir / --name, or --overwrite to replace this one)")
+
+
+def _saved_model_settings(out_dir: str) -> dict:
+    """The model fields of the run folder's ``config.json`` (written by the run that saved its checkpoints)."""
+    try:
+        return dict(json.loads((Path(out_dir) / "config.json").read_text()).get("model") or {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
 def restore(cfg: TrainConfig, checkpoints: CheckpointManager, model, optimizer, loader: TokenLoader,
-             world: int, rank: int) -> tuple[int, int, int, LRSchedule]:
-    """Load the latest checkpoint (with --resume); (first step, grad_accum, tokens so far, lr schedule)."""
+             world: int, rank: int, model_settings: dict | None = None) -> tuple[int, int, int, LRSchedule]:
+    """Load the latest checkpoint (with --resume); (first step, grad_accum, tokens so far, lr schedule).
+
+    ``model_settings``: this run's model fields (``GPTConfig.to_dict()``), named where a checkpoint of
+    another model is refused."""
     grad_accum, schedule = cfg.grad_accum, lr_schedule(cfg)
-    restored = checkpoints.load_latest(model, optimizer) if cfg.resume else None  # also restores the RNG
+    try:
+        restored = checkpoints.load_latest(model, optimizer) if cfg.resume else None  # also restores the RNG
+    except CheckpointMismatchError as e:  # another model: one line saying what differs, not a traceback
+        raise ConfigError(f"--resume={cfg.resume}", "", describe_mismatch(e, cfg.out_dir, model_settings)) from None
     if restored is None:
         if cfg.resume == "required":
             raise ConfigError("--resume=required", "", f"no complete checkpoint in {checkpoints.directory}")

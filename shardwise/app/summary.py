@@ -57,11 +57,15 @@ def model_label(cfg: TrainConfig) -> str:
     return f"init-from:{Path(cfg.init_from).name}" if cfg.init_from else cfg.preset
 
 
-def finish(out_dir: Path, cfg: TrainConfig, n_params: int, world: int, wall_time: float) -> dict:
+def finish(out_dir: Path, cfg: TrainConfig, n_params: int, world: int, wall_time: float,
+           startup_time: float | None = None) -> dict:
+    """Write ``summary.json`` and ``loss.png``, print the summary. ``wall_time``: this launch from its process's
+    start; ``startup_time``: the part of it before the first step (imports, processes, data, model set-up)."""
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     label = model_label(cfg)
     summary = {"model": label, "preset": None if label != cfg.preset else cfg.preset, "params": n_params, "world_size": world, **summarize(records),
-               "wall_time_s": wall_time, "out_dir": str(out_dir)}
+               "wall_time_s": wall_time, **({"startup_time_s": startup_time} if startup_time is not None else {}),
+               "out_dir": str(out_dir)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _plot(out_dir / "loss.png", records, summary["resumed_at"], cfg)
     mfu = f", MFU {100 * summary['mfu']:.1f}%" if summary["mfu"] is not None else ""
@@ -69,6 +73,8 @@ def finish(out_dir: Path, cfg: TrainConfig, n_params: int, world: int, wall_time
     speed = f"{summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else "tokens/s n/a"
     bubble = (f", pipeline bubble {100 * summary['pp_bubble']:.1f}% (time outside the stages' computation)"
               if "pp_bubble" in summary else "")
+    startup = (f" (of which {startup_time:.1f}s start-up before the first step: imports, processes, data, model)"
+               if startup_time is not None else "")
     evaluated = (f"  eval loss {summary['eval_loss']:.3f} (perplexity {summary['eval_perplexity']:.2f}) at step "
                  f"{summary['eval_step']}\n" if "eval_loss" in summary else "")
     print(f"\n{label}: {n_params / 1e6:.2f}M params, {world} ranks, {summary['steps']} steps{resumed}\n"
@@ -76,7 +82,7 @@ def finish(out_dir: Path, cfg: TrainConfig, n_params: int, world: int, wall_time
           f"(last-10 mean {summary['last10_mean_loss']:.3f})\n"
           f"{evaluated}"
           f"  {speed}{mfu}{bubble}, peak mem {summary['peak_mem_gib']:.2f} GiB\n"
-          f"  train {summary['train_time_s']:.1f}s, wall {wall_time:.1f}s\n"
+          f"  train {summary['train_time_s']:.1f}s, wall {wall_time:.1f}s{startup}\n"
           f"  outputs: {out_dir}/ (metrics.jsonl, loss.png, summary.json, config.json"
           f"{', tensorboard/' if cfg.tensorboard else ''}{', wandb/' if cfg.wandb else ''})", flush=True)
     return summary

@@ -57,14 +57,16 @@ from ..checkpoint import CheckpointError, CheckpointManager
 from ..device import device_for
 from ..models import GPT, GPTConfig
 from ..replaced import check_optimizer_params
+from ..teardown import destroy_process_groups
 from .config import (ConfigError, TrainConfig, build_parser, check_world, default_out_dir, device_type,
                      resolve_config)
 from .corpus import open_data
 from .data import TokenLoader
-from .errors import PROG, say
+from .errors import PROG, Problems, say
 from .launch import (EXIT_INTERRUPTED, WorkerError, describe_collective_error, launch_local, one_line_warnings,
-                     run_guarded, shutdown_process_groups, under_launcher)
+                     process_started_at, run_guarded, under_launcher)
 from .loop import DataParallelRun, Phase, run_steps
+from .memory import DoesNotFit
 from .lr import LRSchedule, lr_schedule, resumed_schedule
 from .resume import global_batch_plan, restore
 from .run_folder import prepare_run_folder
@@ -77,8 +79,8 @@ __all__ = ["TrainConfig", "ConfigError", "LRSchedule", "resolve_config", "train"
 RENDEZVOUS_S = 600.0  # how long ranks may take to meet at start (imports, data), whatever --timeout is
 
 
-def _pipeline_estimate(cfg: TrainConfig, model_cfg: GPTConfig, world: int, fused: bool) -> str:
-    """The memory estimate's line for ``--pp``: the peak of every pipeline rank (shardwise.app.pipeline_memory)."""
+def _pipeline_estimates(cfg: TrainConfig, model_cfg: GPTConfig, world: int, fused: bool) -> tuple[list, str]:
+    """Each pipeline rank's memory estimate for ``--pp`` (shardwise.app.pipeline_memory), or ``([], why not)``."""
     from ..pipeline_order import PIPELINE_SCHEDULES
     from .pipeline_memory import estimate_pipeline
     from .pipeline_train import parse_split, schedule_name
@@ -86,15 +88,66 @@ def _pipeline_estimate(cfg: TrainConfig, model_cfg: GPTConfig, world: int, fused
     name = schedule_name(cfg)
     if name not in PIPELINE_SCHEDULES or cfg.offload:
         why = "--offload" if cfg.offload else f"the {name} schedule"
-        return f"memory estimate: not made for --pp with {why} (the pipeline estimate does not model it yet)"
-    ranks = estimate_pipeline(
+        return [], f"not made for --pp with {why} (the pipeline estimate does not model it yet)"
+    return estimate_pipeline(
         model_cfg, cfg.seq_len, cfg.micro_batch_size, pp=cfg.pp, dp=world // cfg.pp, schedule=name,
         n_microbatches=cfg.grad_accum, virtual=cfg.pp_virtual_stages, split=parse_split(cfg.pp_split),
         strategy=cfg.strategy, outer=cfg.outer_dp or None, outer_strategy=cfg.outer_strategy or "no_shard",
-        precision=cfg.precision, vocab_units=False, optimizer="fused" if fused else "foreach")  # no offload here
+        precision=cfg.precision, vocab_units=False, optimizer="fused" if fused else "foreach"), ""  # no offload
+
+
+def _pipeline_estimate(cfg: TrainConfig, model_cfg: GPTConfig, world: int, fused: bool, device_type: str) -> str:
+    """The memory estimate's line for ``--pp``: the peak of every pipeline rank."""
+    ranks, why = _pipeline_estimates(cfg, model_cfg, world, fused)
+    if not ranks:
+        return f"memory estimate: {why}"
     peaks = ", ".join(f"{e.gpu_bytes / 2**30:.2f}" for e in ranks)
     worst = max(range(cfg.pp), key=lambda r: ranks[r].gpu_bytes)
-    return f"memory estimate: per pipeline rank {peaks} GiB; the largest, rank {worst}: {ranks[worst].describe()}"
+    return (f"memory estimate: per pipeline rank {peaks} GiB; the largest, rank {worst}: "
+            f"{ranks[worst].describe(device_type)}")
+
+
+def _fused(cfg: TrainConfig, device_type: str) -> bool:
+    """AdamW's fused kernel on the GPU (no temporaries; it takes the clipping factor) and for offloaded
+    state, where torch's default CPU AdamW is a per-tensor loop 3.4x slower (python -m
+    shardwise.app.bench.cpu_adam, docs/performance.md); the default on CPU runs."""
+    return bool(cfg.offload) or device_type == "cuda"
+
+
+def _run_estimate(cfg: TrainConfig, model_cfg: GPTConfig, world: int, device_type: str, ranks_per_host: int):
+    """The memory estimate of a run without ``--pp`` (``None`` for a Hugging Face model: not modelled)."""
+    from .memory import estimate_for_run
+
+    if cfg.pp > 1 or cfg.hf_config or cfg.init_from:
+        return None
+    return estimate_for_run(
+        model_cfg, cfg.seq_len, cfg.micro_batch_size, world, cfg.strategy,
+        cfg.offload_fraction if cfg.offload else 0.0, outer=cfg.outer_dp or None,
+        outer_strategy=cfg.outer_strategy or "no_shard", precision=cfg.precision, vocab_units=False,
+        grad_accum=cfg.grad_accum, optimizer="fused" if _fused(cfg, device_type) else "default",
+        build_on_device=not cfg.meta_init, ranks_per_host=ranks_per_host)
+
+
+def check_host_memory(cfg: TrainConfig, model_cfg: GPTConfig, world: int, ranks_per_host: int) -> None:
+    """A CPU run: every rank's estimated peak together against the host's available memory (before any
+    process starts); :class:`.memory.DoesNotFit` says what would fit."""
+    from .memory import check_fits_on_cpu, host_available_bytes
+
+    available = host_available_bytes()
+    if cfg.pp > 1:
+        ranks, _ = _pipeline_estimates(cfg, model_cfg, world, _fused(cfg, "cpu"))
+        if ranks and ranks_per_host == world and available is not None:  # every stage of every replica here
+            needed = sum(e.gpu_bytes for e in ranks) * (world // cfg.pp)
+            if needed > available:
+                raise DoesNotFit(
+                    f"this configuration does not fit in this machine's memory: {world} pipeline ranks need "
+                    f"{needed / 2**30:.1f} GiB together ({', '.join(f'{e.gpu_bytes / 2**30:.1f}' for e in ranks)} "
+                    f"GiB per stage rank), {available / 2**30:.1f} GiB available (MemAvailable); use a smaller "
+                    f"model, --micro-batch-size or --activation-checkpointing")
+        return
+    estimate = _run_estimate(cfg, model_cfg, world, "cpu", ranks_per_host)
+    if estimate is not None:
+        check_fits_on_cpu(estimate, available, ranks_per_host)
 
 
 def _limit_collective_waits(model: torch.nn.Module | None, timeout_s: float) -> None:
@@ -160,7 +213,7 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = Non
         raise
     finally:
         if owns_group:
-            shutdown_process_groups()
+            destroy_process_groups()
 
 
 
@@ -208,31 +261,26 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out_dir = Path(cfg.out_dir)
-    # AdamW's fused kernel on the GPU (no temporaries; it takes the clipping factor) and for offloaded
-    # state, where torch's default CPU AdamW is a per-tensor loop 3.4x slower (python -m
-    # shardwise.app.bench.cpu_adam, docs/performance.md); the default on CPU runs.
-    fused = bool(cfg.offload) or device.type == "cuda"
+    fused = _fused(cfg, device.type)
     phase("data (rank 0 tokenizes text that has no cache yet; the others wait)")
     train_tokens, eval_tokens = open_data(cfg, rank, world)  # before the model: a data error costs no model load
     phase("model setup (fully_shard)")
     if cfg.pp > 1:  # each pipeline rank's stages and the micro-batches its schedule keeps in flight
         if rank == 0:
-            say(_pipeline_estimate(cfg, model_cfg, world, fused))
-    elif not (cfg.hf_config or cfg.init_from):  # what it will take, before anything is built
-        from .memory import check_fits, estimate_for_run, host_available_bytes
-
-        estimate = estimate_for_run(
-            model_cfg, cfg.seq_len, cfg.micro_batch_size, world, cfg.strategy,
-            cfg.offload_fraction if cfg.offload else 0.0, outer=cfg.outer_dp or None,
-            outer_strategy=cfg.outer_strategy or "no_shard", precision=cfg.precision, vocab_units=False,
-            grad_accum=cfg.grad_accum, optimizer="fused" if fused else "default",
-            build_on_device=not cfg.meta_init, ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        if rank == 0:
+            say(_pipeline_estimate(cfg, model_cfg, world, fused, device.type))
+    else:  # what it will take, before anything is built (a CPU run's host was checked before it started)
+        estimate = _run_estimate(cfg, model_cfg, world, device.type, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        if estimate is not None and rank == 0:
             say(f"memory estimate: {estimate.describe(device.type)}")
-        if device.type == "cuda":  # on every rank, before any rank allocates: a clear error, not an OOM
+        if estimate is not None and device.type == "cuda":  # on every rank, before any rank allocates
+            from .memory import check_fits, host_available_bytes
+
             note = check_fits(estimate, torch.cuda.mem_get_info(device)[0], host_available_bytes())
             if note and rank == 0:
                 say(note)
+    if rank == 0:
+        say(f"building the model{' on the meta device' if cfg.meta_init and cfg.pp == 1 else ''} and sharding it "
+            f"(fully_shard, {cfg.strategy}) over {world} ranks")
     torch.manual_seed(cfg.seed)
     policy = shardwise.MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if cfg.precision == "bf16" else None)
@@ -262,7 +310,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     checkpoints = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.keep_checkpoints)
     phase("checkpoint load")
     start, grad_accum, tokens, schedule = restore(cfg, checkpoints, saved_model, saved_optimizer, loader,
-                                                  run.data_ranks, rank)
+                                                  run.data_ranks, rank, model_cfg.to_dict())
     evaluator = None
     if eval_tokens is not None:
         from .evaluate import Evaluator
@@ -292,11 +340,16 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
         from .loggers import RunLoggers
 
         loggers = RunLoggers(cfg, out_dir, start, json.loads((out_dir / "config.json").read_text()))
+    if rank == 0 and start <= cfg.steps:
+        compiled = (f": each layer is compiled first (torch.compile, {cfg.compile}), which can take minutes"
+                    if cfg.compile else " (allocation and warm-up: slower than the next)")
+        say(f"step {start}: the first step{compiled}")
     # One bar per process: a thread lock will do. tqdm's default multiprocessing lock is a named
     # semaphore, which a killed rank leaks (and the resource tracker warns about at exit).
     tqdm.set_lock(threading.RLock())
     bar = tqdm(total=cfg.steps, initial=min(start - 1, cfg.steps), desc=f"{model_label(cfg)} x{world}{f' pp{cfg.pp}' if cfg.pp > 1 else ''}",
                disable=rank != 0, dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+    loop_started_at = time.time()
     try:
         trained = run_steps(cfg, run, optimizer, loader, checkpoints, schedule, start, grad_accum,
                             tokens, device, phase, bar, metrics_file, launch, flops_per_token, evaluator, loggers)
@@ -310,8 +363,15 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     metrics_file.close()
     if not trained:
         return None
-    return finish(out_dir, cfg, n_params, world, time.time() - started_at)
+    return finish(out_dir, cfg, n_params, world, time.time() - started_at, loop_started_at - started_at)
 
+
+
+def _start_notes(cfg: TrainConfig) -> list[str]:
+    """What a run should know before it starts (said once, by the launcher or rank 0)."""
+    from .fp8 import cpu_note
+
+    return [note for note in [cpu_note(cfg.fp8, cfg.compile, device_type(cfg))] if note]
 
 
 def _worker_prog() -> str:
@@ -320,24 +380,30 @@ def _worker_prog() -> str:
 
 
 def main(argv=None) -> int:
-    started_at = time.time()
+    started_at = process_started_at()  # the interpreter's start: wall time includes importing torch
     launched = under_launcher()
     one_line_warnings(_worker_prog() if launched else PROG)
     try:
-        cfg, model_cfg = resolve_config(argv)
+        problems = Problems()  # every problem of the flags and of the world size, said at once
+        cfg, model_cfg = resolve_config(argv, problems)
         if launched:
             world = int(os.environ["WORLD_SIZE"])
-        elif cfg.nproc:
+        elif cfg.nproc > 0:
             world = cfg.nproc
         else:
             world = torch.cuda.device_count() if device_type(cfg) == "cuda" else 2
         if device_type(cfg) == "cuda" and not launched and world > torch.cuda.device_count():
-            raise ConfigError("nproc", world, f"more processes than GPUs ({torch.cuda.device_count()})")
-        check_world(cfg, model_cfg, world)
+            problems.add("nproc", world, f"more processes than GPUs ({torch.cuda.device_count()})")
+        check_world(cfg, model_cfg, world, problems)  # raises them all, then reads the data
+        if device_type(cfg) == "cpu":  # the ranks share the host's memory: all of it, before any starts
+            check_host_memory(cfg, model_cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         cfg = replace(cfg, out_dir=default_out_dir(cfg))
         rank0 = not launched or os.environ.get("RANK") == "0"
         prepare_run_folder(cfg, rank0=rank0, announce=rank0)
-    except ConfigError as e:
+        if rank0:
+            for note in _start_notes(cfg):
+                say(note)
+    except (ConfigError, DoesNotFit) as e:
         say(f"error: {e}")
         return 2
     except KeyboardInterrupt:

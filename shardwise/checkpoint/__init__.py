@@ -10,7 +10,7 @@ Offline: ``shardwise ckpt info CKPT_DIR``, ``shardwise ckpt verify CKPT_DIR`` an
 """
 
 from .dcp_state import CheckpointMismatchError, LoadedState, load_state, save_state
-from .full import gather_full_optimizer_state, gather_full_state_dict
+from .full import gather_full_optimizer_state
 from .integrity import CheckpointCorruptError, CheckpointError, CheckpointSaveError, verify_checkpoint
 from .manager import CheckpointManager, Restored
 
@@ -25,7 +25,6 @@ __all__ = [
     "LoadedState",
     "save_state",
     "load_state",
-    "gather_full_state_dict",
     "gather_full_optimizer_state",
     "export_safetensors",
     "checkpoint_info",

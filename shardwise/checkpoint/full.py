@@ -1,10 +1,9 @@
-"""In-job full (unsharded) state dicts of a sharded model and its optimizer.
+"""The in-job full (unsharded) optimizer state of a sharded model (the model's: ``shardwise.full_state_dict``).
 
-Both are collectives on torch's own tools: the values of
-``get_model_state_dict`` and of the optimizer's state are gathered with each
-DTensor's ``full_tensor()``, one tensor at a time, so a rank holds at most one
-full tensor beyond what it returns. With ``rank0_only`` the other ranks
-return an empty dict.
+A collective on torch's own tools: each DTensor of the optimizer's state is
+gathered with ``full_tensor()``, one tensor at a time, so a rank holds at most
+one full tensor beyond what it returns. With ``rank0_only`` (default
+``False``, as ``shardwise.full_state_dict``) the other ranks return an empty dict.
 """
 
 from __future__ import annotations
@@ -18,9 +17,9 @@ from torch.distributed.tensor import DTensor
 
 from ..state_dict import gathered
 from ..engine import sharded_state
-from .dcp_state import _optimizer_params, model_tensors
+from .dcp_state import _optimizer_params
 
-__all__ = ["gather_full_state_dict", "gather_full_optimizer_state"]
+__all__ = ["gather_full_optimizer_state"]
 
 
 def _keep(rank0_only: bool) -> bool:
@@ -28,34 +27,7 @@ def _keep(rank0_only: bool) -> bool:
 
 
 @torch.no_grad()
-def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True, dtype: torch.dtype | None = None,
-                           include_tied: bool = True) -> dict[str, torch.Tensor]:
-    """Every key of ``model.state_dict()`` as a plain CPU tensor (parameters as fp32 main weights, or ``dtype``).
-
-    Tied parameters appear under every name, as in ``nn.Module.state_dict()``;
-    with ``include_tied=False`` once, under their first name (Hugging Face's form).
-    """
-    keep = _keep(rank0_only)
-    tensors, aliases = model_tensors(model)  # torch's get_model_state_dict, each tensor once
-    out: dict[str, torch.Tensor] = {}
-    for key, value in tensors.items():
-        if isinstance(value, DTensor):
-            full = gathered(value, cpu=True, dtype=dtype)
-        else:
-            full = value.detach().cpu().clone() if keep else None
-        if keep:
-            out[key] = full
-        del full
-    if not keep:
-        return {}
-    if include_tied:
-        for alias, canonical in aliases.items():
-            out[alias] = out[canonical]
-    return out
-
-
-@torch.no_grad()
-def gather_full_optimizer_state(model: nn.Module, optimizer, *, rank0_only: bool = True) -> dict[str, dict[str, Any]]:
+def gather_full_optimizer_state(model: nn.Module, optimizer, *, rank0_only: bool = False) -> dict[str, dict[str, Any]]:
     """``{fqn: {state key: value}}`` with sharded state (``exp_avg``...) gathered to full CPU tensors."""
     keep = _keep(rank0_only)
     sharded_state(model)

@@ -49,3 +49,28 @@ def test_train_resumes_from_the_latest_checkpoint_exactly(tmp_path):
     assert "step_00000002" in proc.stderr and "step_00000004.tmp" in proc.stderr  # resumed; partial reported
     assert [step for step, _ in _losses(crashed)] == [1, 2, 3, 4]
     assert _losses(crashed) == _losses(straight)  # data order, dropout RNG and optimizer state restored
+
+
+def _resume_another_model(first: list[str], again: list[str]) -> tuple[str, bool, str]:
+    train_records(first)
+    try:
+        train_records(again)
+    except Exception as e:  # noqa: BLE001 -- what the worker's guard would print
+        return type(e).__name__, bool(getattr(e, "one_line", False)), str(e)
+    return "", False, "resumed"
+
+
+def test_resuming_another_model_size_is_one_line_naming_shapes_and_settings(tmp_path):
+    """``--resume`` with another ``--dim``: one line (no traceback, no ``strict=False`` no flag offers) naming the
+    shapes that differ, the setting the checkpoint was saved with, and what to do."""
+    out = str(tmp_path / "run")
+    tiny = ["--preset", "tiny", "--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1",
+            "--ffn-hidden", "64", "--seq-len", "32", "--micro-batch-size", "2", "--data",
+            str(REPO / "shardwise" / "models"), "--out-dir", out, "--steps", "1", "--save-every", "1"]
+    kind, one_line, message = run_distributed(_resume_another_model, 2, tiny, tiny + ["--dim", "64", "--resume",
+                                                                                     "--steps", "2"])[0]
+    assert kind == "ConfigError" and one_line and "\n" not in message, message
+    assert message.startswith("--resume=auto: the checkpoint holds another model: "), message
+    assert "tensor shapes differ (" in message and "(256, 32) in the checkpoint, (256, 64) now" in message, message
+    assert "it was saved with --dim 32 (now 64)" in message and "strict=False" not in message, message
+    assert message.endswith("or start a new run (another --out-dir / --name, or --overwrite to replace this one)")

@@ -104,6 +104,64 @@ def test_config_file_accepts_whole_floats_and_resume_bools(tmp_path):
     assert cfg.resume == ""
 
 
+def test_every_problem_of_the_flags_is_reported_at_once(tmp_path, capsys, monkeypatch):
+    """``--nproc 3 --pp 2`` has two problems (1F1B's micro-batches, the pipeline's divisibility): both in one run,
+    one line each, as every other independent problem; a setting derived from a refused one is not reported."""
+    from shardwise.app import train
+
+    monkeypatch.setattr(train, "launch_local", _no_launch)
+    out = ["--out-dir", str(tmp_path / "run")]
+    assert main(["--nproc", "3", "--pp", "2", *out]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "shardwise train: error: 2 problems:",
+        "  --grad-accum 1: is the number of micro-batches, of which torch's 1F1B schedule needs at least one per "
+        "stage (2 with --pp 2)",
+        "  --pp 2: must divide the number of processes (3): each of the world / pp data-parallel replicas is a whole "
+        "pipeline"]
+    assert main(["--lr", "nan", "--steps", "0", "--strategy", "zero9", "--dim", "0", *out]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "shardwise train: error: 4 problems:" and [line.split(":")[0] for line in err[1:]] == [
+        "  --lr nan", "  --steps 0", "  --dim 0", "  --strategy zero9"], err
+    with pytest.raises(ConfigError, match=r"2 problems:\n  --beta1 2\.0: must be in \[0, 1\)\n  --beta2 -1\.0"):
+        resolve_config(["--beta1", "2", "--beta2", "-1"])
+    assert not (tmp_path / "run").exists()
+
+
+def _no_launch(*args, **kwargs):
+    raise AssertionError("the run was launched")
+
+
+# ------------------------------------------------------------------ before any process starts
+@pytest.mark.parametrize("argv,needed", [
+    (["--preset", "8b"], "2 ranks x 74.8 GiB per rank = 149.6 GiB needed, 23.0 GiB available (MemAvailable)"),
+    (["--preset", "1b", "--fp8", "tensorwise"], "2 ranks x 20.4 GiB per rank = 40.8 GiB needed"),
+    (["--preset", "1b", "--pp", "2", "--grad-accum", "2"], "2 pipeline ranks need 37.2 GiB together"),
+])
+def test_a_cpu_run_larger_than_the_host_is_refused_before_it_starts(argv, needed, tmp_path, capsys, monkeypatch):
+    """On the CPU every rank takes the host's memory: the estimate times the ranks, against MemAvailable (here
+    a 23 GiB machine), refused in one line with what would help, before any process starts."""
+    from shardwise.app import memory, train
+
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 23 * 2**30)
+    monkeypatch.setattr(train, "launch_local", _no_launch)
+    assert main(argv + ["--device", "cpu", "--out-dir", str(tmp_path / "run")]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith("shardwise train: error: this configuration does not fit in this machine's memory: ")
+    assert needed in line and "a smaller model" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_fp8_on_the_cpu_says_it_is_emulated_and_compiled(tmp_path, capsys, monkeypatch, data):
+    from shardwise.app import train
+
+    launched = []
+    monkeypatch.setattr(train, "launch_local", lambda *args: launched.append(args) or 0)
+    assert main(["--fp8", "tensorwise", "--precision", "bf16", "--device", "cpu", *TINY, "--data", data,
+                 "--out-dir", str(tmp_path / "run")]) == 0 and launched
+    assert ("shardwise train: --fp8 tensorwise on the CPU: the FP8 matmuls are emulated (no FP8 hardware), so each "
+            "layer is compiled (inductor) at the first step, which takes minutes") in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ shardwise ckpt
 @pytest.mark.parametrize("layout,target,message", [
     ("run", "run/checkpoints", "{t}: no such checkpoint folder; the run folder {r} has no checkpoints: shardwise "
@@ -126,6 +184,22 @@ def test_ckpt_without_a_checkpoint_says_where_it_looked(layout, target, message,
     line = _one_error_line(capsys)
     assert line.startswith("shardwise ckpt export: error: ")
     assert message.format(t=tmp_path / target, r=run) in line, line
+
+
+def test_ckpt_takes_a_run_folder_for_its_checkpoints(tmp_path, capsys):
+    """``ckpt info/verify/export RUN`` read ``RUN/checkpoints`` (where train writes them), not "no checkpoints"."""
+    from shardwise.app.ckpt import main as ckpt_main
+    from tests.checkpoint.test_checkpoint_export import _export_source
+
+    run = tmp_path / "run"
+    run_distributed(_export_source, 2, str(run / "checkpoints"))
+    (run / "config.json").write_text("{}")
+    assert ckpt_main(["info", str(run)]) == 0
+    assert f"checkpoint: {run / 'checkpoints' / 'step_00000002'}\nstep: 2" in capsys.readouterr().out
+    assert ckpt_main(["verify", str(run)]) == 0
+    assert f"ok       {run / 'checkpoints' / 'step_00000002'}" in capsys.readouterr().out
+    assert ckpt_main(["export", str(run), str(tmp_path / "out")]) == 0
+    assert f"exported {run / 'checkpoints' / 'step_00000002'}: wrote 1 file(s)" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------ learning-rate schedule

@@ -227,3 +227,19 @@ def test_overwrite_deletes_the_earlier_runs_logger_files(tmp_path):
     (out / "notes.txt").write_text("mine")
     prepare_run_folder(resolve_config(["--out-dir", str(out), "--overwrite"])[0], announce=False)
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # a new run does not mix with the old curves
+
+
+def test_the_eval_line_says_how_much_of_the_held_out_data_it_covers():
+    """By default an evaluation reads --eval-batches 10 global batches: a few percent of a large file, said."""
+    import numpy as np
+
+    from shardwise.app.evaluate import Evaluator
+
+    tokens = np.zeros(4000 * 32 + 1, dtype=np.uint16)  # 4000 windows of 32 tokens
+    part = Evaluator(tokens, 32, 2, 8, 10, 0, 5)
+    assert part.describe() == ("eval: 80 windows of 32 tokens, 2% of the 4000 held-out windows (the first ones; "
+                               "--eval-batches 0 evaluates all, more batches more of them)")
+    assert Evaluator(tokens, 32, 2, 8, 0, 0, 5).describe() == \
+        "eval: 4000 windows of 32 tokens, all of the held-out data"
+    assert Evaluator(tokens[:33 * 10], 32, 2, 8, 10, 0, 5).describe().endswith(
+        "all of the held-out data (fewer than --eval-batches asks for)")

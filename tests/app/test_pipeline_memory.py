@@ -100,3 +100,15 @@ def test_bad_arguments_are_refused():
                                n_microbatches=4)
     with pytest.raises(ValueError, match=r"split=\[1, 1\] sums to 2, not n_layers=6"):
         estimate_pipeline_rank(CONFIG, T, B, pp=2, pp_rank=0, dp=1, schedule="1f1b", n_microbatches=4, split=[1, 1])
+
+
+def test_the_train_line_says_per_rank_on_the_cpu():
+    """``train --pp`` prints each pipeline rank's estimate: on the CPU a rank's memory is the process's, not a GPU's."""
+    from shardwise.app.train import _pipeline_estimate, resolve_config
+
+    cfg, model_cfg = resolve_config(["--pp", "2", "--grad-accum", "2", "--dim", "32", "--n-layers", "2", "--n-heads",
+                                     "2", "--n-kv-heads", "1", "--ffn-hidden", "64", "--seq-len", "32"])
+    line = _pipeline_estimate(cfg, model_cfg, 2, False, "cpu")
+    assert line.startswith("memory estimate: per pipeline rank ") and "per rank " in line, line
+    assert "GPU" not in line, line
+    assert "per GPU " in _pipeline_estimate(cfg, model_cfg, 2, True, "cuda")

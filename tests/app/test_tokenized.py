@@ -143,7 +143,7 @@ def test_dtype_errors_name_flag_and_file(tmp_path, capsys):
     assert (f"--data {tmp_path / 'ids.bin'}: holds uint32 tokens (its sidecar {tmp_path / 'ids.bin.json'} says so), "
             f"not --data-dtype uint16") in capsys.readouterr().err
     np.array([1, 2, 3] * 50, dtype=np.uint32).tofile(tmp_path / "bare.bin")
-    assert main(["--data", str(tmp_path / "bare.bin"), *out]) == 2
+    assert main(["--data", str(tmp_path / "bare.bin"), "--data-dtype", "uint16", *out]) == 2
     assert "every second uint16 is 0: this looks like a uint32 token file; pass --data-dtype uint32" in \
         capsys.readouterr().err
     assert main(["--data", str(tmp_path / "ids.bin"), "--vocab-size", "65536", *TINY, *out]) == 2
@@ -151,6 +151,22 @@ def test_dtype_errors_name_flag_and_file(tmp_path, capsys):
     assert main(["--data", str(tmp_path / "ids.bin"), "--tokenizer", str(tmp_path / "ids.bin"), *out]) == 2
     assert "is a .bin of token ids already (nothing to tokenize); drop --tokenizer" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_bin_without_sidecar_needs_its_dtype(tmp_path, capsys):
+    """uint32 ids above 65,535 without a sidecar: read as uint16 they would train as other ids (exit 0), so the
+    file is refused until --data-dtype says its width; with it, the ids are the ones written."""
+    ids = (np.arange(4000, dtype=np.int64) * 7919) % 128_256
+    ids.astype(np.uint32).tofile(tmp_path / "bare.bin")
+    out = ["--out-dir", str(tmp_path / "run")]
+    assert main(["--data", str(tmp_path / "bare.bin"), *TINY, *out]) == 2
+    err = capsys.readouterr().err
+    assert (f"--data {tmp_path / 'bare.bin'}: has no sidecar bare.bin.json saying its token dtype: pass --data-dtype "
+            "uint8, uint16 or uint32") in err, err
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="has no sidecar"):
+        load_tokens(str(tmp_path / "bare.bin"))
+    np.testing.assert_array_equal(load_tokens(str(tmp_path / "bare.bin"), "uint32"), ids)
 
 
 @pytest.mark.parametrize("content,message", [
@@ -226,3 +242,21 @@ def test_resuming_on_other_data_says_so():
     with pytest.warns(UserWarning, match="the data has 124 windows of seq_len\\+1 tokens where the checkpoint's "
                                          "had 62: the data or --seq-len changed"):
         TokenLoader(np.arange(2000), 16, 2).load_state_dict(state)
+
+
+def test_the_readmes_tokenizer_recipe_trains_one_train_can_use(tmp_path, monkeypatch):
+    """The README's "No tokenizer at hand?" code, run as written on a text file: a tokenizer.json whose EOS
+    ``--tokenizer`` finds by itself."""
+    from tests.helpers import REPO
+
+    readme = (REPO / "README.md").read_text()
+    after = readme[readme.index("**No tokenizer at hand?**"):]
+    code = after[after.index("```python\n") + len("```python\n"):after.index("  ```\n", after.index("```python"))]
+    code = "\n".join(line[2:] for line in code.splitlines()).replace("vocab_size=8000", "vocab_size=400")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.txt").write_text(" ".join(documents(200)))
+    exec(compile(code, "README.md", "exec"), {})
+    tok = tokenized.load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert tok.eos_token == "<|endoftext|>" and 256 < tok.vocab_size <= 400
+    cfg, model = resolve_config(["--data", "corpus.txt", "--tokenizer", "tokenizer.json", *TINY])
+    assert model.vocab_size == tok.vocab_size

@@ -46,6 +46,15 @@ def test_smoke_run_writes_metrics_and_plot(tmp_path):
     assert config["model"]["dim"] == 32 and config["train"]["strategy"] == "optim_grads_params"
     assert config["train"]["compile"] == "aot_eager"  # each layer's forward compiled
     assert "loss" in proc.stdout and str(out) in proc.stdout
+    # the long phases say what they are, as they start; the CPU estimate is per rank, not per GPU
+    assert "shardwise train: memory estimate: per rank " in proc.stderr, proc.stderr
+    assert "shardwise train: building the model on the meta device and sharding it (fully_shard, optim_grads_params) " \
+           "over 2 ranks" in proc.stderr
+    assert "shardwise train: step 1: the first step: each layer is compiled first (torch.compile, aot_eager)" in \
+        proc.stderr
+    # wall time counts from the process's start (imports included), and says how much came before step 1
+    assert summary["wall_time_s"] >= summary["startup_time_s"] + summary["train_time_s"] > summary["startup_time_s"] > 1
+    assert f"(of which {summary['startup_time_s']:.1f}s start-up before the first step" in proc.stdout
 
 
 def test_bad_data_path_fails_in_the_parent(tmp_path):
@@ -129,7 +138,7 @@ def test_data_sources(tmp_path):
     assert bytes(load_tokens(str(tmp_path / "a.txt"))) == b"hello"
     ids = np.arange(1000, 1100, dtype=np.uint16)
     ids.tofile(tmp_path / "t.bin")
-    assert np.array_equal(load_tokens(str(tmp_path / "t.bin")), ids)
+    assert np.array_equal(load_tokens(str(tmp_path / "t.bin"), "uint16"), ids)
     np.arange(50, dtype=np.uint8).tofile(tmp_path / "u.bin")
     assert np.array_equal(load_tokens(str(tmp_path / "u.bin"), "uint8"), np.arange(50))
 

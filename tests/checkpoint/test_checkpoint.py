@@ -20,7 +20,6 @@ from shardwise.checkpoint import (
     CheckpointManager,
     CheckpointMismatchError,
     gather_full_optimizer_state,
-    gather_full_state_dict,
 )
 from shardwise.app.data import TokenLoader
 
@@ -106,7 +105,7 @@ def _resume_body(path: str, strategy: str, bf16: bool):
     _seed_everything(100)
     data = loader()
     straight = [_random_step(model, opt, data, config) for _ in range(10)]
-    straight_params = gather_full_state_dict(model, rank0_only=False)
+    straight_params = shardwise.full_state_dict(model)
 
     # Five steps, save, forget everything, load, five more.
     model, opt = _build(strategy, seed=0, bf16=bf16)
@@ -124,7 +123,7 @@ def _resume_body(path: str, strategy: str, bf16: bool):
     assert restored.extra["note"] == "five"
     data.load_state_dict(restored.extra["data"])
     second = [_random_step(model, opt, data, config) for _ in range(5)]
-    resumed_params = gather_full_state_dict(model, rank0_only=False)
+    resumed_params = shardwise.full_state_dict(model)
     return straight, first + second, _equal_nested(straight_params, resumed_params)
 
 
@@ -144,7 +143,7 @@ def _reshard_source(path: str, strategy: str, outer):
     for step in range(3):
         _global_batch_step(model, opt, step)
     CheckpointManager(path).save(3, model, opt)
-    params = gather_full_state_dict(model)
+    params = shardwise.full_state_dict(model)
     optim = gather_full_optimizer_state(model, opt)
     losses = [_global_batch_step(model, opt, step) for step in range(3, 6)]
     return params, optim, losses
@@ -156,7 +155,7 @@ def _reshard_target(path: str, strategy: str, outer):
         warnings.simplefilter("ignore")  # RNG states are per rank: not restored on another world size
         restored = CheckpointManager(path).load_latest(model, opt)
     assert restored.step == 3 and not restored.rng_restored
-    params = gather_full_state_dict(model)
+    params = shardwise.full_state_dict(model)
     optim = gather_full_optimizer_state(model, opt)
     losses = [_global_batch_step(model, opt, step) for step in range(3, 6)]
     return params, optim, losses
@@ -194,7 +193,7 @@ def _dying_worker(rank: int, world: int, port: int, path: str, out: str) -> None
     manager = CheckpointManager(path)
     _global_batch_step(model, opt, 0)
     manager.save(1, model, opt, extra={"step": 1})
-    full = gather_full_state_dict(model)
+    full = shardwise.full_state_dict(model)
     if rank == 0:
         torch.save(full, Path(out) / "saved_at_step_1.pt")
     _global_batch_step(model, opt, 1)
@@ -222,7 +221,7 @@ def _load_after_failure(path: str):
         warnings.simplefilter("always")
         restored = manager.load_latest(model, opt)
     messages = [str(w.message) for w in caught]
-    full = gather_full_state_dict(model)
+    full = shardwise.full_state_dict(model)
     # The next save succeeds and clears the dead partial folder.
     _global_batch_step(model, opt, 1)
     manager.save(3, model, opt)
@@ -264,7 +263,7 @@ def _commit_fails_body(path: str):
     manager = CheckpointManager(path, keep_last=3)
     _global_batch_step(model, opt, 0)
     manager.save(1, model, opt)
-    before = gather_full_state_dict(model, rank0_only=False)
+    before = shardwise.full_state_dict(model)
     _global_batch_step(model, opt, 1)
 
     def crash(*args, **kwargs):
@@ -284,7 +283,7 @@ def _commit_fails_body(path: str):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         restored = manager.load_latest(model, opt)
-    after = gather_full_state_dict(model, rank0_only=False)
+    after = shardwise.full_state_dict(model)
     return error, restored.step, [str(w.message) for w in caught], _equal_nested(before, after)
 
 
@@ -304,7 +303,7 @@ def _mismatch_body(path: str):
         manager.save(step, model, opt)
     kept = [s for s, _ in manager.checkpoints()]
     manager.save(4, model, opt)  # saving a step again replaces it
-    saved = gather_full_state_dict(model, rank0_only=False)
+    saved = shardwise.full_state_dict(model)
 
     errors = {}
     for name, config in {
@@ -322,7 +321,7 @@ def _mismatch_body(path: str):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         restored = manager.load_latest(other, strict=False)
-    loaded = gather_full_state_dict(other, rank0_only=False)
+    loaded = shardwise.full_state_dict(other)
     same = [k for k in loaded if k in saved and loaded[k].shape == saved[k].shape and torch.equal(loaded[k], saved[k])]
     # A model checkpoint without optimizer state cannot resume an optimizer (strict).
     CheckpointManager(path + "/model_only").save(1, model)

@@ -13,7 +13,7 @@ import torch.nn as nn
 from safetensors.torch import load_file, load_model
 
 import shardwise
-from shardwise.checkpoint import CheckpointManager, gather_full_state_dict
+from shardwise.checkpoint import CheckpointManager
 from shardwise.app.ckpt import main as ckpt_main
 
 from tests.checkpoint.test_checkpoint import _build, _global_batch_step
@@ -29,7 +29,7 @@ def _export_source(path: str):
     CheckpointManager(path).save(2, model, opt, extra={"data": {"position": 16}})
     with torch.no_grad():
         losses = [model(*(t.to(device()) for t in batch(step, 8, TinyConfig()))).item() for step in (10, 11)]
-    return losses, gather_full_state_dict(model), model.state_dict().keys() - set()
+    return losses, shardwise.full_state_dict(model), model.state_dict().keys() - set()
 
 
 def _plain_losses(model: nn.Module) -> list[float]:

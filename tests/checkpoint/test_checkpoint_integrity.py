@@ -28,7 +28,6 @@ from shardwise.checkpoint import (
     CheckpointMismatchError,
     CheckpointSaveError,
     gather_full_optimizer_state,
-    gather_full_state_dict,
 )
 from shardwise.app.ckpt import main as ckpt_main
 
@@ -106,8 +105,8 @@ def _damage_body(root: str):
     fresh, fresh_opt = _build(seed=1)
     restored = manager.load_latest(fresh, fresh_opt)  # intact again
     results["restored"] = restored.step
-    results["same"] = _equal_nested(gather_full_state_dict(model, rank0_only=False),
-                                    gather_full_state_dict(fresh, rank0_only=False))
+    results["same"] = _equal_nested(shardwise.full_state_dict(model),
+                                    shardwise.full_state_dict(fresh))
     return results
 
 
@@ -300,7 +299,7 @@ def _load_v1(root: str, strategy: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # RNG not restored on another world size
         restored = CheckpointManager(root).load_latest(model, opt)
-    params = gather_full_state_dict(model, include_tied=False)
+    params = shardwise.full_state_dict(model, include_tied=False)
     optim = gather_full_optimizer_state(model, opt)
     if dist.get_rank():
         return None

@@ -31,7 +31,7 @@ def _moe(**overrides) -> GPTConfig:
 
 def _snapshot(model, opt):
     weights = {k: v for k, v in shardwise.full_state_dict(model).items() if "rope" not in k}
-    states = gather_full_optimizer_state(model, opt, rank0_only=False)
+    states = gather_full_optimizer_state(model, opt)
     return weights, {f: {k: v for k, v in s.items() if k != "step"} for f, s in states.items()}
 
 

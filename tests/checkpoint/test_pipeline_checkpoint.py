@@ -44,7 +44,7 @@ def _full_optimizer(pairs) -> dict[str, dict[str, torch.Tensor]]:
     """The whole model's optimizer state, full tensors, on every rank."""
     mine = {}
     for part, opt in pairs:
-        mine.update(gather_full_optimizer_state(part, opt, rank0_only=False))
+        mine.update(gather_full_optimizer_state(part, opt))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return {k: v for s in gathered for k, v in s.items()}
@@ -64,7 +64,7 @@ def _torch_tools_on_stages(pipe: Pipeline, full: dict[str, torch.Tensor]) -> Non
         for name, value in state.items():
             assert torch.equal(value.cpu(), full[name]), name
         osd = get_optimizer_state_dict(part, opt)
-        ours = gather_full_optimizer_state(part, opt, rank0_only=False)
+        ours = gather_full_optimizer_state(part, opt)
         assert set(osd["state"]) == set(ours) == {n for n, p in part.named_parameters()}
         for fqn, values in osd["state"].items():
             for key, value in values.items():

@@ -517,7 +517,7 @@ def _buffers_held_after_step(strategy: str, offload: bool):
     config = TinyConfig()
     model = shardwise.fully_shard(
         TinyLM(config).to(device()), strategy=strategy, unit_modules=[Block],
-        offload_policy=shardwise.OffloadPolicy() if offload else None)
+        offload_policy=shardwise.OffloadPolicy(fraction=1.0) if offload else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens, targets = (t.to(device()) for t in batch(0, world, config))
     model(tokens[rank : rank + 1], targets[rank : rank + 1]).backward()

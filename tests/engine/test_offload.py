@@ -19,7 +19,7 @@ CONFIG = TinyConfig()
 def _sharded(offloaded: bool | shardwise.OffloadPolicy, **options):
     """The tiny model, seeded, sharded with everything offloaded (or by the given policy) or nothing."""
     torch.manual_seed(0)
-    policy = shardwise.OffloadPolicy() if offloaded is True else offloaded or None
+    policy = shardwise.OffloadPolicy(fraction=1.0) if offloaded is True else offloaded or None
     return shardwise.fully_shard(TinyLM(CONFIG).to(device()), unit_modules=[Block], offload_policy=policy, **options)
 
 
@@ -82,7 +82,7 @@ def _assert_identical(results):
 
 @pytest.mark.parametrize("world,strategy,outer", [(1, "optim_grads_params", None)] + STRATEGY_MESHES)
 def test_offloaded_training_is_bit_identical(world, strategy, outer):
-    results = run_distributed(_compare, world, strategy, outer, shardwise.OffloadPolicy())
+    results = run_distributed(_compare, world, strategy, outer, shardwise.OffloadPolicy(fraction=1.0))
     _assert_identical(results)
     assert results[0][1][3] == ["cpu"]
 
@@ -101,7 +101,7 @@ def test_the_policy_chooses_units_by_fraction_or_by_name():
     half = run_distributed(_which_groups, 1, shardwise.OffloadPolicy(fraction=0.5))[0]
     named = run_distributed(_which_groups, 1, shardwise.OffloadPolicy(units=["blocks.1"]))[0]
     none = run_distributed(_which_groups, 1, shardwise.OffloadPolicy(fraction=0.0))[0]
-    everything = run_distributed(_which_groups, 1, shardwise.OffloadPolicy())[0]
+    everything = run_distributed(_which_groups, 1, shardwise.OffloadPolicy(fraction=1.0))[0]
     assert half and half[0].startswith("blocks.0") and set(half) < set(everything), (half, everything)
     assert not any(n.startswith("<root>") for n in half), "units go first, in unit_modules order"
     assert named and all(n.startswith("blocks.1") for n in named), named

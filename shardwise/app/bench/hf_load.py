@@ -123,9 +123,9 @@ def _worker(mode: str, folder: str, model_cfg, result_dir: str) -> None:
                peak_before_load_mib=peak_before_load, peak_rss_mib=peak, checked_tensors=checked)
     Path(result_dir, f"{mode}-{rank}.json").write_text(json.dumps(out))
     del model
-    from shardwise.app.launch import shutdown_process_groups
+    from shardwise import destroy_process_groups
 
-    shutdown_process_groups()
+    destroy_process_groups()
 
 
 def _run_mode(mode: str, folder: Path, model_cfg, nproc: int, result_dir: Path) -> list[dict]:
