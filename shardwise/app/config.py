@@ -59,6 +59,9 @@ class TrainConfig:
     pp: int = field(default=1, metadata=_help(
         "pipeline stages: the model cut by layers over this many ranks (processes = pp x data-parallel ranks; "
         "--grad-accum is the number of micro-batches)"))
+    cp: int = field(default=1, metadata=_help(
+        "context parallelism: each sequence split over this many ranks (zig-zag chunks, K/V all-gathered in "
+        "attention; processes = cp x data-parallel ranks; --seq-len divisible by 2 x cp)"))
     pp_schedule: str = field(default="1f1b", metadata=_help(
         "with --pp: 1f1b, gpipe, interleaved, looped_bfs or interleaved_zb (several stages per rank: "
         "--pp-virtual-stages), or zb (torch's ZBV zero-bubble schedule: --pp-virtual-stages 2)"))
@@ -345,6 +348,9 @@ def _validate(cfg: TrainConfig, model: GPTConfig) -> None:
     from .pipeline_train import check_flags as check_pipeline_flags
 
     check_pipeline_flags(cfg, model)
+    from .context_parallel_train import check_flags as check_context_parallel_flags
+
+    check_context_parallel_flags(cfg, model)
     if cfg.fp8 and (cfg.hf_config or cfg.init_from):
         raise ConfigError("fp8", cfg.fp8, "with --hf-config / --init-from is not built yet (FP8 trains the GPT model)")
     check_data_flags(cfg)
@@ -363,6 +369,10 @@ def check_world(cfg: TrainConfig, model: GPTConfig, world: int) -> None:
         from .pipeline_train import check_world as check_pipeline_world
 
         check_pipeline_world(cfg, world)
+    elif cfg.cp > 1:
+        from .context_parallel_train import check_world as check_context_parallel_world
+
+        check_context_parallel_world(cfg, world)
     elif cfg.outer_dp and world % cfg.outer_dp:
         raise ConfigError("outer_dp", cfg.outer_dp, f"must divide the number of processes ({world})")
     # lengths and ids; text to tokenize is tokenized here, once, unless each process is a torchrun worker
