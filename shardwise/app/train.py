@@ -303,7 +303,8 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     # One bar per process: a thread lock will do. tqdm's default multiprocessing lock is a named
     # semaphore, which a killed rank leaks (and the resource tracker warns about at exit).
     tqdm.set_lock(threading.RLock())
-    bar = tqdm(total=cfg.steps, initial=min(start - 1, cfg.steps), desc=f"{model_label(cfg)} x{world}{f' pp{cfg.pp}' if cfg.pp > 1 else ''}",
+    bar = tqdm(total=cfg.steps, initial=min(start - 1, cfg.steps), desc=f"{model_label(cfg)} x{world}{f' pp{cfg.pp}' if cfg.pp > 1 else ''}"
+               f"{f' cp{cfg.cp}' if cfg.cp > 1 else ''}",
                disable=rank != 0, dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
     try:
         trained = run_steps(cfg, run, optimizer, loader, checkpoints, schedule, start, grad_accum,

@@ -137,6 +137,11 @@ def _cp_tp():
     mesh = shardwise.build_dp_mesh(cp=2, tp=2)
     assert mesh.mesh_dim_names == ("dp_shard", "cp", "tp") and mesh.mesh.tolist() == [[[0, 1], [2, 3]]]
     config = _config(cp_group=mesh.get_group("cp"), tp_group=mesh.get_group("tp"))
+    with pytest.raises(ValueError, match="cp=3 must be a positive divisor of world size / tp = 2"):
+        shardwise.build_dp_mesh(cp=3, tp=2)
+    with pytest.raises(ValueError, match="placements name the context-parallel axis 'cp'"):
+        zero3 = shardwise.STRATEGY_PLACEMENTS["optim_grads_params"]
+        shardwise.fully_shard(GPT(config), mesh, placements={"dp_shard": zero3, "cp": zero3})
     sharded, reference = train_both(_gpt(config), _wrap(mesh), _sgd, _batch, STEPS, loss=_cp_loss,
                                     reference=_gpt(_config()), data_rank=0, data_ranks=1)
     compare(sharded, reference, trained_by=0.3)
