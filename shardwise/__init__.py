@@ -16,7 +16,8 @@ from .engine import (
 from .fp8 import convert_to_fp8
 from .fully_shard import ShardedModule, fully_shard
 from .materialize import MetaInitializer, materialize_meta_module, materialize_owned_meta_modules
-from .mesh import build_dp_mesh, build_expert_mesh, check_mesh_ranks_and_group_ranks_are_consistent, experts_by_mark
+from .mesh import (build_dp_mesh, build_expert_mesh, check_mesh_ranks_and_group_ranks_are_consistent, experts_by_mark,
+                   fold_context_parallel)
 from .optim import BackwardOptimizer, clip_grad_norm_, grad_norm
 from .placements import AxisPlacements, STRATEGY_PLACEMENTS, resolve_strategy, strategy_placements
 from .offload import OffloadPolicy
@@ -52,6 +53,7 @@ __all__ = [
     "device_for",
     "build_dp_mesh",
     "build_expert_mesh",
+    "fold_context_parallel",
     "check_mesh_ranks_and_group_ranks_are_consistent",
     "clip_grad_norm_",
     "BackwardOptimizer",

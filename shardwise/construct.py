@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .buffers import Collectives, StreamSet
 from .group import ParamGroup, ParamRef
 from .hooks import ShardedState
-from .mesh import EXPERT, PLAN_CHOICES, ShardingPlan, build_dp_mesh, experts_by_mark
+from .mesh import EXPERT, PLAN_CHOICES, ShardingPlan, build_dp_mesh, experts_by_mark, fold_context_parallel
 from .offload import OffloadPolicy
 from .placements import normalize_placements, strategy_placements
 from .precision import MixedPrecisionPolicy
@@ -180,7 +180,20 @@ def resolve_placements(mesh, placements, strategy, outer_dp_sharding_strategy) -
         if list(placements) != ["dp_shard"]:
             raise ValueError(f"placements name axes {list(placements)}; pass a mesh that has them")
         mesh = build_dp_mesh()
-    return mesh, placements
+    return _fold_context_parallel(mesh, placements)
+
+
+def _fold_context_parallel(mesh: DeviceMesh, placements: dict) -> tuple[DeviceMesh, dict]:
+    """A mesh with a ``cp`` axis shards over ``dp_shard`` x ``cp`` as one axis; ``dp_shard``'s placements
+    are that axis's."""
+    folded = fold_context_parallel(mesh)
+    if folded is mesh:
+        return mesh, placements
+    if "cp" in placements:
+        raise ValueError(f"placements name the context-parallel axis 'cp' ({placements['cp']}); it is folded into "
+                         "'dp_shard' and sharded with it: give 'dp_shard' the placements")
+    inner = next(n for n in folded.mesh_dim_names if n not in mesh.mesh_dim_names)
+    return folded, {inner if axis == "dp_shard" else axis: p for axis, p in placements.items()}
 
 
 def resolve_units(root: nn.Module, unit_modules) -> list[nn.Module]:

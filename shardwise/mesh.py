@@ -27,6 +27,7 @@ __all__ = [
     "ShardingPlan",
     "build_dp_mesh",
     "build_expert_mesh",
+    "fold_context_parallel",
     "default_device_type",
     "check_mesh_ranks_and_group_ranks_are_consistent",
     "DENSE",
@@ -49,11 +50,16 @@ def build_dp_mesh(
     outer_axis: str = "dp_outer",
     tp: int = 1,
     tp_axis: str = "tp",
+    cp: int = 1,
+    cp_axis: str = "cp",
 ) -> DeviceMesh:
-    """A mesh over all ranks: (``dp_outer``,) ``dp_shard`` (, ``tp``).
+    """A mesh over all ranks: (``dp_outer``,) ``dp_shard`` (, ``cp``) (, ``tp``).
 
     ``outer`` adds the hybrid-sharding outer axis; ``tp`` > 1 adds a
-    tensor-parallel axis, innermost, so TP groups are consecutive ranks.
+    tensor-parallel axis, innermost, so TP groups are consecutive ranks;
+    ``cp`` > 1 adds a context-parallel axis just outside it (Megatron's
+    ``tp-cp-dp`` order). ``fully_shard`` folds ``cp`` into ``dp_shard``
+    (:func:`fold_context_parallel`): parameters are sharded over both.
     """
     if not dist.is_initialized():
         raise RuntimeError("build_dp_mesh needs an initialized default process group")
@@ -61,7 +67,9 @@ def build_dp_mesh(
     device_type = device_type or default_device_type()
     if tp < 1 or world % tp:
         raise ValueError(f"tp={tp} must be a positive divisor of the world size {world}")
-    dp = world // tp
+    if cp < 1 or (world // tp) % cp:
+        raise ValueError(f"cp={cp} must be a positive divisor of world size / tp = {world // tp}")
+    dp = world // (tp * cp)
     if outer is not None and (outer < 1 or dp % outer):
         raise ValueError(f"outer={outer} must be a positive divisor of the data-parallel size {dp}")
     shape, names = [], []
@@ -70,10 +78,38 @@ def build_dp_mesh(
         names.append(outer_axis)
     shape.append(dp // (outer or 1))
     names.append(inner_axis)
-    if tp > 1:
-        shape.append(tp)
-        names.append(tp_axis)
+    for size, axis in ((cp, cp_axis), (tp, tp_axis)):
+        if size > 1:
+            shape.append(size)
+            names.append(axis)
     return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+
+
+def fold_context_parallel(mesh: DeviceMesh, cp_axis: str = "cp", inner_axis: str = "dp_shard") -> DeviceMesh:
+    """``mesh`` with its ``inner_axis`` and ``cp_axis`` (adjacent, ``cp`` inside) replaced by one
+    flattened axis ``f"{inner_axis}_{cp_axis}"`` (Megatron's ``dp_cp`` group), other axes kept.
+
+    CP ranks hold different tokens of the same sequences, so their gradients sum as data
+    parallelism's do, and parameters shard over both at once: one collective per unit over the
+    flattened group, not one per axis. A mesh without ``cp_axis`` is returned as it is.
+    """
+    names = list(mesh.mesh_dim_names or ())
+    if cp_axis not in names:
+        return mesh
+    if inner_axis not in names or names.index(cp_axis) != names.index(inner_axis) + 1:
+        raise ValueError(f"a mesh with a context-parallel axis {cp_axis!r} needs {inner_axis!r} just outside it "
+                         f"(shardwise.build_dp_mesh(cp=...)); mesh axes are {names}")
+    folded_name = f"{inner_axis}_{cp_axis}"
+    folded = mesh[inner_axis, cp_axis]._flatten(folded_name)  # torch caches it by name: one group
+    i = names.index(inner_axis)
+    order = names[:i] + [folded_name] + names[i + 2:]
+    if len(order) == 1:
+        return folded
+    groups = [folded.get_group() if n == folded_name else mesh.get_group(n) for n in order]
+    shape = [mesh.size(names.index(n)) for n in names[:i]] + [folded.size()] + \
+            [mesh.size(names.index(n)) for n in names[i + 2:]]
+    return DeviceMesh.from_group(groups, mesh.device_type, mesh=mesh.mesh.reshape(shape),
+                                 mesh_dim_names=tuple(order))
 
 
 def build_expert_mesh(ep: int, device_type: str | None = None, inner_axis: str = "dp_shard", ep_axis: str = "ep") -> DeviceMesh:

@@ -59,6 +59,9 @@ class TrainConfig:
     pp: int = field(default=1, metadata=_help(
         "pipeline stages: the model cut by layers over this many ranks (processes = pp x data-parallel ranks; "
         "--grad-accum is the number of micro-batches)"))
+    cp: int = field(default=1, metadata=_help(
+        "context parallelism: each sequence split over this many ranks (zig-zag chunks, K/V all-gathered in "
+        "attention; processes = cp x data-parallel ranks; --seq-len divisible by 2 x cp)"))
     pp_schedule: str = field(default="1f1b", metadata=_help(
         "with --pp: 1f1b, gpipe, interleaved, looped_bfs or interleaved_zb (several stages per rank: "
         "--pp-virtual-stages), or zb (torch's ZBV zero-bubble schedule: --pp-virtual-stages 2)"))
@@ -362,6 +365,10 @@ def _validate(cfg: TrainConfig, model: GPTConfig, problems: Problems, explicit=f
     if not problems.named(("n_layers",)):
         with problems.collect():
             check_pipeline_flags(cfg, model)
+    from .context_parallel_train import check_flags as check_context_parallel_flags
+
+    with problems.collect():
+        check_context_parallel_flags(cfg, model)
     if cfg.fp8 and (cfg.hf_config or cfg.init_from):
         problems.add("fp8", cfg.fp8, "with --hf-config / --init-from is not built yet (FP8 trains the GPT model)")
     with problems.collect():
@@ -384,6 +391,11 @@ def check_world(cfg: TrainConfig, model: GPTConfig, world: int, problems: Proble
 
         with found.collect():
             check_pipeline_world(cfg, world)
+    elif cfg.cp > 1:
+        from .context_parallel_train import check_world as check_context_parallel_world
+
+        with found.collect():
+            check_context_parallel_world(cfg, world)
     elif cfg.outer_dp > 0 and world % cfg.outer_dp:
         found.add("outer_dp", cfg.outer_dp, f"must divide the number of processes ({world})")
     found.raise_any()  # with problems of the settings too: all of them, before reading (or tokenizing) data

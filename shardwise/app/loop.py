@@ -39,7 +39,8 @@ class DataParallelRun:
 
     The loop's view of what it trains (:class:`.pipeline_train.PipelineRun` is the other): ``module`` (what a
     checkpoint saves and an evaluation runs; ``modules``, all this rank holds), ``parameters``, the process groups the gradient norm also spans
-    (``extra_groups``), the ranks whose summed losses make the step's loss (``data_ranks``), and
+    (``extra_groups``), the ranks whose summed losses make the step's loss (``data_ranks``; this rank reads
+    the rows of ``data_rank``), and
     ``step_metrics`` (extra fields of the metrics line).
     """
 
@@ -49,6 +50,7 @@ class DataParallelRun:
         self.module = model
         self.modules = [model]
         self.data_ranks = dist.get_world_size()
+        self.data_rank = dist.get_rank()  # which rows this rank reads
 
     def train(self) -> None:
         self.module.train()

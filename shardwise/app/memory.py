@@ -106,23 +106,40 @@ def _layer_saved(kind: str, cfg: GPTConfig, t: int, c: int) -> tuple[int, int]:
     return _norm(t, d, c) + c * t * d + c * t * proj + conv + scan + 6 * c * t * inner, inner
 
 
+def _context_parallel_attention(cfg: GPTConfig, seq_len: int, micro_batch: int, cp: int, c: int) -> int:
+    """What one attention layer saves beyond its own tokens' under context parallelism: the keys and values
+    of the whole sequences (gathered, in place of this rank's), and the causal mask of this rank's queries
+    against every key (SDPA keeps it converted to the compute dtype)."""
+    if cp == 1:
+        return 0
+    kv = cfg.n_kv_heads * cfg.head_dim
+    tokens = seq_len * micro_batch
+    return c * (tokens - tokens // cp) * 2 * kv + c * (seq_len // cp) * seq_len
+
+
 def activation_bytes(config: GPTConfig, seq_len: int, micro_batch: int, *, checkpointing: bool | None = None,
-                     compute_dtype: torch.dtype | None = torch.bfloat16) -> Activations:
+                     compute_dtype: torch.dtype | None = torch.bfloat16, cp: int = 1) -> Activations:
     """Activation bytes of :class:`shardwise.models.GPT` for one micro-batch (no tensor parallelism, dropout 0).
 
     checkpointing: ``None`` takes ``config.activation_checkpointing``. compute_dtype ``None`` is fp32.
+    cp: context-parallel ranks sharing each sequence: a rank holds ``seq_len / cp`` tokens of each, and
+    its attention layers the whole sequences' keys and values besides.
     """
     c = torch.empty((), dtype=compute_dtype or torch.float32).element_size()
     ckpt = config.activation_checkpointing if checkpointing is None else checkpointing
-    t, d, v = seq_len * micro_batch, config.dim, config.vocab_size
+    t, d, v = seq_len * micro_batch // cp, config.dim, config.vocab_size
+    gathered = _context_parallel_attention(config, seq_len, micro_batch, cp, c)
     saved, kept, working = [], [], []
     for kind in config.layer_kinds:
         layer, hidden = _layer_saved(kind, config, t, c)
+        layer += gathered if kind in "AE" else 0
         saved.append(layer)
         kept.append(c * t * d if ckpt else layer)
         # its activations, the gradients of two hidden-width tensors, the first weight gradient, the output grad
         working.append(layer + 2 * c * t * hidden + c * hidden * d + c * t * d)
     head = _norm(t, d, c) + c * t * d + 8 * t
+    if cp > 1:  # the RoPE tables at this rank's positions, shared by every layer
+        head += 2 * c * (seq_len // cp) * (config.head_dim // 2)
     return Activations(t, tuple(saved), tuple(kept), tuple(working), head, 3 * 4 * t * v, ckpt,
                        rough=any(k != "A" for k in config.layer_kinds))
 
@@ -178,6 +195,7 @@ def estimate_for_run(
     backward_optimizer: bool = False,
     ranks_per_host: int | None = None,
     build_on_device: bool = False,
+    cp: int = 1,
 ) -> MemoryEstimate:
     """Peak bytes per GPU and per host of training ``config`` with AdamW (fp32 main weights and gradients).
 
@@ -189,6 +207,8 @@ def estimate_for_run(
     backward_optimizer: ``shardwise.BackwardOptimizer`` (each group steps inside backward).
     ``ranks_per_host`` defaults to ``world`` (one host). build_on_device: the whole fp32 model is built on
     each GPU before ``fully_shard`` (``--no-meta-init``; the benchmark), a moment of its own.
+    cp: context parallelism (``--cp``): activations per rank of ``seq_len / cp`` tokens of each sequence
+    (:func:`activation_bytes`); the buffers are sharded over all ``world`` ranks as without it.
     """
     if precision not in _DTYPES:
         raise ValueError(f"precision={precision!r} must be one of {sorted(_DTYPES)}")
@@ -200,10 +220,10 @@ def estimate_for_run(
                   offload_fraction=offload_fraction, outer=outer, outer_strategy=outer_strategy, precision=precision,
                   activation_checkpointing=activation_checkpointing, vocab_units=vocab_units, grad_accum=grad_accum,
                   optimizer=optimizer, backward_optimizer=backward_optimizer, ranks_per_host=ranks_per_host,
-                  build_on_device=build_on_device)
+                  build_on_device=build_on_device, cp=cp)
     param_dtype = _DTYPES[precision]
     acts = activation_bytes(config, seq_len, micro_batch, checkpointing=activation_checkpointing,
-                            compute_dtype=param_dtype)
+                            compute_dtype=param_dtype, cp=cp)
     kw = dict(world=world, strategy=strategy, outer=outer, outer_strategy=outer_strategy, param_dtype=param_dtype)
     on, off = BufferSizes(**kw), BufferSizes(**kw, offload=True)
     units, sizes = gpt_units(config, vocab_units)

@@ -237,6 +237,7 @@ class PipelineRun:
         self.module = modules[0] if len(modules) == 1 else None
         self.extra_groups = [pp_group]
         self.data_ranks = dp
+        self.data_rank = dist.get_rank() % dp  # a pipeline's stages of one replica read the same micro-batches
         self.first = any(s.is_first for s in stages)
         self.last = any(s.is_last for s in stages)
         self.timer = StageTimer(stages, device)

@@ -125,7 +125,7 @@ def _run_estimate(cfg: TrainConfig, model_cfg: GPTConfig, world: int, device_typ
         cfg.offload_fraction if cfg.offload else 0.0, outer=cfg.outer_dp or None,
         outer_strategy=cfg.outer_strategy or "no_shard", precision=cfg.precision, vocab_units=False,
         grad_accum=cfg.grad_accum, optimizer="fused" if _fused(cfg, device_type) else "default",
-        build_on_device=not cfg.meta_init, ranks_per_host=ranks_per_host)
+        build_on_device=not cfg.meta_init, ranks_per_host=ranks_per_host, cp=cfg.cp)
 
 
 def check_host_memory(cfg: TrainConfig, model_cfg: GPTConfig, world: int, ranks_per_host: int) -> None:
@@ -221,6 +221,10 @@ def _build_model(cfg: TrainConfig, model_cfg: GPTConfig, device: torch.device, p
     """One model sharded over every rank: ``(model, n_params, flops_per_token, matrix names)``."""
     import shardwise
 
+    mesh = shardwise.build_dp_mesh(outer=cfg.outer_dp or None, device_type=device.type, cp=cfg.cp) \
+        if cfg.outer_dp or cfg.cp > 1 else None
+    if cfg.cp > 1:  # its cp ranks split each sequence (fully_shard shards over dp_shard x cp)
+        model_cfg = replace(model_cfg, cp_group=mesh.get_group("cp"))
     if cfg.hf_config or cfg.init_from:  # init_fn.finish() reads the --init-from rows
         from .hf_train import build_model
 
@@ -241,7 +245,6 @@ def _build_model(cfg: TrainConfig, model_cfg: GPTConfig, device: torch.device, p
         unit_modules = list(dict.fromkeys(type(layer) for layer in model.layers))
     n_params, flops_per_token = model.num_params(), model.flops_per_token(cfg.seq_len)
     matrices = decayed_names(model)
-    mesh = shardwise.build_dp_mesh(outer=cfg.outer_dp, device_type=device.type) if cfg.outer_dp else None
     model = shardwise.fully_shard(
         model, mesh=mesh, strategy=cfg.strategy, outer_dp_sharding_strategy=cfg.outer_strategy or None,
         unit_modules=unit_modules, mixed_precision=policy,
@@ -291,7 +294,12 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
             cfg, model_cfg, device, world, policy, say if rank == 0 else (lambda message: None))
     else:
         model, n_params, flops_per_token, matrices = _build_model(cfg, model_cfg, device, policy, rank)
-        run = DataParallelRun(model)
+        if cfg.cp > 1:
+            from .context_parallel_train import ContextParallelRun
+
+            run = ContextParallelRun(model, model.config.cp_group)
+        else:
+            run = DataParallelRun(model)
     for module in run.modules:
         _limit_collective_waits(module, cfg.timeout)
     for group in run.extra_groups:  # the pipeline's group: no parameter's mesh names it
@@ -304,8 +312,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
                               else ([saved_model], [saved_optimizer]))):
         check_optimizer_params(each, module)
     torch.manual_seed(cfg.seed + 1 + rank)  # dropout differs per rank
-    data_rank = rank % run.data_ranks  # a pipeline's stages of one replica read the same micro-batches
-    loader = TokenLoader(train_tokens, cfg.seq_len, cfg.micro_batch_size, data_rank, run.data_ranks, cfg.seed,
+    loader = TokenLoader(train_tokens, cfg.seq_len, cfg.micro_batch_size, run.data_rank, run.data_ranks, cfg.seed,
                          device)
     checkpoints = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.keep_checkpoints)
     phase("checkpoint load")
@@ -347,7 +354,8 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
     # One bar per process: a thread lock will do. tqdm's default multiprocessing lock is a named
     # semaphore, which a killed rank leaks (and the resource tracker warns about at exit).
     tqdm.set_lock(threading.RLock())
-    bar = tqdm(total=cfg.steps, initial=min(start - 1, cfg.steps), desc=f"{model_label(cfg)} x{world}{f' pp{cfg.pp}' if cfg.pp > 1 else ''}",
+    bar = tqdm(total=cfg.steps, initial=min(start - 1, cfg.steps), desc=f"{model_label(cfg)} x{world}{f' pp{cfg.pp}' if cfg.pp > 1 else ''}"
+               f"{f' cp{cfg.cp}' if cfg.cp > 1 else ''}",
                disable=rank != 0, dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
     loop_started_at = time.time()
     try:

@@ -5,11 +5,14 @@ Build one from a :class:`GPTConfig`; ``config.layer_pattern`` mixes layer kinds
 parameters has ``reset_parameters()``; :func:`init_weights` calls them in a fixed
 order, so meta-device construction plus ``to_empty`` reproduces a direct build.
 :func:`pipeline_stage` cuts a GPT into pipeline stages under the whole model's names.
+``GPTConfig(cp_group=...)`` splits each sequence over context-parallel ranks; each rank
+feeds :func:`zigzag_split` of its rows (``context_parallel.py``).
 """
 
 from ..registry import EXPERTS, LAYER, LINEAR, register_module_type
 from .attention import Attention
 from .config import LAYER_KINDS, GPTConfig
+from .context_parallel import context_parallel_attention, zigzag_split, zigzag_unsplit
 from .gpt import GPT, LAYER_CLASSES, init_weights
 from .mamba import MambaLayer, chunked_scan, sequential_scan
 from .mlp import MLP
@@ -49,4 +52,5 @@ __all__ = [
     "copy_to_tp_region", "reduce_from_tp_region", "gather_from_tp_region",
     "GPTStage", "pipeline_stage", "stage_layer_counts", "stage_indices", "StageInitializer",
     "tp_rows", "scatter_rows_to_tp_region", "gather_rows_from_tp_region",
+    "zigzag_split", "zigzag_unsplit", "context_parallel_attention",
 ]

@@ -10,7 +10,7 @@ An empty pattern means all "A". A pattern shorter than ``n_layers`` is repeated
 (``n_layers`` must be a multiple of its length), so "AE" with 8 layers is
 "AEAEAEAE" and "AAMAE" with 5 layers is used as written.
 
-``tp_group`` / ``ep_group`` are runtime process groups, not configuration: they
+``tp_group`` / ``ep_group`` / ``cp_group`` are runtime process groups, not configuration: they
 are left out of :meth:`GPTConfig.to_dict` and of the command line.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 __all__ = ["GPTConfig", "LAYER_KINDS"]
 
 LAYER_KINDS = {"A": "attention", "E": "moe", "M": "mamba"}
-_RUNTIME_FIELDS = ("tp_group", "ep_group")
+_RUNTIME_FIELDS = ("tp_group", "ep_group", "cp_group")
 
 
 def _help(text: str) -> dict:
@@ -59,6 +59,7 @@ class GPTConfig:
     # runtime process groups (not serialized)
     tp_group: Any = field(default=None, repr=False, compare=False)
     ep_group: Any = field(default=None, repr=False, compare=False)
+    cp_group: Any = field(default=None, repr=False, compare=False)  # context parallel: models/context_parallel.py
 
     def __post_init__(self):
         if self.n_kv_heads == 0:

@@ -8,6 +8,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import GPTConfig
+from .context_parallel import global_token_mean, zigzag_positions
 from .mamba import MambaLayer
 from .norm_rope import RMSNorm, rope_tables
 from .tensor_parallel import (
@@ -15,6 +16,8 @@ from .tensor_parallel import (
     VocabParallelEmbedding,
     copy_to_tp_region,
     gather_from_tp_region,
+    group_rank,
+    group_size,
 )
 from .transformer import MoETransformerLayer, TransformerLayer
 
@@ -56,12 +59,21 @@ class GPT(nn.Module):
     The loss is the mean cross entropy plus ``moe_aux_loss_coef`` times the summed
     load-balancing losses of the MoE layers (also left on ``self.aux_loss``).
     With ``config.tp_group`` the embedding, attention, MLP and head are split
-    over the TP ranks and the logits are gathered to the full vocabulary.
+    over the TP ranks and the logits are gathered to the full vocabulary. With
+    ``config.cp_group`` (context parallelism) ``tokens`` and ``targets`` are this CP
+    rank's zig-zag slice of each sequence (``context_parallel.zigzag_split``): RoPE
+    uses the tokens' global positions, attention sees the whole sequence, the logits
+    are this rank's tokens' and the loss is the token mean over whole sequences.
     """
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         config.validate()
+        self.cp = group_size(config.cp_group)
+        if self.cp > 1 and set(config.layer_kinds) != {"A"}:
+            raise NotImplementedError(
+                f"layer_pattern={config.layer_pattern!r}: context parallelism (cp_group of {self.cp} ranks) is built "
+                "for attention layers (A) only; MoE (E, its load-balancing loss) and Mamba (M, its scan) are not yet")
         self.config = config
         tp, std = config.tp_group, config.init_std
         self.embed = VocabParallelEmbedding(config.vocab_size, config.dim, group=tp, init_std=std)
@@ -84,11 +96,15 @@ class GPT(nn.Module):
             self.rope_sin.copy_(sin)
 
     def forward(self, tokens, targets=None):
-        if tokens.shape[1] > self.config.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} > max_seq_len={self.config.max_seq_len}")
+        if tokens.shape[1] * self.cp > self.config.max_seq_len:
+            raise ValueError(f"sequence length {tokens.shape[1] * self.cp} > max_seq_len={self.config.max_seq_len}")
         x = F.dropout(self.embed(tokens), self.config.dropout, self.training)
         recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
-        x, aux = run_layers(self.layers, x, self.rope_cos, self.rope_sin, recompute)
+        cos, sin = self.rope_cos, self.rope_sin
+        if self.cp > 1:  # this rank's tokens sit at their global positions
+            positions = zigzag_positions(tokens.shape[1], group_rank(self.config.cp_group), self.cp, cos.device)
+            cos, sin = cos[positions], sin[positions]
+        x, aux = run_layers(self.layers, x, cos, sin, recompute)
         x = self.norm(x)
         if self.output is not None:
             logits = self.output(x)
@@ -98,7 +114,11 @@ class GPT(nn.Module):
         self.aux_loss = torch.stack(aux).sum() if aux else None
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        if self.cp > 1:
+            token_losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            loss = global_token_mean(token_losses, (targets != -100).sum().float(), self.config.cp_group)
+        else:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         if self.aux_loss is not None:
             loss = loss + self.config.moe_aux_loss_coef * self.aux_loss
         return loss

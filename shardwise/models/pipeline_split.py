@@ -47,7 +47,7 @@ from ..materialize import MetaInitializer
 from ..rng import set_torch_generator_states, torch_generator_states
 from .gpt import GPT, run_layers
 from .norm_rope import rope_tables
-from .tensor_parallel import copy_to_tp_region, gather_from_tp_region
+from .tensor_parallel import copy_to_tp_region, gather_from_tp_region, group_size
 
 __all__ = ["GPTStage", "pipeline_stage", "stage_layer_counts", "stage_indices", "StageInitializer"]
 
@@ -117,6 +117,9 @@ class GPTStage(nn.Module):
 
     def __init__(self, model: GPT, stage_index: int, num_stages: int, layer_ids: Sequence[int]):
         super().__init__()
+        if group_size(model.config.cp_group) > 1:
+            raise NotImplementedError("pipeline stages of a context-parallel GPT (cp_group of more than one rank) "
+                                      "are not built yet")
         self.config = model.config
         self.stage_index, self.num_stages = stage_index, num_stages
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1

@@ -1,0 +1,172 @@
+"""Context parallelism: each rank of a CP group holds a slice of every sequence.
+
+Load balance (zig-zag): a sequence of ``T`` tokens is cut into ``2 * cp`` equal
+chunks and CP rank ``i`` holds chunks ``i`` and ``2 * cp - 1 - i``, so under a
+causal mask every rank has the same amount of attention work (an early chunk
+sees few keys, its partner many).
+
+Attention exchange (all-gather of K/V): every rank gathers the whole
+sequence's keys and values, in rank order (chunks ``0, 2cp-1, 1, 2cp-2, ...``),
+and masks by the tokens' global positions, so the order of the gathered keys
+does not matter. Backward reduce-scatters the K/V gradients: each rank's keys
+were read by every rank's queries. This is the simplest exchange that is
+exact for zig-zag causal attention, and the one Megatron-Core (``a2a`` /
+``allgather`` CP comm types) and torchtitan offer besides the ring; a ring
+(pass K/V chunk by chunk, overlapping the next chunk's transfer with this
+chunk's attention, never holding the whole sequence's K/V) scales better on
+GPUs and is left for later. GQA gathers only the ``n_kv_heads`` heads.
+
+The loss under CP is the token mean over the whole sequence:
+:func:`global_token_mean` sums each rank's token losses and counts over the CP
+group (the counts differ when targets are ignored), not a mean of chunk means.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .tensor_parallel import group_rank, group_size
+
+__all__ = [
+    "zigzag_chunks",
+    "zigzag_positions",
+    "zigzag_split",
+    "zigzag_unsplit",
+    "gather_sequence",
+    "context_parallel_attention",
+    "global_token_mean",
+]
+
+
+def zigzag_chunks(rank: int, cp: int) -> tuple[int, int]:
+    """The two chunks (of ``2 * cp``) CP rank ``rank`` holds."""
+    return rank, 2 * cp - 1 - rank
+
+
+def _check_split(seq_len: int, cp: int) -> int:
+    if seq_len % (2 * cp):
+        raise ValueError(
+            f"sequence length {seq_len} must be divisible by 2 * cp = {2 * cp} "
+            f"(context parallelism cuts each sequence into 2 * cp equal chunks)"
+        )
+    return seq_len // (2 * cp)
+
+
+def zigzag_positions(local_len: int, rank: int, cp: int, device=None) -> torch.Tensor:
+    """Global positions of the ``local_len`` tokens a CP rank holds (its two chunks, in order)."""
+    if local_len % 2:
+        raise ValueError(f"a CP rank's sequence length {local_len} must be even (two equal chunks)")
+    chunk = local_len // 2
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in zigzag_chunks(rank, cp)])
+
+
+def zigzag_split(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """This CP rank's slice of full sequences ``x`` (its two zig-zag chunks along ``dim``)."""
+    cp = group_size(group)
+    if cp == 1:
+        return x
+    _check_split(x.shape[dim], cp)
+    chunks = x.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[c] for c in zigzag_chunks(group_rank(group), cp)], dim=dim)
+
+
+def zigzag_unsplit(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The full sequences from every CP rank's slice (``parts[i]`` from rank ``i``): the inverse of
+    :func:`zigzag_split`."""
+    cp = len(parts)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank, part in enumerate(parts):
+        first, second = part.chunk(2, dim=dim)
+        a, b = zigzag_chunks(rank, cp)
+        chunks[a], chunks[b] = first, second
+    return torch.cat(chunks, dim=dim)
+
+
+def _all_gather_cat(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along ``dim`` forward (rank order); reduce-scatter (sum) of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather_cat(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp, rank = group_size(ctx.group), group_rank(ctx.group)
+        pieces = [p.contiguous() for p in grad.chunk(cp, dim=ctx.dim)]
+        out = torch.empty_like(pieces[rank])
+        if dist.get_backend(ctx.group) == "nccl":
+            dist.reduce_scatter(out, pieces, group=ctx.group)
+        else:  # gloo has no reduce-scatter: sum everything, keep this rank's piece
+            total = grad.contiguous().clone()
+            dist.all_reduce(total, group=ctx.group)
+            out.copy_(total.chunk(cp, dim=ctx.dim)[rank])
+        return out, None, None
+
+
+def gather_sequence(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Every CP rank's ``x`` concatenated along ``dim`` in rank order (autograd-correct)."""
+    return x if group_size(group) == 1 else _GatherSequence.apply(x, group, dim)
+
+
+def context_parallel_attention(q, k, v, group, *, causal: bool = True, dropout_p: float = 0.0,
+                               enable_gqa: bool = False) -> torch.Tensor:
+    """SDPA of this CP rank's queries against the whole sequence's keys and values.
+
+    ``q``, ``k``, ``v`` are ``[batch, heads, local_seq, head_dim]`` holding this rank's zig-zag chunks.
+    The causal mask is built from global positions (query ``p`` sees keys ``<= p``) and passed to SDPA
+    as an explicit boolean mask.
+    """
+    cp, rank = group_size(group), group_rank(group)
+    if cp == 1:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal,
+                                              enable_gqa=enable_gqa)
+    local = q.shape[2]
+    keys, values = gather_sequence(k, group, 2), gather_sequence(v, group, 2)
+    mask = None
+    if causal:
+        q_pos = zigzag_positions(local, rank, cp, device=q.device)
+        k_pos = torch.cat([zigzag_positions(local, r, cp, device=q.device) for r in range(cp)])
+        mask = q_pos[:, None] >= k_pos[None, :]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p,
+                                          enable_gqa=enable_gqa)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) forward and backward: every rank holds the same total, and the gradient a rank's
+    term receives is the sum of every rank's upstream gradient (each rank backpropagates the same loss)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.contiguous().clone()
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
+
+
+def global_token_mean(loss_sum: torch.Tensor, count: torch.Tensor, group) -> torch.Tensor:
+    """The token mean over the whole sequences: every CP rank's ``loss_sum`` over every rank's ``count``.
+
+    Each CP rank returns the same value and backpropagates it; its gradient is then ``cp`` times this
+    rank's share, so averaging gradients over the CP ranks (as data parallelism averages over its
+    ranks) gives exactly the gradient of the one loss.
+    """
+    if group_size(group) == 1:
+        return loss_sum / count
+    total = count.detach().clone()
+    dist.all_reduce(total, group=group)
+    return _SumOverGroup.apply(loss_sum, group) / total
