@@ -1,10 +1,11 @@
 """One GPU: the attention a context-parallel rank runs, against unsplit causal attention (issue 37, item 5).
 
 A CP rank's attention is its ``seq / cp`` zig-zag queries against the whole sequence's keys and values
-with an explicit boolean mask (``shardwise.models.context_parallel``). Without a second GPU the
-exchange is left out: the gathered K/V are built locally, so this measures the kernel a rank runs,
-which SDPA backend takes it, its speed and the mask's memory, against ``is_causal=True`` over the whole
-sequence on one GPU (flash). Forward + backward, bf16.
+(``shardwise.models.context_parallel.attend_gathered``: each query chunk against the keys before it,
+causal aligned to the lower right, which flash attention takes as a flag). Without a second GPU the
+exchange is left out: the gathered K/V are built locally, so this measures the kernels a rank runs
+and their speed against ``is_causal=True`` over the whole sequence on one GPU (flash); an explicit
+boolean mask over all keys (the simplest exact alternative) is timed beside it. Forward + backward, bf16.
 
     python scripts/cp_attention_bench.py --seq 16384 32768 --cp 2 4 --out cp_attention.json
 """
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from shardwise.models.context_parallel import zigzag_positions  # noqa: E402
+from shardwise.models.context_parallel import attend_gathered, zigzag_positions  # noqa: E402
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
@@ -39,20 +40,21 @@ def _time(fn, repeat: int) -> float:
     return start.elapsed_time(end) / repeat / 1e3
 
 
-def _step(q, k, v, **kw):
+def _step(q, k, v, attention=F.scaled_dot_product_attention, **kw):
     def run():
         for t in (q, k, v):
             t.grad = None
-        F.scaled_dot_product_attention(q, k, v, **kw).sum().backward()
+        attention(q, k, v, **kw).sum().backward()
     return run
 
 
-def _backend(q, k, v, **kw) -> str:
-    """The first of flash, efficient, cudnn, math that accepts these inputs (a hint at what SDPA picks)."""
+def _backend(q, k, v, attention=F.scaled_dot_product_attention, **kw) -> str:
+    """The first of flash, efficient, cudnn, math that runs every SDPA call of ``attention`` (what SDPA picks,
+    near enough)."""
     for name, backend in BACKENDS.items():
         try:
             with sdpa_kernel([backend]):
-                F.scaled_dot_product_attention(q, k, v, **kw)
+                attention(q, k, v, **kw)
             return name
         except RuntimeError:
             continue
@@ -91,11 +93,17 @@ def main() -> None:
                 k_pos = torch.cat([zigzag_positions(local, r, cp, device=dev) for r in range(cp)])
                 mask = q_pos[:, None] >= k_pos[None, :]
                 torch.cuda.reset_peak_memory_stats()
-                seconds = _time(_step(q, k, v, attn_mask=mask, **gqa), args.repeat)
-                rows.append(dict(seq=seq, cp=cp, rank=rank, backend=_backend(q, k, v, attn_mask=mask, **gqa),
-                                 seconds=seconds, speedup_vs_whole=whole / seconds,
-                                 mask_gib=mask.numel() * 2 / 2**30,  # as SDPA keeps it, in bf16
-                                 peak_gib=torch.cuda.max_memory_allocated() / 2**30))
+                seconds = _time(_step(q, k, v, attention=attend_gathered, rank=rank, cp=cp, causal=True, **gqa),
+                                args.repeat)
+                peak = torch.cuda.max_memory_allocated() / 2**30
+                masked = _time(_step(q, k, v, attn_mask=mask, **gqa), args.repeat)
+                rows.append(dict(seq=seq, cp=cp, rank=rank, seconds=seconds,
+                                 backend=_backend(q, k, v, attention=attend_gathered, rank=rank, cp=cp, causal=True,
+                                                  **gqa), speedup_vs_whole=whole / seconds,
+                                 ideal_speedup=cp, peak_gib=peak, masked_seconds=masked,
+                                 masked_backend=_backend(q, k, v, attn_mask=mask, **gqa),
+                                 masked_speedup_vs_whole=whole / masked,
+                                 mask_gib=mask.numel() * 2 / 2**30))  # as SDPA keeps it, in bf16
                 print(rows[-1], flush=True)
                 del q, k, v, mask
     if args.out:

@@ -7,8 +7,9 @@ sees few keys, its partner many).
 
 Attention exchange (all-gather of K/V): every rank gathers the whole
 sequence's keys and values, in rank order (chunks ``0, 2cp-1, 1, 2cp-2, ...``),
-and masks by the tokens' global positions, so the order of the gathered keys
-does not matter. Backward reduce-scatters the K/V gradients: each rank's keys
+and each query chunk attends to the keys before it with the causal mask aligned
+to its lower right (:func:`attend_gathered`), which flash attention takes as a
+flag: no mask is built and masked blocks are skipped. Backward reduce-scatters the K/V gradients: each rank's keys
 were read by every rank's queries. This is the simplest exchange that is
 exact for zig-zag causal attention, and the one Megatron-Core (``a2a`` /
 ``allgather`` CP comm types) and torchtitan offer besides the ring; a ring
@@ -26,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from .tensor_parallel import group_rank, group_size
 
@@ -36,6 +38,7 @@ __all__ = [
     "zigzag_unsplit",
     "gather_sequence",
     "context_parallel_attention",
+    "attend_gathered",
     "global_token_mean",
 ]
 
@@ -121,23 +124,55 @@ def context_parallel_attention(q, k, v, group, *, causal: bool = True, dropout_p
                                enable_gqa: bool = False) -> torch.Tensor:
     """SDPA of this CP rank's queries against the whole sequence's keys and values.
 
-    ``q``, ``k``, ``v`` are ``[batch, heads, local_seq, head_dim]`` holding this rank's zig-zag chunks.
-    The causal mask is built from global positions (query ``p`` sees keys ``<= p``) and passed to SDPA
-    as an explicit boolean mask.
+    ``q``, ``k``, ``v`` are ``[batch, heads, local_seq, head_dim]`` holding this rank's zig-zag chunks;
+    the keys and values are all-gathered (rank order) and attended by :func:`attend_gathered`.
     """
     cp, rank = group_size(group), group_rank(group)
     if cp == 1:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal,
                                               enable_gqa=enable_gqa)
-    local = q.shape[2]
     keys, values = gather_sequence(k, group, 2), gather_sequence(v, group, 2)
-    mask = None
-    if causal:
-        q_pos = zigzag_positions(local, rank, cp, device=q.device)
-        k_pos = torch.cat([zigzag_positions(local, r, cp, device=q.device) for r in range(cp)])
-        mask = q_pos[:, None] >= k_pos[None, :]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p,
-                                          enable_gqa=enable_gqa)
+    return attend_gathered(q, keys, values, rank, cp, causal=causal, dropout_p=dropout_p, enable_gqa=enable_gqa)
+
+
+def _natural_order(cp: int) -> list[int]:
+    """Where chunk ``c`` (of ``2 * cp``, in sequence order) sits in the K/V gathered in rank order."""
+    slot = {}
+    for rank in range(cp):
+        first, second = zigzag_chunks(rank, cp)
+        slot[first], slot[second] = 2 * rank, 2 * rank + 1
+    return [slot[c] for c in range(2 * cp)]
+
+
+def attend_gathered(q, keys, values, rank: int, cp: int, *, causal: bool, dropout_p: float = 0.0,
+                    enable_gqa: bool = False) -> torch.Tensor:
+    """CP rank ``rank``'s attention, given the whole sequence's keys and values gathered in rank order.
+
+    Causal: each of the rank's two query chunks (chunk ``c``, positions ``c*L .. (c+1)*L``) attends to
+    the keys of chunks ``0 .. c`` with the causal mask aligned to the lower right (query ``c*L + i`` sees
+    keys ``<= c*L + i``), torch's :func:`~torch.nn.attention.bias.causal_lower_right`. Flash and
+    memory-efficient SDPA take that mask as a flag, so the masked-out blocks are skipped and no mask is
+    built: a rank does ``1 / cp`` of the unsplit sequence's attention work. Full attention (``causal=False``)
+    is one SDPA over all keys.
+    """
+    if not causal:
+        return F.scaled_dot_product_attention(q, keys, values, dropout_p=dropout_p, enable_gqa=enable_gqa)
+    chunk = q.shape[2] // 2
+    order = _natural_order(cp)
+    k_chunks, v_chunks = keys.split(chunk, dim=2), values.split(chunk, dim=2)
+    outs = []
+    for queries, c in zip(q.split(chunk, dim=2), zigzag_chunks(rank, cp)):
+        seen = (c + 1) * chunk
+        k_seen = torch.cat([k_chunks[order[i]] for i in range(c + 1)], dim=2)
+        v_seen = torch.cat([v_chunks[order[i]] for i in range(c + 1)], dim=2)
+        if c == 0:  # a square block: plain causal
+            outs.append(F.scaled_dot_product_attention(queries, k_seen, v_seen, dropout_p=dropout_p,
+                                                       is_causal=True, enable_gqa=enable_gqa))
+        else:
+            mask = causal_lower_right(chunk, seen)
+            outs.append(F.scaled_dot_product_attention(queries, k_seen, v_seen, attn_mask=mask,
+                                                       dropout_p=dropout_p, enable_gqa=enable_gqa))
+    return torch.cat(outs, dim=2)
 
 
 class _SumOverGroup(torch.autograd.Function):

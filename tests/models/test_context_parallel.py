@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from shardwise.models import GPT, GPTConfig
 from shardwise.models.context_parallel import (
+    attend_gathered,
     context_parallel_attention,
     zigzag_positions,
     zigzag_split,
@@ -36,6 +37,33 @@ def test_zigzag_chunks_cover_each_position_once_and_balance_causal_work():
     x = torch.arange(2 * seq).view(2, seq)
     parts = [x[:, pos] for pos in positions]
     assert torch.equal(zigzag_unsplit(parts), x)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_each_rank_attending_the_gathered_keys_equals_unsplit_causal_attention(cp):
+    """Every rank's chunks against the K/V in gathered (rank) order, one process: forward and backward."""
+    seq, g = 24 * cp, torch.Generator().manual_seed(cp)
+    q, k, v = torch.randn(2, 4, seq, 8, generator=g), torch.randn(2, 2, seq, 8, generator=g), torch.randn(
+        2, 2, seq, 8, generator=g)
+    upstream = torch.randn(2, 4, seq, 8, generator=g)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True)
+    (expected * upstream).sum().backward()
+
+    def rank_slice(t, rank):  # what zigzag_split gives rank `rank` of `cp`
+        chunks = t.chunk(2 * cp, dim=2)
+        return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=2)
+
+    kv = [t.clone().requires_grad_() for t in (k, v)]
+    gathered = [torch.cat([rank_slice(t, r) for r in range(cp)], dim=2) for t in kv]
+    queries = [rank_slice(q, r).requires_grad_() for r in range(cp)]
+    outs = [attend_gathered(queries[r], *gathered, r, cp, causal=True, enable_gqa=True) for r in range(cp)]
+    sum((o * rank_slice(upstream, r)).sum() for r, o in enumerate(outs)).backward()
+    tol = dict(rtol=FP32_ATTENTION_TOL, atol=FP32_ATTENTION_TOL)
+    torch.testing.assert_close(zigzag_unsplit([o.detach() for o in outs], dim=2), expected.detach(), **tol)
+    torch.testing.assert_close(zigzag_unsplit([x.grad for x in queries], dim=2), full[0].grad, **tol)
+    for name, mine, ref in zip("kv", kv, full[1:]):
+        torch.testing.assert_close(mine.grad, ref.grad, **tol, msg=lambda m: f"d{name}: {m}")
 
 
 def _gather_parts(x: torch.Tensor) -> list[torch.Tensor]:
