@@ -182,7 +182,7 @@ def _train_with_real_objects(version, strategy, outer, instances):
             sharded, reference = train_both(
                 build, wrap, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6),
                 _batch, 3, data_rank=dist.get_rank(dp), data_ranks=dist.get_world_size(dp), micro_batches=2,
-                hooks=hooks, loss_group=dp, full_state=lambda w: shardwise.full_state_dict(w.module),
+                hooks=hooks, loss_group=dp, full_state=lambda w: shardwise.full_state_dict(w.sharded_model),
             )
             compare(sharded, reference, trained_by=0.05)
             wrapped = sharded.model
