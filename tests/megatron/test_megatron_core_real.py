@@ -163,7 +163,8 @@ def _train_with_real_objects(version, strategy, outer, instances):
                     wrapped = MegatronsName(config=config, ddp_config=ddp, module=model, device=device(),
                                             pg_collection=pg)
                     assert isinstance(wrapped, mcore_fsdp_adapter.FullyShardedDataParallel)
-                    assert unwrap_model(wrapped) is model  # Megatron sees through it
+                    # Megatron unwraps it as its own adapter: down to the Megatron-FSDP level, whose .module is the model
+                    assert unwrap_model(wrapped) is wrapped.module and wrapped.module.module is model
                 else:
                     wrapped = FullyShardedDataParallel(config, ddp, model, device=device(), pg_collection=pg)
                 assert isinstance(wrapped, FullyShardedDataParallelV1 if version == 1 else FullyShardedDataParallelV2)

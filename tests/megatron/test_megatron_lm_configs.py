@@ -129,7 +129,9 @@ def _wrap_recorded(release: str, case: str) -> list[str]:
             model = GPT(GPTConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, ffn_hidden=64, max_seq_len=16))
             chunk = MegatronsName(config=config, ddp_config=ddp, module=model, device=device(), pg_collection=pg)
             assert type(chunk) is (FullyShardedDataParallelV1 if version == 1 else FullyShardedDataParallelV2)
-            assert unwrap_model(chunk) is model and chunk.config is config and chunk.ddp_config is ddp
+            # unwrap_model stops at the Megatron-FSDP level, as at Megatron's adapter's MegatronFSDP
+            assert unwrap_model(chunk) is chunk.module and chunk.module.module is model is chunk.sharded_model
+            assert chunk.config is config and chunk.ddp_config is ddp
             # what the release asked for: the sharding, the gather prefetch, bf16 compute
             for name, param in chunk.sharded_model.named_parameters():
                 assert isinstance(param, DTensor) and param.placements[-len(_placements_asked(ddp)):] == \
