@@ -16,12 +16,14 @@ command line, ZeRO-3 unless ``--strategy`` says otherwise, ``--ckpt-format fsdp_
 
 Nothing of Megatron-LM is replaced but the class ``use_in_megatron()`` swaps. On a
 machine without CUDA (gloo) the CUDA calls are pointed at the CPU
-(``megatron_lm_check.cuda_on_the_cpu`` / ``cuda_tensors_on_the_cpu``) and
-``--clip-grad 0`` is passed (Megatron's clipping asserts CUDA gradients). Run under
+(``megatron_lm_check.cuda_on_the_cpu`` / ``cuda_tensors_on_the_cpu``) and :data:`CPU_FLAGS`
+are added (no clipping: Megatron's asserts CUDA gradients; no fused kernels). Run under
 ``torchrun``; prints ``CHECKPOINT <phase> ok`` on rank 0 when every check holds:
 
-    torchrun --standalone --nproc-per-node 2 scripts/megatron_lm_checkpoint.py --megatron-lm PATH --phase save --folder DIR
-    torchrun --standalone --nproc-per-node 1 scripts/megatron_lm_checkpoint.py --megatron-lm PATH --phase load --folder DIR
+    torchrun --standalone --nproc-per-node 2 scripts/megatron_lm_checkpoint.py --megatron-lm PATH \
+        --phase save --folder DIR
+    torchrun --standalone --nproc-per-node 1 scripts/megatron_lm_checkpoint.py --megatron-lm PATH \
+        --phase load --folder DIR
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ import megatron_lm_check as check
 
 STEPS = 2
 SEQ, VOCAB = 32, 128  # BASE's --seq-length / --vocab-size
+# without CUDA: no clipping (it asserts CUDA grads), no fused kernels (CUDA extensions, torch.compile'd fusions)
+CPU_FLAGS = "--clip-grad 0 --no-masked-softmax-fusion --no-bias-dropout-fusion --no-bias-gelu-fusion"
 
 
 def full_state(model, optimizer) -> dict:
@@ -96,7 +100,8 @@ def run(phase: str, folder: Path, strategy: str) -> list[str]:
     from shardwise.megatron import FullyShardedDataParallelV1, FullyShardedDataParallelV2, use_in_megatron
 
     names = use_in_megatron()  # the one added line
-    cmdline = f"--data-parallel-sharding-strategy {strategy} --save {folder / 'ckpt'} --save-interval {STEPS} --clip-grad 0 --no-masked-softmax-fusion --no-bias-dropout-fusion --no-bias-gelu-fusion"
+    cmdline = (f"--data-parallel-sharding-strategy {strategy} --save {folder / 'ckpt'} --save-interval {STEPS} "
+               f"{CPU_FLAGS if not torch.cuda.is_available() else ''}")
     if phase == "load":
         cmdline += f" --load {folder / 'ckpt'}"
     check._setup(cmdline)

@@ -17,8 +17,9 @@ Megatron's adapter loads into shardwise's chunk (and back) only if every key agr
   ``state_dict`` methods, ``unwrap_model``, ``DistributedOptimizer._param_name``.
   And a save at one data-parallel size loads at another bit for bit (parameters
   and Megatron's optimizer state), through ``dcp.save`` / ``dcp.load`` with those keys.
-- with ``MEGATRON_LM`` (a Megatron-LM tree): Megatron-LM's own ``save_checkpoint`` and
-  ``load_checkpoint`` (``scripts/megatron_lm_checkpoint.py``, 2 gloo processes, then 1).
+- with ``MEGATRON_LM`` (a Megatron-LM tree; its requirements ``six`` and ``triton`` importable):
+  Megatron-LM's own ``save_checkpoint`` and ``load_checkpoint`` (``scripts/megatron_lm_checkpoint.py``),
+  saved on 2 gloo processes, loaded on 2 and on 1, bit for bit.
 """
 
 from __future__ import annotations
@@ -205,7 +206,8 @@ def _keys(cases) -> list:
             _train(chunk, optimizer, steps=1)
             state = _megatron_lm_state(chunk, optimizer, loading=False)
             assert set(state["model"]) == model_keys, (case, set(state["model"]) ^ model_keys)
-            assert set(state["optimizer"]["state"]) == optimizer_keys, (case, set(state["optimizer"]["state"]) ^ optimizer_keys)
+            named = set(state["optimizer"]["state"])
+            assert named == optimizer_keys, (case, named ^ optimizer_keys)
             assert {n for n, _ in chunk.named_parameters()} == optimizer_keys, case  # no experts: names as they are
             assert set(chunk.state_dict()) == model_keys, case  # Megatron's adapter's state_dict() too
             # the values are this model's, sharded: a fresh wrap (before any step) holds the seed's weights
@@ -303,5 +305,6 @@ def test_megatron_lm_save_and_load_checkpoint_with_shardwise(tree, strategy, tmp
              "--megatron-lm", tree, "--phase", phase, "--folder", str(tmp_path), "--strategy", strategy],
             capture_output=True, text=True, timeout=800,
         )
-        assert run.returncode == 0, f"{phase} on {world}: exit {run.returncode}\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
+        assert run.returncode == 0, \
+            f"{phase} on {world}: exit {run.returncode}\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
         assert f"CHECKPOINT {phase} ok" in run.stdout, run.stdout[-4000:]
