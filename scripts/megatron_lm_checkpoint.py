@@ -90,11 +90,31 @@ def train(model, optimizer, steps: int) -> None:
         assert ok, f"step {step}: optimizer.step() reported a failed update"
 
 
-def run(phase: str, folder: Path, strategy: str) -> list[str]:
+def setup_model_and_optimizer(pretrain_gpt, training):
+    """Megatron-LM's ``setup_model_and_optimizer`` as its ``pretrain`` calls it (it loads ``--load`` too).
+
+    0.16: with ``pretrain_gpt.py``'s model provider; 0.19: with the config container
+    ``pretrain_gpt.py`` builds and the mpu process groups, as ``pretrain`` passes them.
+    """
     from functools import partial
 
-    import pretrain_gpt
     from megatron.core.enums import ModelType
+    from megatron.training import get_args
+
+    if hasattr(pretrain_gpt, "gpt_config_from_args"):  # 0.19
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+        args = get_args()
+        cfg = pretrain_cfg_container_from_args(args, pretrain_gpt.gpt_config_from_args(args))
+        return training.setup_model_and_optimizer(ModelType.encoder_or_decoder, cfg_container=cfg,
+                                                  pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    provider = partial(pretrain_gpt.model_provider, pretrain_gpt.gpt_builder)
+    return training.setup_model_and_optimizer(provider, ModelType.encoder_or_decoder)
+
+
+def run(phase: str, folder: Path, strategy: str) -> list[str]:
+    import pretrain_gpt
     from megatron.training import checkpointing, get_args, training
 
     from shardwise.megatron import FullyShardedDataParallelV1, FullyShardedDataParallelV2, use_in_megatron
@@ -106,8 +126,7 @@ def run(phase: str, folder: Path, strategy: str) -> list[str]:
         cmdline += f" --load {folder / 'ckpt'}"
     check._setup(cmdline)
     try:
-        provider = partial(pretrain_gpt.model_provider, pretrain_gpt.gpt_builder)
-        model, optimizer, scheduler = training.setup_model_and_optimizer(provider, ModelType.encoder_or_decoder)
+        model, optimizer, scheduler = setup_model_and_optimizer(pretrain_gpt, training)
         wrong = [] if all(isinstance(c, (FullyShardedDataParallelV1, FullyShardedDataParallelV2)) for c in model) \
             else [f"chunks are {[type(c).__name__ for c in model]}, not shardwise's"]
         args = get_args()

@@ -111,7 +111,8 @@ def _tp_dp(version, strategy, instances, outer, pattern):
 
         assert isinstance(wq, DTensor) and on_tp(wq) == Shard(0) and on_tp(wo) == Shard(1)
         assert wq.shape == (32, 32) and wo.shape == (32, 32)
-        shapes.update({k: tuple(v.shape) for k, v in wrapped.state_dict().items()})
+        # Megatron's adapter's keys (module.<model key>), the global shapes
+        shapes.update({k.removeprefix("module."): tuple(v.shape) for k, v in wrapped.state_dict().items()})
         return wrapped
 
     _, reference = train_and_compare(gpt_config(tp_group=pg.tp, **overrides), wrap, gpt_config(**overrides), pg)
@@ -141,9 +142,10 @@ def _tp_state_dict(version):
     wrapped = FullyShardedDataParallel(config, ddp_config(version), model, device=dev, pg_collection=pg)
     torch.manual_seed(0)
     single = GPT(gpt_config())
-    # the state dict describes the global tensors: the TP=1 model's keys and shapes
+    # the state dict describes the global tensors: the TP=1 model's keys (under Megatron-FSDP's level) and shapes
     state = wrapped.state_dict()
-    assert {k: tuple(v.shape) for k, v in state.items()} == {k: tuple(v.shape) for k, v in single.state_dict().items()}
+    assert {k: tuple(v.shape) for k, v in state.items()} == {f"module.{k}": tuple(v.shape)
+                                                              for k, v in single.state_dict().items()}
     saved = {k: v.clone() for k, v in state.items()}
     original = shardwise.full_state_dict(wrapped.sharded_model)
     for name, value in single.state_dict().items():
