@@ -18,6 +18,7 @@ from .mcore_fsdp_adapter import (
     FullyShardedDataParallelV1,
     FullyShardedDataParallelV2,
 )
+from .base import MegatronFSDPLevel
 from .buffer_view import ParamAndGradBufferView
 from .install import MegatronNames, use_in_megatron
 from .parallelism import MODULE_TYPE_REGISTRY, annotate_tensor_parallelism, detect_parallelism_type, mark_tensor_parallel
@@ -27,6 +28,7 @@ __all__ = [
     "FullyShardedDataParallel",
     "FullyShardedDataParallelV1",
     "FullyShardedDataParallelV2",
+    "MegatronFSDPLevel",
     "use_in_megatron",
     "MegatronNames",
     "ParamAndGradBufferView",

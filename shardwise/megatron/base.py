@@ -1,11 +1,12 @@
 """Megatron's data-parallel wrapper contract, and what V1 and V2 share on top of the engine.
 
 Megatron-LM's training loop talks to a data-parallel wrapper through a few
-names: the model is ``.module`` and ``forward`` runs it; ``no_sync()`` wraps
+names: ``.module`` is what it wraps (for Megatron-FSDP a ``MegatronFSDP`` level whose
+``.module`` is the model) and ``forward`` runs it; ``no_sync()`` wraps
 every micro-batch but the last; ``zero_grad_buffer()`` starts a step;
 ``finish_grad_sync()`` and ``scale_gradients()`` end one (from
 ``finalize_model_grads``); ``start_param_sync()`` / ``start_grad_sync()`` are the
-overlap hooks; ``state_dict`` / ``load_state_dict`` act on the model.
+overlap hooks; ``state_dict`` / ``load_state_dict`` act on ``.module``.
 :class:`_BaseDataParallel` is that contract; :class:`_ShardedDataParallel` fills
 it in with :func:`shardwise.fully_shard`.
 """
@@ -37,7 +38,7 @@ from .meshes import _DATA_PARALLEL_PLACEMENTS, EP_AXIS, INNER_AXIS, OUTER_AXIS, 
 from .buffer_view import ParamAndGradBufferView
 from .process_groups import group_size
 
-__all__ = ["_BaseDataParallel", "_ShardedDataParallel", "expert_plan_fn", "is_expert_param", "logger"]
+__all__ = ["MegatronFSDPLevel", "_BaseDataParallel", "_ShardedDataParallel", "expert_plan_fn", "is_expert_param", "logger"]
 
 # Megatron-Core marks the parameters Megatron-FSDP manages with this attribute; its optimizer
 # (grad-norm, zero counting) then reads their gradients' local shards and reduces the norm over
@@ -277,41 +278,46 @@ class _BaseDataParallel(nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict)
 
 
-class _MegatronFSDPLevel(nn.Module):
+class MegatronFSDPLevel(nn.Module):
     """The module level Megatron-FSDP's ``MegatronFSDP`` takes between its adapter and the model.
 
-    With it a wrapper's parameter names are Megatron's adapter's exactly
-    (``module.module.<model fqn>``; Megatron's optimizer keys its ``fsdp_dtensor``
-    state by them) and so are the keys of ``state_dict_for_save_checkpoint()``:
-    a checkpoint either wrapper writes, the other loads.
+    Megatron's adapter is ``adapter.module`` = ``MegatronFSDP``, whose ``.module`` is
+    the model, and Megatron-LM is written against that nesting: ``unwrap_model``
+    stops here (this is none of the classes it unwraps), so ``checkpointing.py``'s
+    ``fsdp_dtensor`` state is ``{"model": this level's state_dict_for_save_checkpoint()}``
+    (keys ``module.<model key>``), and the optimizer names parameters by the chunk's
+    ``named_parameters()`` (``module.module.<model fqn>``). With the same level here
+    every key is Megatron's adapter's: a checkpoint either wrapper writes, the other loads.
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, config: Any = None):
         super().__init__()
         self.module = module
+        self.config = config  # Megatron's adapter gives its MegatronFSDP the model config too
 
     def forward(self, *inputs, **kwargs):
         return self.module(*inputs, **kwargs)
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
+        """What Megatron-LM saves of an unwrapped chunk: this level's state dict (``module.<model key>``)."""
+        return self.state_dict(prefix=prefix, keep_vars=keep_vars)
 
 
 class _ShardedDataParallel(_BaseDataParallel):
     """V1 and V2's common ground: shard with the engine, clear/scale grads, load full state dicts.
 
-    ``.module`` is the model (what ``fully_shard`` wrapped); the registered child
-    ``module`` is a :class:`_MegatronFSDPLevel` holding it, as in Megatron's adapter.
+    Nesting as Megatron's adapter: ``.module`` is a :class:`MegatronFSDPLevel` whose
+    ``.module`` is the model; :attr:`sharded_model` is that model (what
+    ``fully_shard`` wrapped, what the engine calls take).
     """
 
     def __init__(self, config: Any, module: nn.Module):
-        super().__init__(config, _MegatronFSDPLevel(module))
+        super().__init__(config, MegatronFSDPLevel(module, config))
 
     @property
-    def module(self) -> nn.Module:
-        return self._modules["module"].module
-
-    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
-        """The model's state under Megatron-FSDP's checkpoint keys (``module.<model key>``), as
-        Megatron-LM's ``fsdp_dtensor`` format saves a Megatron-FSDP chunk."""
-        return self._modules["module"].state_dict(prefix=prefix, keep_vars=keep_vars)
+    def sharded_model(self) -> nn.Module:
+        """The model ``fully_shard`` wrapped (``self.module.module``)."""
+        return self.module.module
 
     # ----------------------------------------------------------------- wrapping
     def _shard(
@@ -328,10 +334,10 @@ class _ShardedDataParallel(_BaseDataParallel):
         gradient_reduction: str = "mean",
         bucket_size: Optional[int] = None,
     ) -> None:
-        """Shard ``self.module`` with the engine: dense parameters over ``mesh`` (its ``tp`` axis, if
+        """Shard the model (:attr:`sharded_model`) with the engine: dense parameters over ``mesh`` (its ``tp`` axis, if
         any, is tensor-parallel), expert parameters (:func:`is_expert_param`) over ``expert_mesh``
         (its ``ep`` axis)."""
-        module = self.module
+        module = self.sharded_model
         initializer = None
         if has_meta_tensors(module):
             if not init_on_meta:
@@ -368,7 +374,7 @@ class _ShardedDataParallel(_BaseDataParallel):
     @property
     def sharded_state(self) -> ShardedState:
         """The engine's state for the wrapped model (units, parameter groups, sharding plan)."""
-        return sharded_state(self.module)
+        return sharded_state(self.sharded_model)
 
     # ----------------------------------------------------------- micro-batches
     def no_sync(self):
@@ -377,7 +383,7 @@ class _ShardedDataParallel(_BaseDataParallel):
         Wrap every micro-batch but the last; the last backward (outside) reduces
         what was accumulated on every axis and installs ``.grad``.
         """
-        return self.module.no_sync()
+        return self.sharded_model.no_sync()
 
     # ------------------------------------------------------------------- grads
     def zero_grad_buffer(self) -> None:
@@ -386,12 +392,13 @@ class _ShardedDataParallel(_BaseDataParallel):
         Clears every sharded parameter's ``.grad`` and drops what earlier
         ``no_sync`` micro-batches accumulated without a final backward.
         """
-        self.module.zero_grad_buffer()
+        self.sharded_model.zero_grad_buffer()
 
     @torch.no_grad()
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply every installed gradient (the sharded main grads) by ``scaling_factor``."""
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.module.parameters() if p.grad is not None]
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for p in self.sharded_model.parameters() if p.grad is not None]
         grads = [g for g in grads if g.numel()]
         if grads:
             torch._foreach_mul_(grads, float(scaling_factor))
@@ -400,12 +407,12 @@ class _ShardedDataParallel(_BaseDataParallel):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True):
         """Load model weights: the sharded tensors ``state_dict()`` returns, or full (unsharded) tensors.
 
-        Keys are the model's own, or those of ``state_dict_for_save_checkpoint()``
-        (``module.``-prefixed, Megatron-FSDP's). Full tensors are cut to this rank's
+        Keys are those of ``state_dict()`` / ``state_dict_for_save_checkpoint()``
+        (``module.<model key>``, Megatron's adapter's), or the model's own. Full tensors are cut to this rank's
         shard locally (no communication); the engine refreshes the compute weights
         at the next forward.
         """
-        own = set(self.module.state_dict().keys())
+        own = set(self.sharded_model.state_dict().keys())
         if state_dict and not own & set(state_dict) and all(k.startswith("module.") for k in state_dict):
             state_dict = {k[len("module."):]: v for k, v in state_dict.items()}
-        return load_full_state_dict(self.module, state_dict, strict=strict)
+        return load_full_state_dict(self.sharded_model, state_dict, strict=strict)

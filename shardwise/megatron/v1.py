@@ -242,7 +242,7 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
             bucket_size=self.bucket_size,
         )
         # The sharded parameters are new objects: carry the annotations over by name.
-        for name, param in self.module.named_parameters():
+        for name, param in self.sharded_model.named_parameters():
             if name in modes:
                 setattr(param, TENSOR_PARALLEL_MODE_ATTR, modes[name])
         self.sync_rng_states_across_tp_group()
@@ -352,7 +352,7 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         units are gathered later by their forward hooks. Without this call the
         engine does the same at the next forward.
         """
-        refresh_model_weights(self.module)
+        refresh_model_weights(self.sharded_model)
 
     def synchronize_param_gather(self, *unused, **unused_kwargs) -> None:
         """Nothing to wait for: ``start_param_sync`` returns with its gathers done, and
@@ -367,7 +367,7 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         backward to reduce them. After a syncing backward there is nothing left and
         nothing happens. A collective over the chunk's data-parallel group.
         """
-        finish_grad_accumulation(self.module)
+        finish_grad_accumulation(self.sharded_model)
 
     def finish_grad_sync(self, *unused, **unused_kwargs) -> None:
         """Finish the step's gradient reduction: whatever ``no_sync`` left open, then wait and install ``.grad``.
@@ -376,7 +376,7 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         done it all and this only confirms it (idempotent); ``finalize_model_grads``
         calls it on every chunk whichever schedule ran.
         """
-        finish_grad_accumulation(self.module)
+        finish_grad_accumulation(self.sharded_model)
 
     def broadcast_params(self) -> None:
         """Make every data-parallel replica hold the first replica's weights.
@@ -387,11 +387,11 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         EP ranks keep their own experts); the compute weights are rebuilt at the
         next forward.
         """
-        broadcast_from_first_replica(self.module)
+        broadcast_from_first_replica(self.sharded_model)
 
     def stop_communication(self) -> None:
         """Wait for every outstanding gradient reduction."""
-        wait_for_reductions(self.module)
+        wait_for_reductions(self.sharded_model)
 
     def sync_rng_states_across_tp_group(self) -> None:
         """Give every tensor-parallel rank TP rank 0's Python, NumPy, torch, CUDA and tracker RNG states.
@@ -406,6 +406,6 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         ``_extra_state`` entries (Transformer Engine fp8 metadata) the model does
         not have are skipped.
         """
-        own = set(self.module.state_dict().keys())
+        own = set(self.sharded_model.state_dict().keys())
         kept = {k: v for k, v in state_dict.items() if not (k.endswith("._extra_state") and k not in own)}
         return super().load_state_dict(kept, strict=strict)

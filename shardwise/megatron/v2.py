@@ -209,7 +209,7 @@ class FullyShardedDataParallelV2(_ShardedDataParallel):
         would reach the optimizer. Megatron's schedules wrap every micro-batch but
         the last in ``no_sync_func``.
         """
-        with self.module.no_sync():
+        with self.sharded_model.no_sync():
             yield
 
     def start_param_sync(self, *unused, **unused_kwargs) -> None:

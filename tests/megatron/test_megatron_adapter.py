@@ -24,6 +24,7 @@ from shardwise.megatron import (
     FullyShardedDataParallel,
     FullyShardedDataParallelV1,
     FullyShardedDataParallelV2,
+    MegatronFSDPLevel,
     TransformerConfig,
     build_process_groups,
 )
@@ -78,7 +79,7 @@ def wrap(model, version=1, strategy="optim_grads_params", outer="no_shard", inst
 
 def assert_matches_reference(wrapped, reference):
     """The wrapped model's full state against the unwrapped reference's (``tests.helpers.parity``)."""
-    assert_close_states(shardwise.full_state_dict(wrapped.module), state_of(reference))
+    assert_close_states(shardwise.full_state_dict(wrapped.sharded_model), state_of(reference))
 
 
 # ------------------------------------------------------------------- parity
@@ -97,7 +98,9 @@ def _train_parity(version, strategy, outer="no_shard", instances=1, micro_batche
     def wrapper(model):
         wrapped, _ = wrap(model, version, strategy, outer, instances, pg=pg)
         assert isinstance(wrapped, FullyShardedDataParallelV1 if version == 1 else FullyShardedDataParallelV2)
-        assert wrapped.module is model
+        # Megatron's adapter's nesting: chunk.module is the Megatron-FSDP level, its .module the model
+        assert isinstance(wrapped.module, MegatronFSDPLevel) and wrapped.module.module is model
+        assert wrapped.sharded_model is model
         return wrapped
 
     def adamw(model):
@@ -115,7 +118,7 @@ def _train_parity(version, strategy, outer="no_shard", instances=1, micro_batche
     sharded, reference = train_both(
         build, wrapper, adamw, xy, steps, data_rank=dist.get_rank(pg.dp_cp), data_ranks=dist.get_world_size(pg.dp_cp),
         micro_batches=micro_batches, hooks=megatron_hooks(param_sync=False, after_micro_batch=_grads_held_back),
-        loss_group=pg.dp_cp, full_state=lambda wrapped: shardwise.full_state_dict(wrapped.module),
+        loss_group=pg.dp_cp, full_state=lambda wrapped: shardwise.full_state_dict(wrapped.sharded_model),
     )
     compare(sharded, reference, trained_by=0.1)  # it really trained
     return [type(u.module).__name__ for u in sharded.model.sharded_state.units]
@@ -164,11 +167,11 @@ def _meta_init_equals_direct_build(version, strategy):
     wrapped, _ = wrap(model, version, strategy, config=config)
     # the RNG continues where the direct build left it
     assert torch.equal(torch.rand(4), after_direct)
-    full = shardwise.full_state_dict(wrapped.module)
+    full = shardwise.full_state_dict(wrapped.sharded_model)
     for name, expected in direct.state_dict().items():
         assert torch.equal(full[name], expected), name
     for name in ("rope_cos", "rope_sin"):  # non-persistent buffers, recomputed by reset_parameters
-        assert torch.equal(getattr(wrapped.module, name).cpu(), getattr(direct, name)), name
+        assert torch.equal(getattr(wrapped.sharded_model, name).cpu(), getattr(direct, name)), name
     assert not any(p.is_meta for p in wrapped.parameters())
 
 
@@ -209,13 +212,13 @@ def _meta_init_with_replacing_reset():
     tf_config = TransformerConfig(init_model_with_meta_device=True)
     wrapped, _ = wrap(model, 1, "optim_grads_params", config=tf_config)
     assert [type(u.module).__name__ for u in wrapped.sharded_state.units] == ["ReplacingBlock"] * 2
-    full = shardwise.full_state_dict(wrapped.module)
+    full = shardwise.full_state_dict(wrapped.sharded_model)
     for i in range(2):
         assert torch.equal(full[f"layers.{i}.extra.weight"], torch.full((32, 32), 0.5))
     # the replacement is what got sharded and trained
     data = batch(0).to(device())
     wrapped(data[:2, :-1], data[:2, 1:]).backward()
-    assert wrapped.module.layers[0].extra.weight.grad is not None
+    assert wrapped.sharded_model.layers[0].extra.weight.grad is not None
 
 
 def test_meta_device_reset_parameters_that_replaces_the_parameter():
@@ -279,7 +282,7 @@ def _broadcast_params(strategy, instances):
     model = GPT(gpt_config())
     outer = "no_shard"
     wrapped, pg = wrap(model, 1, strategy, outer, instances)
-    before = shardwise.full_state_dict(wrapped.module)
+    before = shardwise.full_state_dict(wrapped.sharded_model)
     plan = wrapped.sharded_state.plan
     replicated_on = [n for n, p in plan.placements.items() if p.optimizer == Replicate()]
     if any(plan.axes[n].index != 0 for n in replicated_on):  # every replica but the first drifts
@@ -287,7 +290,7 @@ def _broadcast_params(strategy, instances):
             for p in wrapped.parameters():
                 p.to_local().add_(1.0)
     wrapped.broadcast_params()
-    after = shardwise.full_state_dict(wrapped.module)
+    after = shardwise.full_state_dict(wrapped.sharded_model)
     for name, value in before.items():
         assert torch.equal(after[name], value), name
     data = batch(0).to(device())
@@ -353,34 +356,36 @@ def _state_dicts(version):
     torch.manual_seed(0)
     model = GPT(gpt_config())
     wrapped, _ = wrap(model, version)
+    # Megatron's adapter's keys: state_dict() is MegatronFSDP's (one "module." level above the model's)
     keys = set(wrapped.state_dict())
-    assert keys == set(GPT(gpt_config()).state_dict())  # the model's own names, no prefix
+    assert keys == {f"module.{k}" for k in GPT(gpt_config()).state_dict()}
     saved = {k: v.clone() for k, v in wrapped.state_dict().items()}
-    original = shardwise.full_state_dict(wrapped.module)
+    original = shardwise.full_state_dict(wrapped.sharded_model)
     with torch.no_grad():
         for p in wrapped.parameters():
             p.to_local().mul_(-3.0)
     wrapped.load_state_dict(saved)  # sharded tensors
-    restored = shardwise.full_state_dict(wrapped.module)
+    restored = shardwise.full_state_dict(wrapped.sharded_model)
     assert all(torch.equal(restored[k], original[k]) for k in original)
     torch.manual_seed(5)
     other = GPT(gpt_config())
     wrapped.load_state_dict(other.state_dict())  # full tensors from an unwrapped model
-    loaded = shardwise.full_state_dict(wrapped.module)
+    loaded = shardwise.full_state_dict(wrapped.sharded_model)
     assert all(torch.equal(loaded[k], v) for k, v in other.state_dict().items())
     data = batch(0).to(device())
     with torch.no_grad():  # compute weights were refreshed
         torch.testing.assert_close(wrapped(data[:, :-1], data[:, 1:]), other.to(device())(data[:, :-1], data[:, 1:]))
-    # Megatron-LM's fsdp_dtensor keys: one "module." level more, Megatron-FSDP's inner module's
+    # Megatron-LM's fsdp_dtensor keys: state_dict_for_save_checkpoint() is state_dict(), as in Megatron's adapter
     for_checkpoint = wrapped.state_dict_for_save_checkpoint()
-    assert set(for_checkpoint) == {f"module.{k}" for k in wrapped.state_dict()}
+    assert set(for_checkpoint) == set(wrapped.state_dict())
+    assert set(wrapped.module.state_dict_for_save_checkpoint()) == set(for_checkpoint)  # unwrap_model's stop
     assert {n for n, _ in wrapped.named_parameters()} == {f"module.module.{n}" for n, _ in model.named_parameters()}
     wrapped.load_state_dict(for_checkpoint)  # its keys load back, as Megatron-LM's loader passes them
-    assert all(torch.equal(v, shardwise.full_state_dict(wrapped.module)[k]) for k, v in loaded.items())
+    assert all(torch.equal(v, shardwise.full_state_dict(wrapped.sharded_model)[k]) for k, v in loaded.items())
 
 
 @pytest.mark.parametrize("version", [1, 2])
-def test_state_dict_has_model_keys_and_load_accepts_sharded_or_full_tensors(version):
+def test_state_dict_has_megatron_fsdp_keys_and_load_accepts_sharded_or_full_tensors(version):
     run_distributed(_state_dicts, 2, version)
 
 
@@ -406,7 +411,7 @@ def _units_configs_and_duck_typing():
     assert len(wrapped.sharded_state.root.groups) == 1  # one group with disable_bucketing
     assert [type(u.module).__name__ for u in wrapped.sharded_state.units] == ["MambaLayer"]
     # tensor-parallel annotations survive sharding
-    modes = {n: getattr(p, "_tensor_parallel_mode", None) for n, p in wrapped.module.named_parameters()}
+    modes = {n: getattr(p, "_tensor_parallel_mode", None) for n, p in wrapped.sharded_model.named_parameters()}
     assert modes["layers.0.attention.wq.weight"] == "column"
     assert modes["layers.0.attention.wo.weight"] == "row"
     assert modes["norm.weight"] == "replicated"

@@ -163,7 +163,8 @@ def _train_with_real_objects(version, strategy, outer, instances):
                     wrapped = MegatronsName(config=config, ddp_config=ddp, module=model, device=device(),
                                             pg_collection=pg)
                     assert isinstance(wrapped, mcore_fsdp_adapter.FullyShardedDataParallel)
-                    assert unwrap_model(wrapped) is model  # Megatron sees through it
+                    # Megatron unwraps it as its own adapter: down to the Megatron-FSDP level, whose .module is the model
+                    assert unwrap_model(wrapped) is wrapped.module and wrapped.module.module is model
                 else:
                     wrapped = FullyShardedDataParallel(config, ddp, model, device=device(), pg_collection=pg)
                 assert isinstance(wrapped, FullyShardedDataParallelV1 if version == 1 else FullyShardedDataParallelV2)
@@ -182,12 +183,12 @@ def _train_with_real_objects(version, strategy, outer, instances):
             sharded, reference = train_both(
                 build, wrap, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6),
                 _batch, 3, data_rank=dist.get_rank(dp), data_ranks=dist.get_world_size(dp), micro_batches=2,
-                hooks=hooks, loss_group=dp, full_state=lambda w: shardwise.full_state_dict(w.module),
+                hooks=hooks, loss_group=dp, full_state=lambda w: shardwise.full_state_dict(w.sharded_model),
             )
             compare(sharded, reference, trained_by=0.05)
             wrapped = sharded.model
             state = wrapped.state_dict()
-            assert set(state) == set(reference.model.state_dict())
+            assert set(state) == {f"module.{k}" for k in reference.model.state_dict()}  # Megatron's adapter's keys
             wrapped.load_state_dict(state)  # its own DTensors back in
             if names is not None:
                 names.restore()

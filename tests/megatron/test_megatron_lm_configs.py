@@ -129,9 +129,11 @@ def _wrap_recorded(release: str, case: str) -> list[str]:
             model = GPT(GPTConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, ffn_hidden=64, max_seq_len=16))
             chunk = MegatronsName(config=config, ddp_config=ddp, module=model, device=device(), pg_collection=pg)
             assert type(chunk) is (FullyShardedDataParallelV1 if version == 1 else FullyShardedDataParallelV2)
-            assert unwrap_model(chunk) is model and chunk.config is config and chunk.ddp_config is ddp
+            # unwrap_model stops at the Megatron-FSDP level, as at Megatron's adapter's MegatronFSDP
+            assert unwrap_model(chunk) is chunk.module and chunk.module.module is model is chunk.sharded_model
+            assert chunk.config is config and chunk.ddp_config is ddp
             # what the release asked for: the sharding, the gather prefetch, bf16 compute
-            for name, param in chunk.module.named_parameters():
+            for name, param in chunk.sharded_model.named_parameters():
                 assert isinstance(param, DTensor) and param.placements[-len(_placements_asked(ddp)):] == \
                     _placements_asked(ddp), (name, param.placements, ddp.data_parallel_sharding_strategy)
             # V1 prefetches the next gather under overlap_param_gather; V2's hooks always do
@@ -142,7 +144,7 @@ def _wrap_recorded(release: str, case: str) -> list[str]:
             assert logits.dtype == (torch.bfloat16 if config.bf16 else torch.float32), logits.dtype
             logits.float().square().mean().backward()
             chunk.finish_grad_sync()
-            assert all(p.grad is not None for p in chunk.module.parameters())
+            assert all(p.grad is not None for p in chunk.sharded_model.parameters())
             built.append(type(chunk).__name__)
     finally:
         names.restore()

@@ -67,7 +67,7 @@ def test_megatron_lm_builds_and_recognises_shardwise(tree, tmp_path):
     _, cases = _script_cases()
     assert set(summary["cases"]) == set(cases)
     for case, result in summary["cases"].items():
-        assert result["shardwise"] and result["megatron_FSDP"] and result["unwrap_model"] == "GPTModel", case
+        assert result["shardwise"] and result["megatron_FSDP"] and result["unwrap_model"] == "MegatronFSDPLevel", case
     live = json.loads(record.read_text())[summary["megatron_lm"]]["cases"]
     recorded = RECORD.get(summary["megatron_lm"])
     if recorded is None:

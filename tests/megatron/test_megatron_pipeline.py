@@ -173,7 +173,7 @@ def _finalize(chunks, tied: bool) -> None:
     for chunk in chunks:
         chunk.finish_grad_sync()
     group = parallel_state.get_embedding_group()
-    weight = chunks[0].module.shared_embedding_or_output_weight()
+    weight = chunks[0].sharded_model.shared_embedding_or_output_weight()
     dist.all_reduce(weight.grad.to_local(), group=group)  # both ends shard the weight alike
 
 
@@ -227,7 +227,7 @@ def _train_pipeline(strategy: str, virtual: int, tied: bool = False):
             losses.append(total.item() / dp)
         state = {}
         for chunk in chunks:
-            state.update(shardwise.full_state_dict(chunk.module))
+            state.update(shardwise.full_state_dict(chunk.sharded_model))
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, state)
         return losses, norms, {k: v for s in gathered for k, v in s.items()}

@@ -82,7 +82,7 @@ def train_and_compare(config: GPTConfig, wrap, reference_config: GPTConfig, pg, 
     sharded, reference = train_both(
         seeded_gpt(config), wrap, adamw, batch_xy, STEPS, data_rank=dist.get_rank(dp), data_ranks=dist.get_world_size(dp),
         micro_batches=micro_batches, hooks=megatron_hooks(), loss_group=dp,
-        full_state=lambda wrapped: shardwise.full_state_dict(wrapped.module), reference=seeded_gpt(reference_config),
+        full_state=lambda wrapped: shardwise.full_state_dict(wrapped.sharded_model), reference=seeded_gpt(reference_config),
     )
     compare(sharded, reference, trained_by=0.0)  # and it trained
     return sharded, reference
@@ -111,7 +111,8 @@ def _tp_dp(version, strategy, instances, outer, pattern):
 
         assert isinstance(wq, DTensor) and on_tp(wq) == Shard(0) and on_tp(wo) == Shard(1)
         assert wq.shape == (32, 32) and wo.shape == (32, 32)
-        shapes.update({k: tuple(v.shape) for k, v in wrapped.state_dict().items()})
+        # Megatron's adapter's keys (module.<model key>), the global shapes
+        shapes.update({k.removeprefix("module."): tuple(v.shape) for k, v in wrapped.state_dict().items()})
         return wrapped
 
     _, reference = train_and_compare(gpt_config(tp_group=pg.tp, **overrides), wrap, gpt_config(**overrides), pg)
@@ -141,25 +142,26 @@ def _tp_state_dict(version):
     wrapped = FullyShardedDataParallel(config, ddp_config(version), model, device=dev, pg_collection=pg)
     torch.manual_seed(0)
     single = GPT(gpt_config())
-    # the state dict describes the global tensors: the TP=1 model's keys and shapes
+    # the state dict describes the global tensors: the TP=1 model's keys (under Megatron-FSDP's level) and shapes
     state = wrapped.state_dict()
-    assert {k: tuple(v.shape) for k, v in state.items()} == {k: tuple(v.shape) for k, v in single.state_dict().items()}
+    assert {k: tuple(v.shape) for k, v in state.items()} == {f"module.{k}": tuple(v.shape)
+                                                              for k, v in single.state_dict().items()}
     saved = {k: v.clone() for k, v in state.items()}
-    original = shardwise.full_state_dict(wrapped.module)
+    original = shardwise.full_state_dict(wrapped.sharded_model)
     for name, value in single.state_dict().items():
         assert torch.equal(original[name], value), name  # TP init equals the TP=1 init
     # full tensors of another TP=1 model: each rank cuts its TP slice, then its DP rows
     torch.manual_seed(5)
     other = GPT(gpt_config())
     wrapped.load_state_dict(other.state_dict())
-    loaded = shardwise.full_state_dict(wrapped.module)
+    loaded = shardwise.full_state_dict(wrapped.sharded_model)
     assert all(torch.equal(loaded[k], v) for k, v in other.state_dict().items())
     data = batch(0).to(dev)
     with torch.no_grad():
         torch.testing.assert_close(wrapped(data[:, :-1], data[:, 1:]), other.to(dev)(data[:, :-1], data[:, 1:]))
     # and back from the sharded tensors state_dict() returned
     wrapped.load_state_dict(saved)
-    restored = shardwise.full_state_dict(wrapped.module)
+    restored = shardwise.full_state_dict(wrapped.sharded_model)
     assert all(torch.equal(restored[k], original[k]) for k in original)
 
 
@@ -225,7 +227,7 @@ def _ep_per_token_loss():
     with torch.no_grad():
         for p in single.parameters():
             p -= p.grad
-    assert_close_states(shardwise.full_state_dict(wrapped.module), state_of(single))
+    assert_close_states(shardwise.full_state_dict(wrapped.sharded_model), state_of(single))
 
 
 def test_ep_per_token_loss_sums_dense_and_expert_grads():
@@ -240,13 +242,13 @@ def _ep_broadcast_params():
         TransformerConfig(expert_model_parallel_size=2), ddp_config(1, "no_shard"), model,
         device=device(), pg_collection=pg,
     )
-    before = shardwise.full_state_dict(wrapped.module)
+    before = shardwise.full_state_dict(wrapped.sharded_model)
     if dist.get_rank() >= 2:  # the second replica (dense and expert-DP index 1) drifts
         with torch.no_grad():
             for p in wrapped.parameters():
                 p.to_local().add_(1.0)
     wrapped.broadcast_params()  # each EP rank keeps its own experts
-    after = shardwise.full_state_dict(wrapped.module)
+    after = shardwise.full_state_dict(wrapped.sharded_model)
     for name, value in before.items():
         assert torch.equal(after[name], value), name
 
