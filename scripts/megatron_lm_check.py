@@ -2,7 +2,7 @@
 
 Every rank imports ``pretrain_gpt.py`` from the Megatron-LM tree given by
 ``--megatron-lm`` (its own ``megatron/core`` too) and calls ``use_in_megatron()``
-after those imports, where the README puts the one added line. Then, for each
+after those imports, where docs/megatron.md puts the one added line. Then, for each
 command line of :data:`CASES` (a tiny GPT, mock data, Megatron-FSDP with every
 sharding strategy, with and without ``--use-cpu-initialization``, with
 ``--overlap-grad-reduce --overlap-param-gather``, HSDP), Megatron-LM's own:

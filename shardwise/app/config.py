@@ -80,8 +80,8 @@ class TrainConfig:
     fp8_skip: str = field(default="output,lm_head", metadata=_help(
         "with --fp8: comma list of linears (names or last name parts) kept in bf16"))
     fp8_all_gather: bool = field(default=False, metadata=_help(
-        "with --fp8 tensorwise: gather the weights as FP8 bytes (half of bf16's, for several GPUs; on one H200 "
-        "0.66-0.92x the bf16 gather's speed today, docs/performance.md); rowwise always gathers bf16"))
+        "with --fp8 tensorwise: gather the weights as FP8 bytes (half of bf16's, for several GPUs; its speed: "
+        "docs/performance.md); rowwise always gathers bf16"))
     offload: bool = field(default=False, metadata=_help(
         "keep fp32 main weights, grads and AdamW state in host memory; the optimizer steps on the CPU"))
     offload_fraction: float = field(default=1.0, metadata=_help(
@@ -95,7 +95,7 @@ class TrainConfig:
         "without a sidecar needs it)"))
     tokenizer: str = field(default="", metadata=_help(
         "tokenize text with this tokenizer.json file or Hugging Face tokenizer folder (default: the --init-from / "
-        "--hf-config folder's when it has one; 'bytes': UTF-8 bytes; none at hand: the README's 'No tokenizer at "
+        "--hf-config folder's when it has one; 'bytes': UTF-8 bytes; none at hand: docs/cli.md's 'No tokenizer at "
         "hand?' trains one on your text with the tokenizers package, no hub needed)"))
     eos_token: str = field(default="", metadata=_help("the token that ends each document (default: the tokenizer's)"))
     text_key: str = field(default="text", metadata=_help("the text field of .jsonl rows and .parquet columns"))

@@ -245,17 +245,17 @@ def test_resuming_on_other_data_says_so():
 
 
 def test_the_readmes_tokenizer_recipe_trains_one_train_can_use(tmp_path, monkeypatch):
-    """The README's "No tokenizer at hand?" code, run as written on a text file: a tokenizer.json whose EOS
+    """docs/cli.md's "No tokenizer at hand?" code, run as written on a text file: a tokenizer.json whose EOS
     ``--tokenizer`` finds by itself."""
     from tests.helpers import REPO
 
-    readme = (REPO / "README.md").read_text()
-    after = readme[readme.index("**No tokenizer at hand?**"):]
+    page = (REPO / "docs" / "cli.md").read_text()
+    after = page[page.index("**No tokenizer at hand?**"):]
     code = after[after.index("```python\n") + len("```python\n"):after.index("  ```\n", after.index("```python"))]
     code = "\n".join(line[2:] for line in code.splitlines()).replace("vocab_size=8000", "vocab_size=400")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "corpus.txt").write_text(" ".join(documents(200)))
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, "docs/cli.md", "exec"), {})
     tok = tokenized.load_tokenizer(str(tmp_path / "tokenizer.json"))
     assert tok.eos_token == "<|endoftext|>" and 256 < tok.vocab_size <= 400
     cfg, model = resolve_config(["--data", "corpus.txt", "--tokenizer", "tokenizer.json", *TINY])

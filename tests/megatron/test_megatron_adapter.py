@@ -1,4 +1,4 @@
-"""The Megatron-Core adapter end to end: parity with the unwrapped model, the schedule API, meta init, README.
+"""The Megatron-Core adapter end to end: parity with the unwrapped model, the schedule API, meta init, the docs example.
 
 Every rank also trains the unwrapped single-process GPT on the whole global
 batch and compares (fp32: losses rtol 1e-5, the full state tensor-wise relative
@@ -34,7 +34,7 @@ from tests.helpers import REPO
 from tests.helpers.distributed import device, run_distributed
 from tests.helpers.parity import assert_close_states, compare, megatron_hooks, state_of, train_both
 
-README = REPO / "README.md"
+MEGATRON_DOC = REPO / "docs" / "megatron.md"
 VOCAB, SEQ, GLOBAL_BATCH = 64, 12, 8
 
 
@@ -477,18 +477,18 @@ def test_v1_rejects_bad_strategies_by_field():
             FullyShardedDataParallelV1(TransformerConfig(), ddp, nn.Linear(2, 2))
 
 
-# ------------------------------------------------------------ README snippet
+# ------------------------------------------------------ docs/megatron.md snippet
 def _readme_code() -> str:
-    """The python block of the README's "Megatron users" section."""
-    section = README.read_text().split("\n## Megatron users\n", 1)[1].split("\n## ", 1)[0]
+    """The python block of docs/megatron.md's "The Megatron-Core face" section."""
+    section = MEGATRON_DOC.read_text().split("\n## The Megatron-Core face", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    assert blocks, f"no python block in the Megatron users section of {README}"
+    assert blocks, f"no python block in the Megatron-Core face section of {MEGATRON_DOC}"
     return blocks[0]
 
 
 def _run_snippet(code):
     namespace = {"__name__": "__readme__"}
-    exec(compile(code, str(README), "exec"), namespace)
+    exec(compile(code, str(MEGATRON_DOC), "exec"), namespace)
     return namespace["losses"]
 
 

@@ -214,12 +214,12 @@ def test_real_configs_and_groups_train_like_one_process(world, version, strategy
     run_distributed(_train_with_real_objects, world, version, strategy, outer, instances)
 
 
-# ------------------------------------------------------- the README's Megatron-LM recipe
+# ------------------------------------------------ docs/megatron.md's Megatron-LM recipe
 def _readme_recipe() -> tuple[str, str]:
-    """(the one added line's block, the runnable block) of the README's "From Megatron-LM" part."""
+    """(the one added line's block, the runnable block) of docs/megatron.md's "From Megatron-LM" part."""
     from tests.helpers import REPO
 
-    part = (REPO / "README.md").read_text().split("\n### From Megatron-LM", 1)[1].split("\n## ", 1)[0]
+    part = (REPO / "docs" / "megatron.md").read_text().split("\n## From Megatron-LM", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", part, flags=re.S)
     assert len(blocks) == 2, f"expected the recipe and its runnable block, found {len(blocks)} python blocks"
     return blocks[0], blocks[1]
@@ -227,7 +227,7 @@ def _readme_recipe() -> tuple[str, str]:
 
 def _run_recipe(code: str) -> str:
     namespace = {"__name__": "__readme__"}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, "docs/megatron.md", "exec"), namespace)
     return type(namespace["chunk"]).__name__
 
 

@@ -181,7 +181,7 @@ R, S, P = Replicate(), Shard(0), Partial("avg")
 
 
 def test_placement_table_is_zero_0_to_3():
-    """Each strategy's (parameter, gradient, optimizer) placement on its axis: the README's table."""
+    """Each strategy's (parameter, gradient, optimizer) placement on its axis: docs/engine.md's table."""
     assert _DATA_PARALLEL_PLACEMENTS == {
         "no_shard": _AxisPlacements(parameter=R, gradient=P, optimizer=R),  # ZeRO-0 (DDP)
         "optim": _AxisPlacements(parameter=R, gradient=P, optimizer=S),  # ZeRO-1
