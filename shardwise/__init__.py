@@ -2,6 +2,7 @@
 
 from .buffers import Collectives
 from .compile import compile_units
+from .cuda_graphs import CapturedStep, capture_step
 from .device import device_for
 from .engine import (
     broadcast_from_first_replica,
@@ -15,6 +16,7 @@ from .engine import (
 )
 from .fp8 import convert_to_fp8
 from .fully_shard import ShardedModule, fully_shard
+from .host_syncs import count_host_syncs
 from .materialize import MetaInitializer, materialize_meta_module, materialize_owned_meta_modules
 from .mesh import (build_dp_mesh, build_expert_mesh, check_mesh_ranks_and_group_ranks_are_consistent, experts_by_mark,
                    fold_context_parallel)
@@ -39,6 +41,9 @@ __all__ = [
     "load_full_state_dict",
     "experts_by_mark",
     "compile_units",
+    "capture_step",
+    "CapturedStep",
+    "count_host_syncs",
     "convert_to_fp8",
     "MetaInitializer",
     "materialize_meta_module",
