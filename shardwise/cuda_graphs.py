@@ -4,8 +4,14 @@ optimizer step) captured in a ``torch.cuda.CUDAGraph`` and replayed, the host ou
 The name and the arguments follow ``torch.cuda.make_graphed_callables`` (``sample_args``,
 ``num_warmup_iters``, ``pool``) and ``torch.cuda.graph`` (``capture_error_mode``): the
 callable is warmed up, captured once with static inputs, and each call copies new inputs
-into them and replays. The model must be wrapped with ``fully_shard(graph_safe=True)``: its
-buffers keep their addresses from step to step, which is what a replay writes to.
+into them and replays. A sharded model must be wrapped with ``fully_shard(graph_safe=True)``: its
+buffers keep their addresses from step to step, which is what a replay writes to (a plain module,
+the no-wrapper baseline, is captured by torch's rules alone).
+
+Each warm-up iteration and the capture run ``step_fn`` as written, so whether the captured step
+overwrites or adds to the gradients follows the ``.grad`` it finds: start ``step_fn`` with
+``optimizer.zero_grad(set_to_none=True)`` (or drop the grads at its end) for a step that
+overwrites them, as an eager loop with ``zero_grad`` does.
 
 What the step function may hold: forward and backward (``no_sync`` for all but the last
 micro-batch), ``shardwise.clip_grad_norm_`` (in place, or folded into an optimizer stepped in
@@ -34,9 +40,12 @@ def _check_models(models) -> list[nn.Module]:
     if not models:
         raise ValueError("capture_step: models= must name the sharded model(s) the step trains")
     for model in models:
-        if not is_sharded(model):
-            raise ValueError(f"capture_step: models={type(model).__name__} is not wrapped by shardwise.fully_shard; "
-                             "wrap it with fully_shard(..., graph_safe=True)")
+        if not is_sharded(model):  # a plain module (a no-wrapper baseline): torch's own rules, no engine buffers
+            off = [n for n, p in model.named_parameters() if not p.is_cuda]
+            if off:
+                raise RuntimeError(f"capture_step: {type(model).__name__} has parameters off the GPU ({off[:3]}); "
+                                   "CUDA graphs capture GPU work only")
+            continue
         state = sharded_state(model)
         if not state.graph_safe:
             raise ValueError(f"capture_step: {type(model).__name__} was wrapped with graph_safe=False; its buffers "
@@ -78,7 +87,8 @@ def _fresh_capture_streams() -> Iterator[None]:
 
 class CapturedStep:
     """A captured step: ``step(*args)`` copies ``args`` into the static inputs, replays, and returns the
-    static outputs (overwritten by the next replay: clone what you keep)."""
+    static outputs (overwritten by the next replay: clone what you keep). ``warmup_outputs``: what each
+    warm-up iteration returned (real steps: their losses count)."""
 
     def __init__(self, graph: "torch.cuda.CUDAGraph", static_inputs: tuple, static_outputs: Any,
                  models: list[nn.Module], grads: list[tuple[nn.Parameter, torch.Tensor | None]]):
@@ -86,6 +96,8 @@ class CapturedStep:
         self.static_inputs = static_inputs
         self.static_outputs = static_outputs
         self.models = models
+        self.warmup_outputs: list = []
+        self.sharded = [m for m in models if is_sharded(m)]
         self._grads = grads
 
     def __call__(self, *args: Any) -> Any:
@@ -102,7 +114,7 @@ class CapturedStep:
         self.graph.replay()
         for param, grad in self._grads:  # what the captured step left (zero_grad may have dropped them since)
             param.grad = grad
-        for model in self.models:  # the replay may have stepped the optimizer: eager forwards rebuild weights
+        for model in self.sharded:  # the replay may have stepped the optimizer: eager forwards rebuild weights
             model.mark_weights_modified()
         return self.static_outputs
 
@@ -134,17 +146,21 @@ def capture_step(
     static_inputs = _static_inputs(sample_args)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
+    warmup_outputs = []
     with torch.cuda.stream(stream):
         for _ in range(num_warmup_iters):
-            step_fn(*static_inputs)
+            warmup_outputs.append(step_fn(*static_inputs))
     torch.cuda.current_stream().wait_stream(stream)
-    for model in models:  # the captured step starts from changed weights, as every replay will
+    sharded = [m for m in models if is_sharded(m)]
+    for model in sharded:  # the captured step starts from changed weights, as every replay will
         model.mark_weights_modified()
     graph = torch.cuda.CUDAGraph()
     with _fresh_capture_streams():
         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
             static_outputs = step_fn(*static_inputs)
     grads = [(p, p.grad) for model in models for p in model.parameters()]
-    for model in models:
+    for model in sharded:
         model.mark_weights_modified()
-    return CapturedStep(graph, static_inputs, static_outputs, models, grads)
+    captured = CapturedStep(graph, static_inputs, static_outputs, models, grads)
+    captured.warmup_outputs = warmup_outputs
+    return captured
