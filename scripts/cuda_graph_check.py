@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import shardwise  # noqa: E402
 from shardwise.models import GPT, GPTConfig  # noqa: E402
 
+DEVICE = "cuda"  # every tensor and model of the script lives here
 SMALL = dict(vocab_size=256, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, max_seq_len=512)  # train's "small"
 CASES = [  # name, strategy, HSDP, activation checkpointing, grad accumulation, clip
     ("zero1", "optim", False, False, 1, False),
@@ -66,12 +67,12 @@ def _release() -> None:
 
 def _build(config: GPTConfig, strategy: str, hsdp: bool, fp8: str, fp8_gather: bool, compile_: bool, seed: int):
     torch.manual_seed(seed)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         model = GPT(config)
     if fp8:
         shardwise.convert_to_fp8(model, fp8, all_gather=fp8_gather)
     layer_types = list(dict.fromkeys(type(layer) for layer in model.layers))
-    mesh = shardwise.build_dp_mesh(outer=1, device_type="cuda") if hsdp else None
+    mesh = shardwise.build_dp_mesh(outer=1, device_type=DEVICE) if hsdp else None
     model = shardwise.fully_shard(
         model, mesh=mesh, strategy=strategy, outer_dp_sharding_strategy="no_shard" if hsdp else None,
         unit_modules=layer_types + [model.embed, model.output],
@@ -82,7 +83,7 @@ def _build(config: GPTConfig, strategy: str, hsdp: bool, fp8: str, fp8_gather: b
     return model, optimizer
 
 
-def _step_fn(model, optimizer, accum: int, clip: bool, sharded: bool = True):
+def _step_fn(model, optimizer, accum: int, clip: bool):
     """One whole step: every micro-batch, (clipping,) the optimizer; returns (summed loss, grad norm)."""
     params = list(model.parameters())
 
@@ -91,7 +92,7 @@ def _step_fn(model, optimizer, accum: int, clip: bool, sharded: bool = True):
         loss_sum = torch.zeros((), device=tokens.device)
         for micro in range(accum):
             last = micro == accum - 1
-            with contextlib.nullcontext() if last or not sharded else model.no_sync():
+            with contextlib.nullcontext() if last else model.no_sync():
                 loss = model(tokens[micro, :, :-1], tokens[micro, :, 1:]) / accum
                 loss.backward()
             loss_sum += loss.detach().float()
@@ -104,7 +105,7 @@ def _step_fn(model, optimizer, accum: int, clip: bool, sharded: bool = True):
 
 def _batches(steps: int, accum: int, micro_batch: int, seq: int, vocab: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1234)
-    return [torch.randint(0, vocab, (accum, micro_batch, seq + 1), generator=g).cuda() for _ in range(steps)]
+    return [torch.randint(0, vocab, (accum, micro_batch, seq + 1), generator=g).to(DEVICE) for _ in range(steps)]
 
 
 def _grads(model) -> dict:
@@ -181,57 +182,61 @@ def check_case(name, strategy, hsdp, ckpt, accum, clip, args, fp8="", fp8_gather
 def _weights_at_start(config, strategy, hsdp, fp8, fp8_gather) -> dict:
     """The initial weights (a check that the steps trained at all: a graph that replays nothing differs)."""
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         model = GPT(config)
     return {n: p.detach().float() for n, p in model.named_parameters()}
 
 
 def bench(args) -> list[dict]:
+    """As ``shardwise bench --sizes 0.9b --wrappers shardwise,none --compile --cuda-graphs off,on`` (the same
+    wrappers and graphed step), timed with CUDA events over ``--bench-steps`` steps after 3."""
+    from shardwise.app.bench.graphs import graphed_step
+    from shardwise.app.bench.runner import _make_batches, _train_step
     from shardwise.app.bench.sizes import SIZES, model_config
+    from shardwise.app.bench.wrappers import WRAPPERS
 
-    config = model_config(SIZES["0.9b"])
-    seq, micro_batch = 4096, 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    size = SIZES["0.9b"]
+    config, seq, micro_batch = model_config(size), size.seq_len, size.micro_batch
     config.max_seq_len = max(config.max_seq_len, seq)
-    batches = _batches(args.bench_steps + 4, 1, micro_batch, seq, config.vocab_size)
+    batches = _make_batches(config.vocab_size, micro_batch, seq, args.bench_steps + 4, 0, 0, device)
+    compile_kwargs = {"backend": "inductor", "fullgraph": True, "dynamic": False}
     results = []
-    for wrapper in ("shardwise", "none"):
-        for graphs in (False, True):
-            _release()
-            row = {"size": "0.9b", "wrapper": wrapper, "cuda_graphs": graphs, "seq_len": seq,
-                   "micro_batch": micro_batch, "compiled": True}
-            try:
-                if wrapper == "shardwise":
-                    model, optimizer = _build(config, "optim_grads_params", False, "", False, True, seed=0)
-                else:
-                    torch.manual_seed(0)
-                    with torch.device("cuda"):
-                        model = GPT(config)
-                    model.to(torch.bfloat16)
-                    for layer in model.layers:  # as shardwise bench's ceiling: each layer compiled whole
-                        layer.compile(backend="inductor", fullgraph=True, dynamic=False)
-                    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=True)
-                step = _step_fn(model, optimizer, 1, False, sharded=wrapper == "shardwise")
-                run = step
-                if graphs:
-                    run = shardwise.capture_step(step, (batches[0],), models=model, num_warmup_iters=2)
-                for b in batches[1:4]:
-                    run(b)
-                i = iter(batches[4:])
-                ms = _ms_per_step(lambda: run(next(i)), args.bench_steps)
-                row.update(status="ok", ms_per_step=ms, tokens_per_s=micro_batch * seq / ms * 1e3,
-                           peak_gib=torch.cuda.max_memory_allocated() / 2**30)
-                del model, optimizer, step, run
-            except Exception as e:  # noqa: BLE001 - recorded; the other runs still go
-                traceback.print_exc()
-                row.update(status="failed", reason=f"{type(e).__name__}: {e}"[:500])
-            print(json.dumps(row), flush=True)
-            results.append(row)
-    by = {(r["wrapper"], r["cuda_graphs"]): r.get("tokens_per_s") for r in results}
-    ceiling = max(v for k, v in by.items() if k[0] == "none" and v) if any(by.get(("none", g)) for g in
-                                                                        (False, True)) else None
+    for wrapper, graph_safe, graphs in (("shardwise", False, False), ("shardwise", True, False),
+                                        ("shardwise", True, True), ("none", False, False), ("none", False, True)):
+        _release()
+        row = {"size": "0.9b", "wrapper": wrapper, "graph_safe": graph_safe, "cuda_graphs": graphs,
+               "seq_len": seq, "micro_batch": micro_batch, "compiled": True}
+        try:
+            torch.manual_seed(0)
+            with torch.device(device):
+                model = GPT(config)
+            extra = {"graph_safe": graph_safe} if wrapper == "shardwise" else {}
+            model, optimizer = WRAPPERS[wrapper](model, device, compile=compile_kwargs, **extra)
+            if graphs:
+                step, _ = graphed_step(model, optimizer, None, batches[0])
+            else:
+                step = lambda batch: _train_step(model, optimizer, batch)  # noqa: E731
+                step(batches[0])
+            for b in batches[1:4]:
+                step(b)
+            i = iter(batches[4:])
+            ms = _ms_per_step(lambda: step(next(i)), args.bench_steps)
+            row.update(status="ok", ms_per_step=ms, tokens_per_s=micro_batch * seq / ms * 1e3,
+                       peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+            del model, optimizer, step
+        except Exception as e:  # noqa: BLE001 - recorded; the other runs still go
+            traceback.print_exc()
+            row.update(status="failed", reason=f"{type(e).__name__}: {e}"[:500])
+        print(json.dumps(row), flush=True)
+        results.append(row)
+    ceilings = [r["tokens_per_s"] for r in results if r["wrapper"] == "none" and r.get("tokens_per_s")]
+    eager_ceiling = next((r["tokens_per_s"] for r in results if r["wrapper"] == "none" and not r["cuda_graphs"]
+                          and r.get("tokens_per_s")), None)
     for r in results:
-        if r.get("tokens_per_s") and ceiling:
-            r["vs_best_ceiling"] = r["tokens_per_s"] / ceiling
+        if r.get("tokens_per_s") and ceilings:
+            r["vs_best_ceiling"] = r["tokens_per_s"] / max(ceilings)
+            r["vs_eager_ceiling"] = r["tokens_per_s"] / eager_ceiling if eager_ceiling else None
     return results
 
 

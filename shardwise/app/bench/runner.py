@@ -376,7 +376,7 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
         peak_alloc, peak_reserved = host_peak, float("nan")
     first_loss, last_loss = (float(x) for x in torch.stack([losses[0], losses[-1]]).float().cpu())
 
-    exposed = _profile(step, batches[warmup + steps:], device, opts, tag) if cuda else None
+    exposed = _profile(model, optimizer, clip, batches[warmup + steps:], device, opts, tag, step) if cuda else None
     del model, optimizer, clip, losses, step
 
     # Count only what this run added: a peer that leaks (megatron-fsdp keeps its buffers
@@ -410,8 +410,9 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
     return out
 
 
-def _profile(step, batches, device, opts, tag) -> dict | None:
-    """Exposed communication over ``len(batches)`` profiled steps; runs on every rank (collectives)."""
+def _profile(model, optimizer, clip, batches, device, opts, tag, step=None) -> dict | None:
+    """Exposed communication over ``len(batches)`` profiled steps; runs on every rank (collectives).
+    ``step(batch)``: the step to run (a graph's replay) instead of the eager one."""
     if not batches:
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -423,7 +424,10 @@ def _profile(step, batches, device, opts, tag) -> dict | None:
     with profile(activities=activities) as prof:
         start = time.perf_counter()
         for batch in batches:
-            step(batch)
+            if step is None:
+                _train_step(model, optimizer, batch, clip)
+            else:
+                step(batch)
         if cuda:
             torch.cuda.synchronize(device)
         window = time.perf_counter() - start
