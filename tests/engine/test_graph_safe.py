@@ -200,3 +200,84 @@ def test_expert_parallel_is_refused_by_name():
 
     with pytest.raises(ValueError, match="graph_safe=True with expert_mesh"):
         check_graph_safe(torch.nn.Linear(2, 2), True, None, expert_mesh=object())
+
+
+def _fp8_gather_case():
+    from shardwise import convert_to_fp8
+
+    out = []
+    for graph_safe in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, max_seq_len=16))
+        convert_to_fp8(model, "tensorwise", all_gather=True)
+        model = fully_shard(model, strategy="optim_grads_params", unit_modules=[TransformerLayer],
+                            mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16), graph_safe=graph_safe)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, addresses = [], []
+        for step in range(3):
+            with count_host_syncs() as seen:
+                step_losses, _ = _step(model, opt, step, 2, False)
+            assert not graph_safe or not seen.events, seen.events
+            opt.step()
+            opt.zero_grad()
+            losses.append(torch.stack(step_losses).sum().item())
+            addresses.append(_addresses(model))
+        out.append((losses, addresses))
+    return out
+
+
+def test_fp8_weight_gather_graph_safe_1proc():
+    # FP8 tensorwise linears with the FP8 weight gather (uint8 gathered slots, shared scales): the same
+    # losses as the normal mode, and every buffer in place from step to step.
+    (((normal, _), (safe, addresses)),) = run_distributed(_fp8_gather_case, 1)
+    assert safe == normal
+    assert all(a == addresses[0] for a in addresses[1:])
+
+
+class _ReplayedByHand:
+    """Stands in for a CUDAGraph on the CPU: ``replay`` runs the step eagerly on the static inputs."""
+
+    def __init__(self, fn, static):
+        self.fn, self.static, self.replays = fn, static, 0
+
+    def replay(self):
+        self.replays += 1
+        self.fn(*self.static)
+
+
+def _captured_step_bookkeeping():
+    from shardwise.cuda_graphs import CapturedStep
+
+    model = _wrap("optim_grads_params", None, False, False, True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    static = _batch(0, 0)
+    static = tuple(t.clone() for t in static)
+    out = torch.zeros(())
+
+    def step(tokens, targets):
+        opt.zero_grad(set_to_none=True)
+        out.copy_(model(tokens, targets).detach())
+        model(tokens, targets).backward()
+    step(*static)
+    grads = [(p, p.grad) for p in model.parameters()]
+    graph = _ReplayedByHand(step, static)
+    captured = CapturedStep(graph, static, out, [model], grads)
+    new = _batch(5, 0)
+    captured(*new)
+    copied = all(torch.equal(s, n) for s, n in zip(static, new))
+    opt.zero_grad(set_to_none=True)  # dropped after the replay ...
+    captured(*new)
+    restored = all(p.grad is g for p, g in grads)  # ... and put back by the next one
+    stale = all(g.weights_stale for g in sharded_state(model).groups)
+    try:
+        captured(new[0][:, :4], new[1])
+        shape_refused = None
+    except ValueError as e:
+        shape_refused = str(e)
+    return copied, restored, stale, shape_refused, graph.replays
+
+
+def test_a_captured_step_copies_inputs_restores_grads_and_marks_weights_changed():
+    ((copied, restored, stale, refused, replays),) = run_distributed(_captured_step_bookkeeping, 1)
+    assert copied and restored and stale and replays == 2
+    assert "a new shape needs a new capture" in refused
