@@ -57,3 +57,55 @@ def test_bench_graphed_runs_exist_for_shardwise_and_the_ceiling_only():
     assert "need CUDA" in unavailable_reason("shardwise", torch.device("cpu"), True)
     assert unavailable_reason("fsdp2", cuda, False) is None
     assert label({"wrapper": "shardwise", "compiled": True, "cuda_graphs": True}) == "shardwise +compile +graphs"
+
+
+class _EagerCapture:
+    """``capture_step``'s stand-in on the CPU: the warm-up runs, and each 'replay' runs the step eagerly on the
+    static inputs, so a run's plumbing (inputs, micro-batches, losses) is checked without a GPU."""
+
+    def __init__(self, fn, sample_args, models, num_warmup_iters=1):
+        self.fn, self.static = fn, tuple(a.clone() for a in sample_args)
+        self.warmup_outputs = [fn(*self.static) for _ in range(num_warmup_iters)]
+
+    def __call__(self, *args):
+        for static, new in zip(self.static, args):
+            static.copy_(new)
+        return self.fn(*self.static)
+
+
+def _graphed_run_against_eager():
+    import shardwise
+    from shardwise.app.cuda_graphs_train import GraphedRun
+    from shardwise.app.loop import DataParallelRun
+    from shardwise.models import GPT, GPTConfig, TransformerLayer
+
+    def batches():
+        g = torch.Generator().manual_seed(7)
+        while True:
+            t = torch.randint(0, 64, (2, 9), generator=g)
+            yield t[:, :-1], t[:, 1:]
+
+    out = []
+    capture = shardwise.capture_step
+    shardwise.capture_step = _EagerCapture
+    try:
+        for run_class in (DataParallelRun, GraphedRun):
+            torch.manual_seed(0)
+            model = shardwise.fully_shard(GPT(GPTConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, max_seq_len=16)),
+                                          unit_modules=[TransformerLayer], graph_safe=run_class is GraphedRun)
+            run, opt, loader, seen = run_class(model), torch.optim.AdamW(model.parameters(), lr=1e-2), batches(), []
+            for _ in range(3):
+                seen.append(run.forward_backward(loader, 2, torch.device("cpu")).item())
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            out.append(seen)
+    finally:
+        shardwise.capture_step = capture
+    return out
+
+
+def test_graphed_run_trains_the_micro_batches_as_the_eager_run():
+    from tests.helpers.distributed import run_distributed
+
+    ((eager, graphed),) = run_distributed(_graphed_run_against_eager, 1)
+    assert graphed == eager
