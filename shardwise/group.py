@@ -478,6 +478,14 @@ class ParamGroup:
         # forward rebuilds the model weights whenever grads were handed out.
         self.mark_weights_stale()
 
+    def install_static_grads(self) -> None:
+        """Graph-safe mode: ``.grad`` views of the kept gradient buffer (after a replay, which runs no Python)."""
+        flat = self._static_grads.get("main_grad")
+        if flat is None or not self.requires_grad:
+            return
+        for param, grad in zip(self.sharded_params, DistributedBuffer(self.levels, self.opt_level, flat).dtensors()):
+            param.grad = grad
+
     def _install_host_grads(self) -> None:
         if self._host_ready is not None:
             self._host_ready.synchronize()  # the host copy has landed
