@@ -2,11 +2,13 @@
 
 from .buffers import Collectives
 from .compile import compile_units
+from .cuda_graphs import CapturedStep, capture_step
 from .device import device_for
 from .engine import (
     broadcast_from_first_replica,
     finish_grad_accumulation,
     install_grads,
+    install_static_grads,
     is_sharded,
     load_full_state_dict,
     refresh_model_weights,
@@ -15,6 +17,7 @@ from .engine import (
 )
 from .fp8 import convert_to_fp8
 from .fully_shard import ShardedModule, fully_shard
+from .host_syncs import count_host_syncs
 from .materialize import MetaInitializer, materialize_meta_module, materialize_owned_meta_modules
 from .mesh import (build_dp_mesh, build_expert_mesh, check_mesh_ranks_and_group_ranks_are_consistent, experts_by_mark,
                    fold_context_parallel)
@@ -33,12 +36,16 @@ __all__ = [
     "is_sharded",
     "wait_for_reductions",
     "install_grads",
+    "install_static_grads",
     "finish_grad_accumulation",
     "refresh_model_weights",
     "broadcast_from_first_replica",
     "load_full_state_dict",
     "experts_by_mark",
     "compile_units",
+    "capture_step",
+    "CapturedStep",
+    "count_host_syncs",
     "convert_to_fp8",
     "MetaInitializer",
     "materialize_meta_module",

@@ -27,7 +27,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOp
 
 from .mesh import AxisGroup
 
-__all__ = ["StagingPool", "StreamSet", "Collectives", "gather_pieces", "reduce_scatter_pieces", "all_reduce_chain",
+__all__ = ["StagingPool", "StaticStagingPool", "StreamSet", "Collectives", "gather_pieces", "reduce_scatter_pieces", "all_reduce_chain",
            "all_reduce_max", "InFlight"]
 
 
@@ -67,14 +67,50 @@ class StagingPool:
         self._free = {}
 
 
-class StreamSet:
-    """The side streams of one sharded model (none on CPU) and its staging buffers."""
+class StaticStagingPool(StagingPool):
+    """A staging pool for graph-safe mode: every buffer it ever made stays, and each step gets them back in the
+    same order, so a step reads and writes the same addresses as the one before (a CUDA graph replays them).
 
-    def __init__(self, device: torch.device):
+    The spares are a stack per size; ``clear`` (the end of a backward, nothing in flight) restacks every buffer
+    in the order it was made. A step's takes and gives come in the same order every step, so the k-th take of a
+    step gets the same buffer as in every other step, and a buffer is made only where the first step needed one
+    more than it had: no allocation after the first step. The price: every size's buffers are held at once.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: dict[tuple, list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (numel, dtype, device)
+        spares = self._free.get(key)
+        if spares:
+            return spares.pop()
+        buffer = torch.empty(numel, dtype=dtype, device=device)
+        self.made.setdefault(key, []).append(buffer)
+        return buffer
+
+    def clear(self) -> None:
+        self._free = {key: list(reversed(made)) for key, made in self.made.items()}
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer made so far (for tests and memory reports)."""
+        return [b for made in self.made.values() for b in made]
+
+
+class StreamSet:
+    """The side streams of one sharded model (none on CPU) and its staging buffers.
+
+    ``graph_safe``: the staging buffers are static (``StaticStagingPool``) and the groups keep every buffer
+    allocated (``fully_shard(graph_safe=True)``).
+    """
+
+    def __init__(self, device: torch.device, graph_safe: bool = False):
         self.cuda = device.type == "cuda"
         self.gather = torch.cuda.Stream(device=device) if self.cuda else None
         self.reduce = torch.cuda.Stream(device=device) if self.cuda else None
-        self.pool = StagingPool()
+        self.graph_safe = graph_safe
+        self.pool = StaticStagingPool() if graph_safe else StagingPool()
 
     @contextlib.contextmanager
     def on(self, stream: "torch.cuda.Stream | None") -> Iterator[None]:

@@ -266,7 +266,8 @@ class DistributedBuffer:
         """All-gather every parameter's pieces from this level down into ``target``'s slots, one
         collective per axis on the current stream.
 
-        Returns the temporaries of the levels in between, which the stream still reads.
+        Returns the temporaries of the levels in between, which the stream still reads (in graph-safe mode
+        staging-pool buffers, for the caller to give back once the stream that reads them is waited on).
         """
         levels, bottom = self.levels, target.level
         if levels.same_layout(bottom, self.level):  # one buffer in all but name: a copy (a cast), or nothing
@@ -281,7 +282,11 @@ class DistributedBuffer:
             if level - 1 == bottom:
                 out_views = target.views()
             else:
-                temp = torch.empty(levels.layouts[level - 1].total, dtype=views[0].dtype, device=levels.device)
+                total, dtype = levels.layouts[level - 1].total, views[0].dtype
+                if levels.streams.graph_safe:  # static addresses: the pool's (given back with the flight)
+                    temp = levels.streams.pool.take(total, dtype, levels.device)
+                else:
+                    temp = torch.empty(total, dtype=dtype, device=levels.device)
                 temps.append(temp)
                 out_views = levels.layouts[level - 1].views(temp)
             _move(levels.collectives.gather, *levels.paired(level, out_views, views), levels.axes[level - 1])
@@ -298,13 +303,16 @@ class DistributedBuffer:
         event before it reads this buffer; the flight keeps the temporaries alive
         until then and gives the staged buffers back to the pool.
         """
-        self.alloc()  # on the compute stream, like every other allocation of the buffer
+        if self.state is BufferState.FREED:  # graph-safe mode never frees it: the same storage every step
+            self.alloc()  # on the compute stream, like every other allocation of the buffer
         streams = self.levels.streams
         staged: list = []
         with streams.on(streams.gather), torch.autograd._unsafe_preserve_version_counter(self.flat):
             if callable(source):
                 source = source(staged)
             temps = source.gather_into(self)
+        if streams.graph_safe:  # the temporaries are the pool's: back once the compute stream has waited
+            staged, temps = staged + temps, []
         return InFlight(streams.record(streams.gather), keepalive=tuple(temps), staged=tuple(staged), pool=streams.pool)
 
     def reduce_scatter(self, top: int, staged: list, into: "DistributedBuffer | None" = None) -> "DistributedBuffer":

@@ -24,6 +24,7 @@ __all__ = [
     "is_sharded",
     "wait_for_reductions",
     "install_grads",
+    "install_static_grads",
     "finish_grad_accumulation",
     "split_backward_input",
     "compute_parameters",
@@ -71,6 +72,19 @@ def install_grads(model: nn.Module) -> None:
     """
     for unit in sharded_state(model).all_units:
         unit.install_grads()
+
+
+def install_static_grads(model: nn.Module) -> None:
+    """Graph-safe mode: point every trainable parameter's ``.grad`` at its gradient buffer again.
+
+    A replayed graph writes the step's gradients into the same buffers every time but runs no
+    Python, so the ``.grad`` DTensors a ``zero_grad()`` dropped are not set again. A face whose
+    own code replays the graph (Megatron-LM's full-iteration graph) calls this after the replay,
+    before the optimizer reads ``.grad``; ``shardwise.capture_step`` does the same for its replays.
+    Groups that have not reduced yet are left alone.
+    """
+    for group in sharded_state(model).groups:
+        group.install_static_grads()
 
 
 def finish_grad_accumulation(model: nn.Module) -> None:

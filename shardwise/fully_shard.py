@@ -31,6 +31,7 @@ from .construct import (
     resolve_units,
 )
 from .device import device_for
+from .graph_safe import check_graph_safe
 from .hooks import ShardedState
 from .offload import OffloadPolicy, choose_offloaded
 from .placements import AxisPlacements
@@ -115,6 +116,7 @@ def fully_shard(
     plan_fn: Callable[[str, nn.Parameter], str] | None = None,
     offload_policy: OffloadPolicy | None = None,
     collectives: Collectives | None = None,
+    graph_safe: bool = False,
 ) -> nn.Module:
     """Shard ``module``'s parameters, gradients and optimizer state over ``mesh``.
 
@@ -133,7 +135,11 @@ def fully_shard(
     ``collectives`` (a ``shardwise.Collectives``) replaces how buffers travel
     between placements (gather, reduce-scatter, all-reduce). Parameters marked
     for an FP8 gather (``shardwise.convert_to_fp8``) form groups of their own
-    that gather e4m3 bytes (``shardwise.quantized``).
+    that gather e4m3 bytes (``shardwise.quantized``). ``graph_safe=True`` keeps every
+    engine buffer allocated at one address from step to step and the step free of host
+    synchronisation, so ``shardwise.capture_step`` can capture it in a CUDA graph
+    (memory: the gathered weights and the gradient buffers stay allocated; CPU offload,
+    MoE routing and expert parallelism are refused, see ``shardwise.graph_safe``).
     Returns ``module`` itself, whose parameters are now DTensors.
     """
     policy = check_module(module, mixed_precision, _STATE_ATTR)
@@ -143,7 +149,8 @@ def fully_shard(
         expert_mesh=expert_mesh, expert_placements=expert_placements, tp_axis=tp_axis, ep_axis=ep_axis,
         plan_fn=plan_fn,
         options=dict(mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
-                     prefetch=prefetch, gradient_reduction=gradient_reduction, bucket_size=bucket_size),
+                     prefetch=prefetch, gradient_reduction=gradient_reduction, bucket_size=bucket_size,
+                     graph_safe=graph_safe),
     )
     plan_fn = check_options(
         reshard_after_forward, prefetch, gradient_reduction, tp_axis, ep_axis, offload_policy, init_fn, plan_fn,
@@ -154,12 +161,13 @@ def fully_shard(
         gradient_reduction,
     )
     check_bucket_size(bucket_size)
+    check_graph_safe(module, graph_safe, offload_policy, expert_mesh)
     unit_list = resolve_units(module, unit_modules)
     check_parameters(module, init_fn)
 
     # Checked on every rank; now shard, deepest unit first (meta parameters materialized just before).
     device = device_for(plan.mesh)
-    streams = StreamSet(device)
+    streams = StreamSet(device, graph_safe=graph_safe)
     ownership = Ownership(module, unit_list)
     builder = GroupBuilder(
         ownership, plan, expert_plan, policy, device, streams, init_fn, plan_fn, tp_axis, ep_axis, bucket_size,

@@ -98,6 +98,10 @@ class ParamGroup:
         self.params = [ShardedParam(r, plan) for r in self.refs]
         self.plan = plan
         self.streams = streams
+        # Graph-safe mode (fully_shard(graph_safe=True)): every buffer is allocated once and kept, so a step
+        # reads and writes the same addresses as the one before (a captured CUDA graph replays them).
+        self.static = streams.graph_safe
+        self._static_grads: dict[str, torch.Tensor] = {}
         self.collectives = collectives or Collectives()
         self.device = device
         first = self.refs[0].param
@@ -175,7 +179,9 @@ class ParamGroup:
         self._main_grad_ref: weakref.ref | None = None
         self.grad_state = GradState.IDLE
         self._released: tuple = ()
-        self.refresh_state = RefreshState.CURRENT
+        # Graph-safe: the first forward rebuilds the weights as every later one does (the same values), so the
+        # first step already takes every staging buffer a step needs: none is made after it.
+        self.refresh_state = RefreshState.STALE if self.static else RefreshState.CURRENT
         self._refreshed_version = self._main_version()
 
     # ----------------------------------------------------------- construction
@@ -307,7 +313,8 @@ class ParamGroup:
             self._gather.wait()
             self._gather = None
         if self.weight_state is not WeightState.SHARDED:
-            self._unsharded.free()
+            if not self.static:  # graph-safe: the storage stays (regathered in place at the next unshard)
+                self._unsharded.free()
             self.weight_state = WeightState.SHARDED
 
     # --------------------------------------------------------------- grads
@@ -329,7 +336,7 @@ class ParamGroup:
             self._host_kept = None if all(cleared) or existing is None else (existing, cleared)
             existing = None
         if all(cleared) or existing is None:
-            self._main_grad = self.levels.empty(m, self.main_grad_dtype)  # the first reduction overwrites it
+            self._main_grad = self._fresh_grads("main_grad", m)  # the first reduction overwrites it
             self._main_grad_ref = weakref.ref(self._main_grad.flat)
         else:  # the kept grads, accumulated onto (those the user cleared restart from zero)
             self._main_grad = DistributedBuffer(self.levels, m, existing)
@@ -339,8 +346,19 @@ class ParamGroup:
         if self.levels.same_layout(self.grad_level, m):  # the same level, or one buffer with it in all but name
             self._grad_acc = self._main_grad
         else:  # a Partial accumulation buffer of its own, restarted every window
-            self._grad_acc = self.levels.empty(self.grad_level, self.main_grad_dtype)
+            self._grad_acc = self._fresh_grads("grad_acc", self.grad_level)
         self.grad_state = GradState.ACCUMULATING
+
+    def _fresh_grads(self, kind: str, level: int) -> DistributedBuffer:
+        """An ``EMPTY`` gradient buffer of ``level``: a new one, or in graph-safe mode the one this group made
+        at its first window (kept for good: the same addresses every step, whoever drops ``.grad``)."""
+        if not self.static:
+            return self.levels.empty(level, self.main_grad_dtype)
+        flat = self._static_grads.get(kind)
+        if flat is None:
+            flat = self._static_grads[kind] = torch.empty(self.layouts[level].total, dtype=self.main_grad_dtype,
+                                                          device=self.device)
+        return DistributedBuffer(self.levels, level, flat, BufferState.EMPTY)
 
     def _flat_grads(self, staged: list) -> DistributedBuffer:
         """The unsharded grads (zeros where missing) in one comm-dtype buffer, one kernel: the accumulation
@@ -460,6 +478,14 @@ class ParamGroup:
         # forward rebuilds the model weights whenever grads were handed out.
         self.mark_weights_stale()
 
+    def install_static_grads(self) -> None:
+        """Graph-safe mode: ``.grad`` views of the kept gradient buffer (after a replay, which runs no Python)."""
+        flat = self._static_grads.get("main_grad")
+        if flat is None or not self.requires_grad:
+            return
+        for param, grad in zip(self.sharded_params, DistributedBuffer(self.levels, self.opt_level, flat).dtensors()):
+            param.grad = grad
+
     def _install_host_grads(self) -> None:
         if self._host_ready is not None:
             self._host_ready.synchronize()  # the host copy has landed
@@ -526,11 +552,17 @@ class ParamGroup:
             return
         # main weights that are this rank's pieces of the model shard gather in place; others are
         # cast (from the host when offloaded) first
-        source = self._main
+        source, staged = self._main, []
         if source.flat is not None and not (source.flat.device == self.device and self.levels.same_layout(kp, m)):
-            source = source.to(self.device, self.compute_dtype, True)  # else the gather is the cast
+            if not self.static:
+                source = source.to(self.device, self.compute_dtype, True)  # else the gather is the cast
+            elif source.flat.dtype != self.compute_dtype:  # graph-safe: cast into a static pool buffer
+                source = source.cast(self.compute_dtype, staged)
         with torch.autograd._unsafe_preserve_version_counter(self._model.flat):
-            source.gather_into(self._model)
+            temps = source.gather_into(self._model)
+        if self.static:  # read on this stream only: every later user of the pool is ordered after it
+            for buffer in staged + temps:
+                self.streams.pool.give(buffer)
 
     @torch.no_grad()
     def broadcast_main_weights(self, axis) -> None:
@@ -552,6 +584,16 @@ class ParamGroup:
             "main_grad": 0 if main_grad is None else main_grad.untyped_storage().nbytes(),
             "grad_acc": 0 if self.grad_acc is None or self.grad_acc is main_grad else self.grad_acc.untyped_storage().nbytes(),
         }
+
+    def storage_addresses(self) -> dict[str, int]:
+        """Where each device buffer's storage is now (0: none), by buffer; graph-safe mode keeps them fixed."""
+        def address(t: torch.Tensor | None) -> int:
+            return 0 if t is None or t.untyped_storage().nbytes() == 0 else t.untyped_storage().data_ptr()
+        out = {"model_shard": address(self.model_shard), "main": address(self.main),
+               "unsharded": address(self.unsharded)}
+        for kind, flat in self._static_grads.items():
+            out[kind] = address(flat)
+        return out
 
     def host_bytes(self) -> dict[str, int]:
         """Bytes of host memory an offloaded group holds right now (main weights and grads)."""

@@ -91,6 +91,11 @@ class ShardedState:
         self.post_backward_hook = opaque_to_compiler(self.on_post_backward)
 
     @property
+    def graph_safe(self) -> bool:
+        """Whether the model was wrapped with ``graph_safe=True`` (static buffers; see ``shardwise.graph_safe``)."""
+        return self.streams.graph_safe
+
+    @property
     def all_units(self) -> list[Unit]:
         return self.units + [self.root]
 

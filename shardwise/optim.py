@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .device import device_for
 from .engine import sharded_state
+from .graph_safe import refuse_unless_eager
 
 __all__ = ["clip_grad_norm_", "grad_norm", "takes_clip_factor"]
 
@@ -140,6 +141,10 @@ def clip_grad_norm_(
             f"global norm cannot be known before the steps); use a usual optimizer with clip_grad_norm_, or no "
             f"clipping")
     total = grad_norm(parameters, norm_type, extra_groups=extra_groups)
+    if error_if_nonfinite and total.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ValueError("clip_grad_norm_: error_if_nonfinite=True reads the norm on the host, which a CUDA graph "
+                         "being captured cannot do; pass error_if_nonfinite=False (check the returned norm after "
+                         "the replay)")
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of gradients is {total.item()}, which is not finite")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -244,6 +249,10 @@ class BackwardOptimizer:
 
     def __init__(self, model: torch.nn.Module, optimizer_class, **kwargs):
         state = sharded_state(model)
+        refuse_unless_eager(state.graph_safe, "BackwardOptimizer",
+                            "its steps run inside backward, on a side stream or a host thread, and free each "
+                            "gradient shard (not built for capture); step a fused, capturable optimizer after "
+                            "backward instead")
         if state.backward_optimizers:
             raise ValueError("the model already has a BackwardOptimizer")
         self.optimizers: dict[str, torch.optim.Optimizer] = {}

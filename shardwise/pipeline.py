@@ -65,11 +65,13 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from .device import device_for
+from .graph_safe import refuse_unless_eager
 from .engine import (
     compute_parameters,
     finish_grad_accumulation,
     is_sharded,
     reduce_weight_grads,
+    sharded_state,
     split_backward_input,
 )
 
@@ -103,6 +105,9 @@ class ShardedPipelineStage(PipelineStage):
         if not is_sharded(submodule):
             raise ValueError(f"ShardedPipelineStage: submodule={type(submodule).__name__} is not wrapped by "
                              "shardwise.fully_shard; shard each stage's module on its data-parallel mesh first")
+        refuse_unless_eager(sharded_state(submodule).graph_safe, "ShardedPipelineStage",
+                            "torch's pipeline schedules send and receive between stages with host-side "
+                            "bookkeeping (shape inference, per-micro-batch Python) that a CUDA graph cannot capture")
         if device is None:
             device = device_for(group if group is not None else dist.group.WORLD)
         super().__init__(submodule, stage_index, num_stages, device, group=group, **kwargs)

@@ -3,7 +3,8 @@
 Model code registers its classes (``register_module_type(LAYER, TransformerLayer)``) and a
 face reads :func:`module_types`, so no face imports a model package: the
 dependency points down (``models`` -> this registry <- ``megatron``). The engine
-itself never reads it; ``fully_shard`` takes its units explicitly.
+reads it only to refuse MoE experts in graph-safe mode (``graph_safe``);
+``fully_shard`` takes its units explicitly.
 """
 
 from __future__ import annotations

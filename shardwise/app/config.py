@@ -82,6 +82,10 @@ class TrainConfig:
     fp8_all_gather: bool = field(default=False, metadata=_help(
         "with --fp8 tensorwise: gather the weights as FP8 bytes (half of bf16's, for several GPUs; its speed: "
         "docs/performance.md); rowwise always gathers bf16"))
+    cuda_graphs: bool = field(default=False, metadata=_help(
+        "replay each step's forward and backward (all micro-batches, the gradient reductions) from a CUDA graph "
+        "(shardwise.capture_step; the model wrapped with graph_safe=True: gathered weights and gradient buffers "
+        "stay allocated); CUDA only"))
     offload: bool = field(default=False, metadata=_help(
         "keep fp32 main weights, grads and AdamW state in host memory; the optimizer steps on the CPU"))
     offload_fraction: float = field(default=1.0, metadata=_help(
@@ -369,6 +373,10 @@ def _validate(cfg: TrainConfig, model: GPTConfig, problems: Problems, explicit=f
 
     with problems.collect():
         check_context_parallel_flags(cfg, model)
+    from .cuda_graphs_train import check_flags as check_cuda_graph_flags
+
+    with problems.collect():
+        check_cuda_graph_flags(cfg, model, device_type(cfg))
     if cfg.fp8 and (cfg.hf_config or cfg.init_from):
         problems.add("fp8", cfg.fp8, "with --hf-config / --init-from is not built yet (FP8 trains the GPT model)")
     with problems.collect():

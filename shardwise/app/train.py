@@ -250,7 +250,8 @@ def _build_model(cfg: TrainConfig, model_cfg: GPTConfig, device: torch.device, p
         model, mesh=mesh, strategy=cfg.strategy, outer_dp_sharding_strategy=cfg.outer_strategy or None,
         unit_modules=unit_modules, mixed_precision=policy,
         init_fn=init_fn,
-        offload_policy=shardwise.OffloadPolicy(fraction=cfg.offload_fraction) if cfg.offload else None)
+        offload_policy=shardwise.OffloadPolicy(fraction=cfg.offload_fraction) if cfg.offload else None,
+        graph_safe=cfg.cuda_graphs)
     if init_fn is not None:
         init_fn.finish()
     if cfg.compile:  # each layer's forward; compiled at the first step
@@ -299,6 +300,10 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
             from .context_parallel_train import ContextParallelRun
 
             run = ContextParallelRun(model, model.config.cp_group)
+        elif cfg.cuda_graphs:
+            from .cuda_graphs_train import GraphedRun
+
+            run = GraphedRun(model)
         else:
             run = DataParallelRun(model)
     for module in run.modules:

@@ -45,7 +45,10 @@ def run_layers(layers, x, rope_cos, rope_sin, recompute: bool):
     aux = []
     for layer in layers:
         if recompute:
-            x = checkpoint(layer, x, rope_cos, rope_sin, use_reentrant=False)
+            # A layer that draws no random numbers (dropout 0) recomputes the same without the RNG states
+            # stashed and restored: that read of the CUDA generator is what a CUDA graph capture cannot hold.
+            draws = getattr(layer, "dropout", 1.0) > 0
+            x = checkpoint(layer, x, rope_cos, rope_sin, use_reentrant=False, preserve_rng_state=draws)
         else:
             x = layer(x, rope_cos, rope_sin)
         if isinstance(layer, MoETransformerLayer):

@@ -5,6 +5,7 @@
     shardwise bench --sizes 0.9b --repeats 2 --steps 20 --wrappers fsdp2,shardwise
     shardwise bench --sizes 0.9b,2.8b,8b --wrappers fsdp2,shardwise,none --compile both
     shardwise bench --sizes 2.8b,8b --wrappers fsdp2,fsdp2-fp8ag,shardwise,none --fp8 off,tensorwise,rowwise
+    shardwise bench --sizes 0.9b --wrappers shardwise,none --compile --cuda-graphs on,off   # one GPU
     torchrun --nproc-per-node 2 -m shardwise bench --sizes 8b --steps 8b=6
     shardwise bench --device cpu --nproc 2 --pp 2 --pp-schedule 1f1b   # a pipeline of shardwise stages
 
@@ -36,6 +37,7 @@ from ..launch import launch_local, under_launcher
 from .report import format_run, write_reports
 from ...fp8 import require_torchao
 from .fp8 import FP8_MODES
+from .graphs import GRAPH_MODES
 from .pipeline import MULTI_STAGE_SCHEDULES, format_pipeline_run, run_pipeline_benchmark
 from ...pipeline_order import PIPELINE_SCHEDULES
 from .runner import COMPILE_MODES, GRAD_COMM_DTYPES, BenchOptions, run_benchmark
@@ -71,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile each layer's forward under every wrapper that supports it "
                         "(--compile = on; both = eager and compiled runs interleaved in one job)")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
+    p.add_argument("--cuda-graphs", default="off",
+                   help="comma list of on/off: each step of shardwise (graph_safe=True) and the ceiling captured "
+                        "in a CUDA graph and replayed (shardwise.capture_step); on,off runs both in one job "
+                        "(CUDA only)")
     p.add_argument("--fp8", default="off",
                    help="comma list of FP8 modes run in turn: off (bf16 linears), tensorwise, rowwise (torchao "
                         "Float8Linear for every linear but the output head, under every wrapper; pip install "
@@ -165,6 +171,12 @@ def parse_options(argv) -> tuple[BenchOptions, argparse.Namespace]:
         given = list(argv or [])
         if "--compile" not in given and not any(a.startswith("--compile=") for a in given):
             args.compile = "on"  # FP8 matmuls pay only compiled
+    graphs = [m.strip() for m in args.cuda_graphs.split(",") if m.strip()]
+    if not graphs or len(set(graphs)) != len(graphs) or any(m not in GRAPH_MODES for m in graphs):
+        raise UsageError(f"--cuda-graphs {args.cuda_graphs}: a comma list of on and off, each once")
+    if "on" in graphs and device != "cuda":
+        raise UsageError(f"--cuda-graphs {args.cuda_graphs}: CUDA graphs need CUDA; this run is on the CPU "
+                         "(use --cuda-graphs off, or a GPU)")
     if args.compile != "off":
         from torch import _dynamo
 
@@ -196,7 +208,7 @@ def parse_options(argv) -> tuple[BenchOptions, argparse.Namespace]:
         compile=args.compile, compile_backend=args.compile_backend, offload=args.offload,
         grad_comm_dtype=args.grad_comm_dtype, max_grad_norm=args.max_grad_norm, clip_mode=args.clip_mode,
         fp8=tuple(fp8), pp=args.pp, pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual,
-        pp_microbatches=args.pp_microbatches)
+        pp_microbatches=args.pp_microbatches, cuda_graphs=tuple(GRAPH_MODES[m] for m in graphs))
     return opts, args
 
 

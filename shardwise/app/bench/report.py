@@ -45,14 +45,16 @@ def _compiled(run: dict) -> bool:
     return bool(run.get("compiled", False))
 
 
-def _mode(run: dict) -> tuple[bool, str]:
-    """A run's mode: compiled or not, and its FP8 recipe ("" for bf16 linears); runs compare within a mode."""
-    return _compiled(run), run.get("fp8") or ""
+def _mode(run: dict) -> tuple[bool, str, bool]:
+    """A run's mode: compiled or not, its FP8 recipe ("" for bf16 linears), CUDA graphs or not; runs compare
+    within a mode."""
+    return _compiled(run), run.get("fp8") or "", bool(run.get("cuda_graphs", False))
 
 
 def label(run: dict) -> str:
     """The wrapper's name, with "+compile" for a compiled run or row and "+fp8 RECIPE" for FP8 linears."""
-    return run["wrapper"] + (" +compile" if _compiled(run) else "") + (f" +fp8 {run['fp8']}" if run.get("fp8") else "")
+    return (run["wrapper"] + (" +compile" if _compiled(run) else "") + (f" +fp8 {run['fp8']}" if run.get("fp8") else "")
+            + (" +graphs" if run.get("cuda_graphs") else ""))
 
 
 def annotate(runs: list[dict], loss_rtol: float) -> list[dict]:
@@ -83,7 +85,8 @@ def summarize(runs: list[dict], loss_rtol: float) -> list[dict]:
     for size, wrapper, mode in keys:
         mine = [r for r in runs if r["size"] == size and r["wrapper"] == wrapper and _mode(r) == mode]
         ok = [r for r in mine if _ok(r)]
-        row = {"size": size, "wrapper": wrapper, "compiled": mode[0], "fp8": mode[1] or None, "params": mine[0]["params"],
+        row = {"size": size, "wrapper": wrapper, "compiled": mode[0], "fp8": mode[1] or None, "cuda_graphs": mode[2],
+               "params": mine[0]["params"],
                "device": mine[0]["device"], "world_size": mine[0]["world_size"], "runs": len(mine),
                "ok_runs": len(ok)}
         if not ok:

@@ -49,6 +49,7 @@ from ...models import GPT
 from ..memory import DoesNotFit, check_fits, estimate_for_run, host_available_bytes, host_peak_bytes, reset_host_peak
 from .sizes import SIZES, BenchSize, ddp_bytes_estimate, model_config
 from .fp8 import after_each_step, prepare as prepare_fp8
+from .graphs import graphed_step, unavailable_reason as graphs_reason
 from .wrappers import DEFAULT_ORDER, WRAPPERS, make_clip, unavailable_reason
 
 __all__ = ["BenchOptions", "run_benchmark", "run_one", "merge_intervals", "interval_length",
@@ -89,6 +90,7 @@ class BenchOptions:
     pp_schedule: str = "1f1b"
     pp_virtual: int = 0  # stages per rank (0: 2 for interleaved and looped_bfs, else 1)
     pp_microbatches: int = 0  # micro-batches per step (0: 2 x pp)
+    cuda_graphs: Sequence[bool] = (False,)  # eager and/or each step a replayed CUDA graph (bench/graphs.py)
 
     def compile_kwargs(self) -> dict:
         """What every wrapper passes to torch.compile: whole layers, static shapes (as torchtitan)."""
@@ -246,7 +248,7 @@ def _skip_reason(name: str, size: BenchSize, config, n_params: int, micro_batch:
 
 # ------------------------------------------------------------------ one run
 def run_one(name: str, size: BenchSize, opts: BenchOptions, device: torch.device, batches,
-            repeat: int = 0, compiled: bool = False, fp8: str = "off") -> dict:
+            repeat: int = 0, compiled: bool = False, fp8: str = "off", graphs: bool = False) -> dict:
     """Wrap a fresh model with wrapper ``name`` (layers compiled when ``compiled``), train and measure it;
     every rank returns the result."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -263,9 +265,10 @@ def run_one(name: str, size: BenchSize, opts: BenchOptions, device: torch.device
               "activation_checkpointing": config.activation_checkpointing, "steps": steps, "warmup": warmup,
               "tokens_per_step_per_gpu": micro_batch * seq_len, "compiled": compiled,
               "compile_backend": opts.compile_backend if compiled else None,
-              "max_grad_norm": opts.max_grad_norm, "fp8": None if fp8 == "off" else fp8}
-    why = _skip_reason(name, size, config, n_params, micro_batch, seq_len, device, compiled, opts.offload,
-                       opts.max_grad_norm > 0, fp8)
+              "max_grad_norm": opts.max_grad_norm, "fp8": None if fp8 == "off" else fp8, "cuda_graphs": graphs}
+    why = graphs_reason(name, device, graphs) or _skip_reason(
+        name, size, config, n_params, micro_batch, seq_len, device, compiled, opts.offload, opts.max_grad_norm > 0,
+        fp8)
     if why:
         return {**result, "status": "skipped", "reason": why}
     if name.startswith("shardwise") and device.type == "cuda":  # the estimate train prints, checked here
@@ -280,9 +283,10 @@ def run_one(name: str, size: BenchSize, opts: BenchOptions, device: torch.device
         except DoesNotFit as e:
             return {**result, "status": "skipped", "reason": str(e)}
     try:
-        tag = f"{size.name}-{name}{'-compiled' if compiled else ''}{'' if fp8 == 'off' else '-' + fp8}-r{repeat}"
+        tag = (f"{size.name}-{name}{'-compiled' if compiled else ''}{'' if fp8 == 'off' else '-' + fp8}"
+               f"{'-graphs' if graphs else ''}-r{repeat}")
         result.update(_measure(name, config, opts, device, batches, steps, warmup, flops_per_token,
-                               micro_batch * seq_len, tag, compiled, fp8))
+                               micro_batch * seq_len, tag, compiled, fp8, graphs))
         result["status"] = "ok"
     except torch.cuda.OutOfMemoryError:
         result.update(status="failed", reason="out of memory")
@@ -306,7 +310,7 @@ def _dynamo_counts() -> tuple[int, int]:
 
 
 def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token, tokens_per_step,
-             tag, compiled=False, fp8="off") -> dict:
+             tag, compiled=False, fp8="off", graphs=False) -> dict:
     cuda = device.type == "cuda"
     world = dist.get_world_size()
     base_alloc = torch.cuda.memory_allocated(device) if cuda else 0
@@ -325,6 +329,8 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
         extra["offload"] = opts.offload
     if compiled:
         extra["compile"] = opts.compile_kwargs()
+    if graphs and name.startswith("shardwise"):
+        extra["graph_safe"] = True
     after_step = prepare_fp8(name, model, fp8, opts.strategy, opts.offload if name.startswith("shardwise") else 0.0)
     model, optimizer = WRAPPERS[name](model, device, **extra)
     after_each_step(optimizer, after_step)
@@ -344,9 +350,14 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
     breaks_before, _ = _dynamo_counts()
     losses = []
     first_step_s = None
+    step = lambda batch: _train_step(model, optimizer, batch, clip)  # noqa: E731
     for i in range(warmup):
         step_start = time.perf_counter()
-        losses.append(_train_step(model, optimizer, batches[i], clip))
+        if graphs and i == 0:  # the first step is the capture's eager warm-up: the same steps as an eager run
+            step, first_loss = graphed_step(model, optimizer, clip, batches[0])
+            losses.append(first_loss)
+        else:
+            losses.append(step(batches[i]))
         if i == 0:  # compiles, when compiled
             _sync(device)
             first_step_s = time.perf_counter() - step_start
@@ -354,7 +365,7 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
     _, frames_warm = _dynamo_counts()
     start = time.perf_counter()
     for i in range(warmup, warmup + steps):
-        losses.append(_train_step(model, optimizer, batches[i], clip))
+        losses.append(step(batches[i]))
     _sync(device)
     elapsed = time.perf_counter() - start
     breaks_after, frames_after = _dynamo_counts()
@@ -365,8 +376,8 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
         peak_alloc, peak_reserved = host_peak, float("nan")
     first_loss, last_loss = (float(x) for x in torch.stack([losses[0], losses[-1]]).float().cpu())
 
-    exposed = _profile(model, optimizer, clip, batches[warmup + steps:], device, opts, tag) if cuda else None
-    del model, optimizer, clip, losses
+    exposed = _profile(model, optimizer, clip, batches[warmup + steps:], device, opts, tag, step) if cuda else None
+    del model, optimizer, clip, losses, step
 
     # Count only what this run added: a peer that leaks (megatron-fsdp keeps its buffers
     # alive after its run) must not inflate the next run's peak.
@@ -399,8 +410,9 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
     return out
 
 
-def _profile(model, optimizer, clip, batches, device, opts, tag) -> dict | None:
-    """Exposed communication over ``len(batches)`` profiled steps; runs on every rank (collectives)."""
+def _profile(model, optimizer, clip, batches, device, opts, tag, step=None) -> dict | None:
+    """Exposed communication over ``len(batches)`` profiled steps; runs on every rank (collectives).
+    ``step(batch)``: the step to run (a graph's replay) instead of the eager one."""
     if not batches:
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -412,7 +424,10 @@ def _profile(model, optimizer, clip, batches, device, opts, tag) -> dict | None:
     with profile(activities=activities) as prof:
         start = time.perf_counter()
         for batch in batches:
-            _train_step(model, optimizer, batch, clip)
+            if step is None:
+                _train_step(model, optimizer, batch, clip)
+            else:
+                step(batch)
         if cuda:
             torch.cuda.synchronize(device)
         window = time.perf_counter() - start
@@ -452,13 +467,13 @@ def run_benchmark(opts: BenchOptions, on_result: Callable[[dict], None] | None =
         total = opts.warmup_for(size) + opts.steps_for(size) + (opts.profile_steps if device.type == "cuda" else 0)
         batches = _make_batches(size.model["vocab_size"], micro_batch, seq_len, total, opts.seed, rank, device)
         for repeat in range(opts.repeats):
-            order = [(fp8, compiled, name) for fp8 in opts.fp8 for compiled in COMPILE_MODES[opts.compile]
-                     for name in opts.wrappers]
+            order = [(fp8, compiled, graphs, name) for fp8 in opts.fp8 for compiled in COMPILE_MODES[opts.compile]
+                     for graphs in opts.cuda_graphs for name in opts.wrappers]
             if repeat % 2:
                 order.reverse()
-            for fp8, compiled, name in order:
+            for fp8, compiled, graphs, name in order:
                 _release(device)
-                result = run_one(name, size, opts, device, batches, repeat, compiled, fp8)
+                result = run_one(name, size, opts, device, batches, repeat, compiled, fp8, graphs)
                 _release(device)
                 results.append(result)
                 if rank == 0 and on_result is not None:

@@ -97,12 +97,13 @@ def compile_layers(model: nn.Module, compile: dict) -> list[nn.Module]:
 
 # ------------------------------------------------------------------ shardwise
 def wrap_shardwise(model: nn.Module, device: torch.device, strategy: str = "optim_grads_params",
-                   compile: dict | None = None, offload: float = 0.0, grad_comm_dtype: torch.dtype | None = None):
+                   compile: dict | None = None, offload: float = 0.0, grad_comm_dtype: torch.dtype | None = None,
+                   graph_safe: bool = False):
     """shardwise.fully_shard: each layer, the embedding and the output head are units.
 
     ``offload``: the share of the parameters whose main weights and optimizer state live on the host.
     ``grad_comm_dtype``: the dtype gradients travel in (``None``: fp32, like the other wrappers); they are
-    accumulated in fp32 either way.
+    accumulated in fp32 either way. ``graph_safe``: for a step captured in a CUDA graph (``bench/graphs.py``).
     """
     import shardwise
 
@@ -111,7 +112,7 @@ def wrap_shardwise(model: nn.Module, device: torch.device, strategy: str = "opti
     model = shardwise.fully_shard(
         model, strategy=strategy, unit_modules=units,
         mixed_precision=shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16, grad_comm_dtype=grad_comm_dtype),
-        offload_policy=shardwise.OffloadPolicy(fraction=offload) if offload else None)
+        offload_policy=shardwise.OffloadPolicy(fraction=offload) if offload else None, graph_safe=graph_safe)
     if compile is not None:  # the layers, as for the other wrappers (not the embedding or head)
         shardwise.compile_units(model, modules=unit_types, **compile)
     return model, make_optimizer(model.parameters(), device)
