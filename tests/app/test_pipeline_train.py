@@ -145,27 +145,47 @@ def test_bad_pipeline_flags_name_flag_and_value(argv, message, capsys, tmp_path)
     assert not (tmp_path / "x").exists()
 
 
-def test_the_bubble_is_the_step_outside_the_stages_work():
-    # busy: forward, backward, the zero-bubble weight pass and the gradient reduction; the wait between is bubble
-    import time
+def test_the_bubble_is_the_step_outside_the_stages_work(monkeypatch):
+    # busy: forward, backward, the zero-bubble weight pass and the gradient reduction; the wait between is bubble.
+    # A clock the test advances by hand (the CPU path reads time.perf_counter): the fractions are exact.
     from types import SimpleNamespace
 
+    from shardwise.app import pipeline_train
     from shardwise.app.pipeline_train import StageTimer
 
-    work = lambda *args, **kwargs: time.sleep(0.05)  # noqa: E731
-    stage = SimpleNamespace(forward_one_chunk=work, backward_one_chunk=work, backward_weight_one_chunk=work,
-                            perform_reduce_grad=work)
+    now = [0.0]
+    monkeypatch.setattr(pipeline_train, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def advance(seconds: float) -> None:
+        now[0] += seconds
+
+    called = []
+
+    def work(name, seconds):
+        def method(*args, **kwargs):
+            called.append(name)
+            advance(seconds)
+            return name
+        return method
+
+    timed = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk", "perform_reduce_grad")
+    stage = SimpleNamespace(**{name: work(name, 0.25) for name in timed})
     timer = StageTimer([stage], torch.device("cpu"))
     assert timer.bubble() == 0.0  # no step yet
+    assert stage.forward_one_chunk(1, x=2) == "forward_one_chunk"  # wrapped: arguments in, result out
+    assert timer.steps == [] and called == ["forward_one_chunk"]
+    called.clear()
 
-    def step(wait: float):
-        for name in StageTimer._TIMED:
+    def step(wait: float, between: float = 0.0):
+        for name in timed:
             getattr(stage, name)()
-        time.sleep(wait)  # as if waiting on a neighbour's send
+            advance(between)  # as if waiting on a neighbour's send between two chunks
+        advance(wait)  # the schedule's tail: the last send, bookkeeping
 
-    timer.run(lambda: step(0.2))
-    assert 0.3 < timer.bubble() < 0.7  # 0.2 s of about 0.4 s
+    timer.run(lambda: step(1.0))
+    assert called == list(timed)
+    assert timer.bubble() == pytest.approx(0.5, rel=1e-12)  # 1 s of 2: 4 x 0.25 s busy
     assert timer.bubble() == 0.0  # a step is read once
-    timer.run(lambda: step(0.2))
-    timer.run(lambda: step(0.0))
-    assert 0.15 < timer.bubble() < 0.4  # the mean of about 1/2 and 0
+    timer.run(lambda: step(0.0, between=0.75))  # 3 s waiting of 4 s
+    timer.run(lambda: step(0.0))  # no wait: no bubble
+    assert timer.bubble() == pytest.approx((0.75 + 0.0) / 2, rel=1e-12)  # the mean over the steps since the last read

@@ -116,7 +116,8 @@ def test_replayed_rng_order_equals_a_direct_build(replay):
         init(owner, CPU)
     init.finish()
     assert not has_meta_tensors(model)
-    same = [torch.equal(p, q) for p, q in zip(model.state_dict().values(), direct.state_dict().values())]
+    assert list(model.state_dict()) == list(direct.state_dict())
+    same = [torch.equal(p, q) for p, q in zip(model.state_dict().values(), direct.state_dict().values(), strict=True)]
     if replay:
         assert all(same) and torch.equal(torch.rand(2), after_direct)
     else:  # units first draws the numbers in another order

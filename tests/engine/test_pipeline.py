@@ -24,7 +24,7 @@ import shardwise
 from shardwise.pipeline import ShardedPipelineStage, build_schedule, pipeline_groups
 from tests.helpers.counting import CountingCollectives
 from tests.helpers.distributed import device, run_distributed
-from tests.helpers.parity import assert_close_states, state_of, train_clipped
+from tests.helpers.parity import assert_close_states, micro_batch_losses, state_of, train_clipped
 from tests.helpers.tiny_model import Block, TinyConfig, batch
 
 CONFIG = TinyConfig(layers=4)
@@ -86,7 +86,9 @@ def lm_loss(logits, targets):
 
 def _train_pipeline(schedule_name: str, pp: int, strategy, steps: int, collectives=None, save_to=None, outer=None,
                     config: TinyConfig = CONFIG):
-    """Train the pipeline ``steps`` steps; return (losses, norms, full state, per-step collective counts).
+    """Train the pipeline ``steps`` steps; return (losses, norms, full state, per-step collective counts, own):
+    ``own`` is None on a rank without the last stage, else (its rows of the global batch, each step's
+    micro-batch losses as the schedule computed them, before any reduction).
 
     ``save_to``: a folder for a DCP checkpoint of every stage's state dict under the whole model's names;
     ``outer``: a (pp, dp_outer, dp_shard) mesh with ``outer`` replicas, each stage HSDP over the last two."""
@@ -113,7 +115,7 @@ def _train_pipeline(schedule_name: str, pp: int, strategy, steps: int, collectiv
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     rows = slice(dp_rank * GLOBAL_BATCH // dp, (dp_rank + 1) * GLOBAL_BATCH // dp)
-    losses, norms, counts = [], [], []
+    losses, norms, counts, own = [], [], [], []
     for step in range(steps):
         tokens, targets = (t[rows].to(dev) for t in batch(step, GLOBAL_BATCH, config))
         if collectives is not None:
@@ -126,6 +128,7 @@ def _train_pipeline(schedule_name: str, pp: int, strategy, steps: int, collectiv
         norms.append(shardwise.clip_grad_norm_(params, MAX_NORM, extra_groups=[pp_group]).item())
         opt.step()
         opt.zero_grad()
+        own.append([loss.item() for loss in micro_losses])
         total = torch.stack(micro_losses).mean().detach() if last else torch.zeros((), device=dev)
         dist.all_reduce(total)  # the last stage's ranks hold the losses: their mean over data ranks
         losses.append(total.item() / dp)
@@ -137,29 +140,49 @@ def _train_pipeline(schedule_name: str, pp: int, strategy, steps: int, collectiv
     gathered = [None] * world
     dist.all_gather_object(gathered, state)
     whole_state = {k: v for s in gathered for k, v in s.items()}
-    return losses, norms, whole_state, counts
+    return losses, norms, whole_state, counts, ((rows, own) if last else None)
 
 
-def _train_reference(steps: int, config: TinyConfig = CONFIG):
+def _train_reference(steps: int, config: TinyConfig = CONFIG, rows: slice | None = None):
+    """The whole model on the whole batch; with ``rows``, also the micro-batch losses of those rows,
+    by the model as it is before each step (what a last stage holding them must compute)."""
     torch.manual_seed(0)
     model = PipeLM(config).to(device())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    batches = ([t.to(device()) for t in batch(step, GLOBAL_BATCH, config)] for step in range(steps))
-    losses, norms = train_clipped(model, opt, batches, lm_loss, MAX_NORM)
-    return losses, norms, state_of(model)
+    own = []
+
+    def batches():  # train_clipped takes the next batch after the previous step
+        for step in range(steps):
+            tokens, targets = (t.to(device()) for t in batch(step, GLOBAL_BATCH, config))
+            if rows is not None:
+                own.append(micro_batch_losses(model, lm_loss, tokens[rows], targets[rows], MICRO_BATCHES))
+            yield tokens, targets
+
+    losses, norms = train_clipped(model, opt, batches(), lm_loss, MAX_NORM)
+    return losses, norms, state_of(model), own
 
 
 def _parity(schedule_name, pp, strategy, steps=3, outer=None, checkpointing="none"):
+    """Parity with one process; returns how many of its own micro-batch losses this rank checked."""
     config = TinyConfig(layers=CONFIG.layers, checkpointing=checkpointing)
-    losses, norms, state, _ = _train_pipeline(schedule_name, pp, strategy, steps, outer=outer, config=config)
-    ref_losses, ref_norms, ref_state = _train_reference(steps, config)
+    losses, norms, state, _, own = _train_pipeline(schedule_name, pp, strategy, steps, outer=outer, config=config)
+    ref_losses, ref_norms, ref_state, ref_own = _train_reference(steps, config, own[0] if own else None)
+    if own is not None:  # this rank's own losses, before the all-reduce: its rows, not just the right mean
+        torch.testing.assert_close(torch.tensor(own[1], dtype=torch.float64),
+                                   torch.tensor(ref_own, dtype=torch.float64), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
                                torch.tensor(ref_losses, dtype=torch.float64), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(norms, dtype=torch.float64),
                                torch.tensor(ref_norms, dtype=torch.float64), rtol=1e-5, atol=0)
     assert min(ref_norms) > MAX_NORM, ref_norms  # clipping changed every step
     assert_close_states(state, ref_state, rtol=1e-5)
-    return losses
+    return 0 if own is None else sum(len(step) for step in own[1])
+
+
+def _run_parity(world: int, schedule_name: str, pp: int, strategy, steps: int = 3, **kwargs) -> None:
+    checked = run_distributed(_parity, world, schedule_name, pp, strategy, steps, **kwargs)
+    # every rank holding the last stage checked all its micro-batch losses; the others held none
+    assert sum(checked) == world // pp * steps * MICRO_BATCHES, checked
 
 
 @pytest.mark.parametrize("schedule_name,strategy", [
@@ -169,27 +192,26 @@ def _parity(schedule_name, pp, strategy, steps=3, outer=None, checkpointing="non
     ("looped_bfs", "optim_grads"),
 ])
 def test_pp2_dp2_trains_as_one_process(schedule_name, strategy):
-    results = run_distributed(_parity, 4, schedule_name, 2, strategy)
-    assert all(r == results[0] for r in results)
+    _run_parity(4, schedule_name, 2, strategy)
 
 
 @pytest.mark.parametrize("schedule_name", ["1f1b", "interleaved"])
 def test_pp2_dp1_trains_as_one_process(schedule_name):
-    run_distributed(_parity, 2, schedule_name, 2, "optim_grads_params")
+    _run_parity(2, schedule_name, 2, "optim_grads_params")
 
 
 def test_pp2_hsdp_2x1_trains_as_one_process():
     # a (pp, dp_outer, dp_shard) = (2, 2, 1) mesh: each stage's replicas all-reduced once per step
-    run_distributed(_parity, 4, "1f1b", 2, "optim_grads_params", outer=2)
+    _run_parity(4, "1f1b", 2, "optim_grads_params", outer=2)
 
 
 def test_activation_checkpointing_inside_stages():
     # non-reentrant only: torch's shape inference runs autograd.grad, which reentrant checkpointing refuses
-    run_distributed(_parity, 2, "gpipe", 2, "optim_grads_params", checkpointing="non_reentrant")
+    _run_parity(2, "gpipe", 2, "optim_grads_params", checkpointing="non_reentrant")
 
 
 def _reductions_per_step(strategy):
-    _, _, _, counts = _train_pipeline("1f1b", 2, strategy, 3, collectives=CountingCollectives())
+    _, _, _, counts, _ = _train_pipeline("1f1b", 2, strategy, 3, collectives=CountingCollectives())
     return counts
 
 
@@ -225,7 +247,7 @@ def test_unsupported_schedules_and_bad_arguments_are_refused_early():
 
 
 def _save_pp2_dp2_then_load_at_dp4_and_one_process(path):
-    _, _, saved, _ = _train_pipeline("1f1b", 2, "optim_grads_params", 2, save_to=path)
+    _, _, saved, _, _ = _train_pipeline("1f1b", 2, "optim_grads_params", 2, save_to=path)
     torch.manual_seed(1)  # other initial values: everything compared below comes from the checkpoint
     model = shardwise.fully_shard(PipeLM(CONFIG).to(device()), shardwise.build_dp_mesh(), unit_modules=[Block])
     state = model.state_dict()

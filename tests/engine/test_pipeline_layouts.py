@@ -20,7 +20,7 @@ import shardwise
 from shardwise.pipeline import ShardedPipelineStage
 from tests.helpers.counting import CountingCollectives
 from tests.helpers.distributed import run_distributed
-from tests.helpers.gpt_stages import Pipeline, Reference
+from tests.helpers.gpt_stages import MICRO_BATCHES, Pipeline, Reference
 from tests.helpers.parity import assert_close_states
 
 STEPS = 3
@@ -35,31 +35,41 @@ def _parity(schedule, pp, strategy, outer=0, tp=1, collectives=None):
         assert isinstance(wq, DTensor) and "tp" in names and "pp" not in names, names
         assert wq.placements[names.index("tp")] == Shard(0) and wq.shape == (32, 32), (wq.placements, wq.shape)
     ref = Reference()
-    got, expected = [], []
+    got, expected, own, expected_own = [], [], [], []
     for step in range(STEPS):  # step by step, so the reference fills time a rank waits in collectives
         got.append(pipe.step(step, MAX_NORM))
+        own.append(pipe.own_losses)
+        expected_own.append(ref.micro_losses(step, pipe.rows) if pipe.last else [])
         expected.append(ref.step(step, MAX_NORM))
+    # this rank's own losses, before the all-reduce: its rows of the batch, not just the right mean
+    torch.testing.assert_close(torch.tensor(own, dtype=torch.float64),
+                               torch.tensor(expected_own, dtype=torch.float64), rtol=1e-5, atol=0)
     got, expected = torch.tensor(got, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)  # losses and norms
     assert expected[:, 1].min() > MAX_NORM, expected
     assert_close_states(pipe.full_state(), ref.state(), rtol=1e-5)
-    return got[:, 0].tolist()
+    return sum(len(losses) for losses in own)
+
+
+def _assert_every_last_stage_rank_checked(checked: list[int], pp: int = 2) -> None:
+    """Each rank holding the last stage (dp x tp of them) checked all its micro-batch losses; no other held any."""
+    assert sum(checked) == len(checked) // pp * STEPS * MICRO_BATCHES, checked
 
 
 @pytest.mark.parametrize("schedule,strategy", [("1f1b", "optim_grads_params"), ("interleaved", "optim")])
 def test_pp2_dp1_tp2_trains_as_one_process(schedule, strategy):
-    losses = run_distributed(_parity, 4, schedule, 2, strategy, tp=2)
-    assert all(r == losses[0] for r in losses)
+    _assert_every_last_stage_rank_checked(run_distributed(_parity, 4, schedule, 2, strategy, tp=2))
 
 
 def test_pp2_hsdp_1x2_trains_as_one_process():
     # a (pp, dp_outer, dp_shard) = (2, 1, 2) mesh: each stage HSDP, sharded over dp_shard
-    run_distributed(_parity, 4, "gpipe", 2, "optim_grads_params", outer=1)
+    _assert_every_last_stage_rank_checked(run_distributed(_parity, 4, "gpipe", 2, "optim_grads_params", outer=1))
 
 
 def _zero_bubble(schedule, strategy):
     """Parity, with every backward of a stage that is not the first split in two (the first stage has no input
-    gradient: torch runs its whole backward in the weight step); returns the passes each kind ran."""
+    gradient: torch runs its whole backward in the weight step); returns the passes each kind ran and the
+    number of its own losses this rank checked."""
     passes = Counter()
     whole = ShardedPipelineStage.backward_maybe_with_nosync
 
@@ -69,10 +79,10 @@ def _zero_bubble(schedule, strategy):
 
     ShardedPipelineStage.backward_maybe_with_nosync = counted
     try:
-        _parity(schedule, 2, strategy)
+        checked = _parity(schedule, 2, strategy)
     finally:
         ShardedPipelineStage.backward_maybe_with_nosync = whole
-    return dict(passes)
+    return dict(passes), checked
 
 
 @pytest.mark.parametrize("schedule,strategy,world", [
@@ -82,7 +92,9 @@ def _zero_bubble(schedule, strategy):
 ])
 def test_zero_bubble_schedules_train_as_one_process(schedule, strategy, world):
     split = 3 * 4  # steps x micro-batches: one input and one weight pass each, per stage
-    for rank, passes in enumerate(run_distributed(_zero_bubble, world, schedule, strategy)):
+    results = run_distributed(_zero_bubble, world, schedule, strategy)
+    _assert_every_last_stage_rank_checked([checked for _, checked in results])
+    for rank, (passes, _) in enumerate(results):
         first = rank < world // 2  # pp rank 0 holds stage 0 (and stage 3 or 2)
         assert passes == ({(True, "full"): split, (False, "input"): split, (False, "weight"): split} if first
                           else {(False, "input"): 2 * split, (False, "weight"): 2 * split}), (rank, passes)

@@ -21,7 +21,7 @@ import shardwise
 from shardwise.models import GPT, GPTConfig, TransformerLayer, pipeline_stage
 from shardwise.pipeline import ShardedPipelineStage, build_schedule, pipeline_groups
 from tests.helpers.distributed import device
-from tests.helpers.parity import state_of
+from tests.helpers.parity import micro_batch_losses, state_of
 
 SEQ = 16
 
@@ -103,12 +103,13 @@ class Pipeline:
         self.opts = [torch.optim.AdamW(part.parameters(), lr=LR, weight_decay=WEIGHT_DECAY) for part in self.parts]
         self.first = any(s.is_first for s in self.stages)
         self.last = any(s.is_last for s in self.stages)
+        self.rows = slice(self.dp_rank * GLOBAL_BATCH // dp, (self.dp_rank + 1) * GLOBAL_BATCH // dp)
+        self.own_losses: list[float] = []  # the last step's micro-batch losses on this rank, before any reduction
 
     def step(self, step: int, max_norm: float) -> tuple[float, float]:
         """One step on this rank's rows of global batch ``step``: (mean loss over the batch, grad norm)."""
         dev = device()
-        rows = slice(self.dp_rank * GLOBAL_BATCH // self.dp, (self.dp_rank + 1) * GLOBAL_BATCH // self.dp)
-        tokens, targets = (t[rows].to(dev) for t in gpt_batch(step, GLOBAL_BATCH))
+        tokens, targets = (t[self.rows].to(dev) for t in gpt_batch(step, GLOBAL_BATCH))
         losses = []
         self.schedule.step(*((tokens,) if self.first else ()), target=targets if self.last else None,
                            losses=losses if self.last else None)
@@ -116,6 +117,7 @@ class Pipeline:
         for opt in self.opts:
             opt.step()
             opt.zero_grad()
+        self.own_losses = [loss.item() for loss in losses]
         total = torch.stack(losses).mean().detach() if self.last else torch.zeros((), device=dev)
         dist.all_reduce(total)  # every last-stage rank (dp x tp of them) holds its rows' mean
         return total.item() / (self.dp * self.tp), norm
@@ -145,6 +147,11 @@ class Reference:
         self.opt.step()
         self.opt.zero_grad()
         return loss.item(), norm
+
+    def micro_losses(self, step: int, rows: slice) -> list[float]:
+        """The micro-batch losses of ``rows`` of batch ``step`` by the model as it is now (before ``step``)."""
+        tokens, targets = (t[rows].to(device()) for t in gpt_batch(step, GLOBAL_BATCH))
+        return micro_batch_losses(self.model, lm_loss, tokens, targets, MICRO_BATCHES)
 
     def state(self) -> dict[str, torch.Tensor]:
         return state_of(self.model)

@@ -93,6 +93,15 @@ def train_clipped(model, opt, batches, loss_fn: Callable, max_norm: float) -> tu
     return losses, norms
 
 
+def micro_batch_losses(model, loss_fn: Callable, tokens, targets, micro_batches: int) -> list[float]:
+    """What a pipeline's last stage computes for these rows: ``tokens`` cut into ``micro_batches`` along
+    dim 0 (as torch's schedules cut them), each part's loss by ``model`` as it is now, without gradients.
+    A rank's own losses, checked against these before any reduction, show it trained its own rows."""
+    with torch.no_grad():
+        return [loss_fn(model(x), y).item() for x, y in zip(tokens.tensor_split(micro_batches),
+                                                            targets.tensor_split(micro_batches), strict=True)]
+
+
 def _call(model, *batch):
     return model(*batch)
 

@@ -534,7 +534,7 @@ def migrate(source: str, target: str, path: str, steps: int = 2) -> None:
         final = full_states(model, opt)[0]
         if rank == 0:
             report.equal(f"{target} state after loading", loaded, saved)
-            for i, (a, b) in enumerate(zip(losses, source_losses)):
+            for i, (a, b) in enumerate(zip(losses, source_losses, strict=True)):
                 if not abs(a - b) <= RTOL * abs(b):
                     report.add(f"continued step {steps + i}: {target} loss {a!r}, {source} loss {b!r}")
             report.same_keys("final weights", final, source_final)

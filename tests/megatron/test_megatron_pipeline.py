@@ -42,7 +42,7 @@ from shardwise.megatron.process_groups import ProcessGroupCollection
 from shardwise.megatron.v1 import _check_pipeline_size, _warn_if_tied_across_stages
 
 from tests.helpers.distributed import device, run_distributed
-from tests.helpers.parity import assert_close_states, state_of, train_clipped
+from tests.helpers.parity import assert_close_states, micro_batch_losses, state_of, train_clipped
 from tests.helpers.tiny_model import Block, TinyConfig
 
 CONFIG = TinyConfig(layers=4, reuse_last_block=False)
@@ -210,7 +210,7 @@ def _train_pipeline(strategy: str, virtual: int, tied: bool = False):
         dp_rank, dp = dist.get_rank(pg.dp_cp), dist.get_world_size(pg.dp_cp)
         rows = slice(dp_rank * GLOBAL_BATCH // dp, (dp_rank + 1) * GLOBAL_BATCH // dp)
         holds_last = count - 1 in stages
-        losses, norms = [], []
+        losses, norms, own = [], [], []
         for step in range(STEPS):
             tokens, targets = (t[rows].to(dev) for t in batch(step))
             for chunk in chunks:
@@ -222,6 +222,7 @@ def _train_pipeline(strategy: str, virtual: int, tied: bool = False):
             for chunk in chunks:
                 chunk.start_param_sync()
             opt.zero_grad()
+            own.append([loss.item() * MICRO_BATCHES for loss in micro])  # each micro-batch's mean loss
             total = torch.stack(micro).sum() if holds_last else torch.zeros((), device=dev)
             dist.all_reduce(total)  # the last stage's ranks hold the losses: their mean over data ranks
             losses.append(total.item() / dp)
@@ -230,23 +231,38 @@ def _train_pipeline(strategy: str, virtual: int, tied: bool = False):
             state.update(shardwise.full_state_dict(chunk.sharded_model))
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, state)
-        return losses, norms, {k: v for s in gathered for k, v in s.items()}
+        own = (rows, own) if holds_last else None  # this rank's rows and its losses, before any reduction
+        return losses, norms, {k: v for s in gathered for k, v in s.items()}, own
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def _train_reference(tied: bool = False):
+def _train_reference(tied: bool = False, rows: slice | None = None):
+    """The whole model on the whole batch; with ``rows``, also the micro-batch losses of those rows,
+    by the model as it is before each step (what a last stage holding them must compute)."""
     torch.manual_seed(0)
     model = StageLM(CONFIG, tied).to(device())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
-    batches = ([t.to(device()) for t in batch(step)] for step in range(STEPS))
-    losses, norms = train_clipped(model, opt, batches, lm_loss, MAX_NORM)
-    return losses, norms, state_of(model)
+    own = []
+
+    def batches():  # train_clipped takes the next batch after the previous step
+        for step in range(STEPS):
+            tokens, targets = (t.to(device()) for t in batch(step))
+            if rows is not None:
+                own.append(micro_batch_losses(model, lm_loss, tokens[rows], targets[rows], MICRO_BATCHES))
+            yield tokens, targets
+
+    losses, norms = train_clipped(model, opt, batches(), lm_loss, MAX_NORM)
+    return losses, norms, state_of(model), own
 
 
-def _parity(strategy: str, virtual: int, tied: bool = False):
-    losses, norms, state = _train_pipeline(strategy, virtual, tied)
-    ref_losses, ref_norms, ref_state = _train_reference(tied)
+def _parity(strategy: str, virtual: int, tied: bool = False) -> int:
+    """Parity with one process; returns how many of its own micro-batch losses this rank checked."""
+    losses, norms, state, own = _train_pipeline(strategy, virtual, tied)
+    ref_losses, ref_norms, ref_state, ref_own = _train_reference(tied, own[0] if own else None)
+    if own is not None:  # this rank's own losses, before the all-reduce: its rows, not just the right mean
+        torch.testing.assert_close(torch.tensor(own[1], dtype=torch.float64),
+                                   torch.tensor(ref_own, dtype=torch.float64), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
                                torch.tensor(ref_losses, dtype=torch.float64), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(norms, dtype=torch.float64),
@@ -254,7 +270,7 @@ def _parity(strategy: str, virtual: int, tied: bool = False):
     assert min(ref_norms) > MAX_NORM, ref_norms  # clipping changed every step
     assert losses[-1] < losses[0] - 0.05, losses  # not two untrained models agreeing
     assert_close_states(state, ref_state, rtol=1e-5)
-    return losses
+    return 0 if own is None else sum(len(step) for step in own[1])
 
 
 @pytest.mark.parametrize("strategy,virtual,tied", [
@@ -264,8 +280,9 @@ def _parity(strategy: str, virtual: int, tied: bool = False):
     ("optim", 1, True),  # tied embeddings: warned about; the named fix trains as one process
 ])
 def test_pp2_dp2_chunks_train_as_one_process(strategy, virtual, tied):
-    results = run_distributed(_parity, 4, strategy, virtual, tied)
-    assert all(r == results[0] for r in results)
+    checked = run_distributed(_parity, 4, strategy, virtual, tied)
+    # every rank holding the last stage (the two data ranks of pp rank 1) checked all its micro-batch losses
+    assert sum(checked) == 4 // PP * STEPS * MICRO_BATCHES, checked
 
 
 # ------------------------------------------------------------------ what is refused or said

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 
 import pytest
@@ -15,7 +16,7 @@ from shardwise.megatron import (
     TransformerConfig,
     build_process_groups,
 )
-from shardwise.megatron.v2 import _V2_UNSUPPORTED_FLAGS
+from shardwise.megatron.v2 import _V2_UNSUPPORTED_FLAGS, logger
 from shardwise.models import GPT, GPTConfig
 
 from tests.helpers.distributed import device, run_distributed
@@ -49,11 +50,39 @@ def _rejects(field, **kwargs):
 def test_a_supported_configuration_passes():
     _validate()
     _validate(ddp=_ddp(data_parallel_sharding_strategy="no_shard"))
-    _validate(ddp=_ddp(nccl_ub=True, fsdp_double_buffer=True))  # accepted (and ignored, with a warning)
+    _validate(ddp=_ddp(nccl_ub=True, fsdp_double_buffer=True))  # accepted (the constructor says it ignores them)
     _validate(
         ddp=_ddp(num_distributed_optimizer_instances=2, outer_dp_sharding_strategy="optim"),
         pg=ProcessGroupCollection(dp_cp=GROUP, intra_dp_cp=GROUP, inter_dist_opt=GROUP),
     )
+
+
+class _Said(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _buffer_flags_are_said_to_be_ignored(flags):
+    said = _Said()
+    logger.addHandler(said)
+    try:
+        V2(TransformerConfig(), _ddp(**flags), nn.Linear(2, 2), device=device(), pg_collection=build_process_groups())
+    finally:
+        logger.removeHandler(said)
+    return [m for m in said.messages if "accepted and ignored" in m]
+
+
+def test_nccl_ub_and_fsdp_double_buffer_are_accepted_and_said_to_be_ignored():
+    both, neither = run_distributed(_buffer_flags_are_said_to_be_ignored, 2, dict(nccl_ub=True,
+                                                                                   fsdp_double_buffer=True))
+    expected = [f"{field}=True is accepted and ignored: buffers come from PyTorch's allocator"
+                for field in ("nccl_ub", "fsdp_double_buffer")]
+    assert both == neither == expected  # each flag once, on every rank
+    assert run_distributed(_buffer_flags_are_said_to_be_ignored, 2, {}) == [[], []]  # unset: nothing said
 
 
 def test_disable_bucketing():

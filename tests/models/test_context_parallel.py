@@ -116,7 +116,7 @@ def _gpt_loss_is_the_whole_sequence_token_mean(recompute: bool):
     loss.backward()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
     # each CP rank's gradients are cp times its share: their mean over the CP ranks is the one loss's gradient
-    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
         grad = p.grad.clone()
         dist.all_reduce(grad)
         torch.testing.assert_close(grad / cp, ref.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")

@@ -76,8 +76,10 @@ def test_meta_init_matches_direct_build():
     for module in lazy.modules():
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
-    for (name, a), (_, b) in zip(direct.state_dict().items(), lazy.state_dict().items()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    direct_state, lazy_state = direct.state_dict(), lazy.state_dict()
+    assert list(direct_state) == list(lazy_state)  # the same keys, in the same order
+    for name, value in direct_state.items():
+        torch.testing.assert_close(value, lazy_state[name], rtol=0, atol=0, msg=name)
     torch.testing.assert_close(direct.rope_cos, lazy.rope_cos)
     torch.manual_seed(1234)
     init_weights(lazy)  # the helper does the same loop

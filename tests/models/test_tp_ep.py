@@ -51,7 +51,7 @@ def _tp_linears():
             mods.append(mod)
         torch.testing.assert_close(outs[1][0], outs[0][0])
         torch.testing.assert_close(outs[1][1], outs[0][1])  # input grads (copy-to-TP all-reduce)
-        for (name, p_tp), p_full in zip(mods[1].named_parameters(), mods[0].parameters()):
+        for (name, p_tp), p_full in zip(mods[1].named_parameters(), mods[0].parameters(), strict=True):
             _assert_sharded_grad(p_tp, p_full, rank, name)
     row = mods[1][1]
     assert row.weight.partition_dim == 1 and row.weight.tensor_model_parallel
