@@ -106,29 +106,36 @@ def _layer_saved(kind: str, cfg: GPTConfig, t: int, c: int) -> tuple[int, int]:
     return _norm(t, d, c) + c * t * d + c * t * proj + conv + scan + 6 * c * t * inner, inner
 
 
-def _context_parallel_attention(cfg: GPTConfig, seq_len: int, micro_batch: int, cp: int, c: int) -> int:
-    """What one attention layer saves beyond its own tokens' under context parallelism: the keys and values
-    of the whole sequences (gathered, in place of this rank's), and the causal mask of this rank's queries
-    against every key (SDPA keeps it converted to the compute dtype)."""
+def _context_parallel_attention(cfg: GPTConfig, seq_len: int, micro_batch: int, cp: int, c: int,
+                                materialized_mask: bool = False) -> int:
+    """What one attention layer saves beyond its own tokens' under context parallelism
+    (``models.context_parallel.attend_gathered``): each of a rank's two query chunks (``L = seq / 2cp`` tokens)
+    saves the keys and values of the chunks up to its own, ``2 cp + 1`` chunks of every sequence in all, in place
+    of its own two. Flash and memory-efficient SDPA (CUDA) take the lower-right causal mask as a flag; where
+    ``materialized_mask`` (the CPU path) SDPA builds and keeps it, ``[L, keys seen]`` per chunk in the compute
+    dtype, at most ``(2 cp + 1) L^2`` per rank (ranks other than 0)."""
     if cp == 1:
         return 0
     kv = cfg.n_kv_heads * cfg.head_dim
-    tokens = seq_len * micro_batch
-    return c * (tokens - tokens // cp) * 2 * kv + c * (seq_len // cp) * seq_len
+    chunk = seq_len // (2 * cp)
+    kv_bytes = c * micro_batch * (2 * cp - 1) * chunk * 2 * kv
+    return kv_bytes + (c * (2 * cp + 1) * chunk * chunk if materialized_mask else 0)
 
 
 def activation_bytes(config: GPTConfig, seq_len: int, micro_batch: int, *, checkpointing: bool | None = None,
-                     compute_dtype: torch.dtype | None = torch.bfloat16, cp: int = 1) -> Activations:
+                     compute_dtype: torch.dtype | None = torch.bfloat16, cp: int = 1,
+                     materialized_mask: bool = False) -> Activations:
     """Activation bytes of :class:`shardwise.models.GPT` for one micro-batch (no tensor parallelism, dropout 0).
 
     checkpointing: ``None`` takes ``config.activation_checkpointing``. compute_dtype ``None`` is fp32.
     cp: context-parallel ranks sharing each sequence: a rank holds ``seq_len / cp`` tokens of each, and
-    its attention layers the whole sequences' keys and values besides.
+    its attention layers the keys and values its query chunks see besides (``materialized_mask``: and the
+    causal masks, as on the CPU; see :func:`_context_parallel_attention`).
     """
     c = torch.empty((), dtype=compute_dtype or torch.float32).element_size()
     ckpt = config.activation_checkpointing if checkpointing is None else checkpointing
     t, d, v = seq_len * micro_batch // cp, config.dim, config.vocab_size
-    gathered = _context_parallel_attention(config, seq_len, micro_batch, cp, c)
+    gathered = _context_parallel_attention(config, seq_len, micro_batch, cp, c, materialized_mask)
     saved, kept, working = [], [], []
     for kind in config.layer_kinds:
         layer, hidden = _layer_saved(kind, config, t, c)
