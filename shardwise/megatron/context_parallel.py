@@ -47,9 +47,9 @@ def _declared_cp(module: nn.Module) -> tuple[list[list[int]], list[int]]:
         config = getattr(sub, "config", None)
         if config is None:
             continue
-        if hasattr(config, "cp_group"):  # shardwise's GPTConfig
-            group = config.cp_group
-            groups.append(group_ranks(group) if group is not None else [dist.get_rank()])
+        if hasattr(config, "cp_group"):  # shardwise's GPTConfig (None: attention over the rank's own tokens)
+            if config.cp_group is not None:
+                groups.append(group_ranks(config.cp_group))
         elif type(sub).__module__.startswith("megatron.core") and hasattr(config, "context_parallel_size"):
             sizes.append(int(config.context_parallel_size))
     return groups, sizes

@@ -8,7 +8,8 @@ data rank's rows. Every rank also trains the unsplit GPT on the whole global bat
 losses (fp32, rtol 1e-5) and every full tensor must agree (``tests.helpers.parity``). Some targets are
 ignored (-100), so the CP ranks of a data rank count different tokens and a mean of per-rank means
 would be off: the losses must be whole-sequence token means (the GPT's) or per-token sums
-(``calculate_per_token_loss``).
+(``calculate_per_token_loss``). (Every data rank counts the same tokens: a mean over data ranks is
+what the wrappers' gradient average is, with or without CP.)
 """
 
 from __future__ import annotations
@@ -51,14 +52,14 @@ def _seeded(config: GPTConfig):
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Arithmetic progressions mod VOCAB; a few targets ignored, more of them late in the rows (so the
-    zig-zag halves of a row count different tokens)."""
+    """Arithmetic progressions mod VOCAB; two targets of every row ignored, both in its last chunk (of
+    ``2 cp``), so every data rank counts the same tokens but CP rank 0 (chunks 0 and 3) fewer than rank 1."""
     g = torch.Generator().manual_seed(800 + step)
     start = torch.randint(0, VOCAB, (GLOBAL_BATCH, 1), generator=g)
     stride = torch.randint(1, 4, (GLOBAL_BATCH, 1), generator=g)
     data = (start + stride * torch.arange(SEQ + 1)) % VOCAB
     targets = data[:, 1:].clone()
-    targets[:, SEQ // 2:][torch.rand(GLOBAL_BATCH, SEQ // 2, generator=g) < 0.4] = -100
+    targets[:, [SEQ - 3, SEQ - 1]] = -100
     return data[:, :-1], targets
 
 
@@ -77,10 +78,11 @@ def _reference_loss(model, tokens, targets):
     return model(tokens, targets)
 
 
-def _adamw(model):
-    # lr 1e-3 as tests/megatron/test_megatron_tp_ep.py: CP sums K/V gradients and token losses in another
-    # order than one process, and Adam divides each element by its own scale
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
+def _sgd(model):
+    # SGD, not Adam, as tests/engine/test_context_parallel_fsdp.py: CP sums K/V gradients and token losses in
+    # another order than one process, and Adam divides each element by its own scale, turning fp32 rounding on
+    # a near-zero gradient element into a whole step; with SGD the weights move by the gradients themselves
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
 
 
 def _check_sharding(wrapped, pg, tp: int) -> None:
@@ -106,12 +108,12 @@ def _train_case(pg, version: int, strategy: str, tp: int) -> None:
 
     cp_model = _gpt_config(cp_group=pg.cp, tp_group=pg.tp if tp > 1 else None)
     sharded, reference = train_both(
-        _seeded(cp_model), wrap, _adamw, _batch, STEPS, loss=_cp_loss, data_rank=dist.get_rank(pg.dp),
+        _seeded(cp_model), wrap, _sgd, _batch, STEPS, loss=_cp_loss, data_rank=dist.get_rank(pg.dp),
         data_ranks=dist.get_world_size(pg.dp), hooks=megatron_hooks(), loss_group=pg.dp_cp,
         full_state=lambda wrapped: shardwise.full_state_dict(wrapped.module), reference=_seeded(_gpt_config()),
         reference_backward=lambda model, *rows: _backward(_reference_loss(model, *rows)),
     )
-    compare(sharded, reference, trained_by=0.05)
+    compare(sharded, reference, trained_by=0.1)
 
 
 def _backward(loss):
