@@ -107,41 +107,38 @@ def _layer_saved(kind: str, cfg: GPTConfig, t: int, c: int) -> tuple[int, int]:
 
 
 def _context_parallel_attention(cfg: GPTConfig, seq_len: int, micro_batch: int, cp: int, c: int,
-                                device_type: str) -> int:
-    """What one attention layer saves beyond its own tokens' under context parallelism, on the rank that
-    saves most (:func:`shardwise.models.context_parallel.attend_gathered`).
-
-    Each of a rank's two query chunks keeps the keys and values it attends to: chunks ``0..r`` and
-    ``0..2cp-1-r`` of every sequence, ``2cp + 1`` chunks in all on every rank (in place of its own two);
-    the two chunk outputs and their concatenation (one output more than without CP). Where the kernel
-    cannot take the lower-right causal mask as a flag (the CPU), SDPA builds it, in the compute dtype:
-    ``chunk x (r + 1) chunks`` (none for chunk 0) and ``chunk x (2cp - r) chunks``, at most ``2cp + 1``
-    chunk-squares, on ranks ``r >= 1``.
-    """
+                                materialized_mask: bool = False) -> int:
+    """What one attention layer saves beyond its own tokens' under context parallelism
+    (``models.context_parallel.attend_gathered``): each of a rank's two query chunks (``L = seq / 2cp`` tokens)
+    saves the keys and values of the chunks up to its own, ``2 cp + 1`` chunks of every sequence in all, in place
+    of its own two; the attention output is kept twice (per chunk by SDPA, concatenated by ``wo``). Flash and
+    memory-efficient SDPA (CUDA) take the lower-right causal mask as a flag; where
+    ``materialized_mask`` (the CPU path) SDPA builds and keeps it, ``[L, keys seen]`` per chunk in the compute
+    dtype, at most ``(2 cp + 1) L^2`` per rank (ranks other than 0)."""
     if cp == 1:
         return 0
     kv = cfg.n_kv_heads * cfg.head_dim
     chunk = seq_len // (2 * cp)
-    own = seq_len * micro_batch // cp
-    seen = micro_batch * chunk * (2 * cp + 1)
-    mask = c * chunk * chunk * (2 * cp + 1) if device_type == "cpu" else 0
-    return c * (seen - own) * 2 * kv + c * own * cfg.n_heads * cfg.head_dim + mask
+    kv_bytes = c * micro_batch * (2 * cp - 1) * chunk * 2 * kv
+    # the attention output twice: each chunk's SDPA keeps its own, ``wo`` the concatenated copy
+    output = c * micro_batch * 2 * chunk * cfg.n_heads * cfg.head_dim
+    return kv_bytes + output + (c * (2 * cp + 1) * chunk * chunk if materialized_mask else 0)
 
 
 def activation_bytes(config: GPTConfig, seq_len: int, micro_batch: int, *, checkpointing: bool | None = None,
                      compute_dtype: torch.dtype | None = torch.bfloat16, cp: int = 1,
-                     device_type: str = "cuda") -> Activations:
+                     materialized_mask: bool = False) -> Activations:
     """Activation bytes of :class:`shardwise.models.GPT` for one micro-batch (no tensor parallelism, dropout 0).
 
     checkpointing: ``None`` takes ``config.activation_checkpointing``. compute_dtype ``None`` is fp32.
     cp: context-parallel ranks sharing each sequence: a rank holds ``seq_len / cp`` tokens of each, and
-    its attention layers the keys and values its queries see besides; ``device_type`` says whether
-    SDPA builds the causal mask of the split chunks (``"cpu"``) or takes it as a flag (flash, ``"cuda"``).
+    its attention layers the keys and values its query chunks see besides (``materialized_mask``: and the
+    causal masks, as on the CPU; see :func:`_context_parallel_attention`).
     """
     c = torch.empty((), dtype=compute_dtype or torch.float32).element_size()
     ckpt = config.activation_checkpointing if checkpointing is None else checkpointing
     t, d, v = seq_len * micro_batch // cp, config.dim, config.vocab_size
-    gathered = _context_parallel_attention(config, seq_len, micro_batch, cp, c, device_type)
+    gathered = _context_parallel_attention(config, seq_len, micro_batch, cp, c, materialized_mask)
     saved, kept, working = [], [], []
     for kind in config.layer_kinds:
         layer, hidden = _layer_saved(kind, config, t, c)
@@ -209,7 +206,7 @@ def estimate_for_run(
     ranks_per_host: int | None = None,
     build_on_device: bool = False,
     cp: int = 1,
-    device_type: str = "cuda",
+    materialized_mask: bool = False,
 ) -> MemoryEstimate:
     """Peak bytes per GPU and per host of training ``config`` with AdamW (fp32 main weights and gradients).
 
@@ -222,8 +219,8 @@ def estimate_for_run(
     ``ranks_per_host`` defaults to ``world`` (one host). build_on_device: the whole fp32 model is built on
     each GPU before ``fully_shard`` (``--no-meta-init``; the benchmark), a moment of its own.
     cp: context parallelism (``--cp``): activations per rank of ``seq_len / cp`` tokens of each sequence
-    (:func:`activation_bytes`, which reads ``device_type``); the buffers are sharded over all ``world``
-    ranks as without it.
+    (:func:`activation_bytes`; ``materialized_mask``: the CPU's SDPA builds the causal masks); the buffers
+    are sharded over all ``world`` ranks as without it.
     """
     if precision not in _DTYPES:
         raise ValueError(f"precision={precision!r} must be one of {sorted(_DTYPES)}")
@@ -235,10 +232,10 @@ def estimate_for_run(
                   offload_fraction=offload_fraction, outer=outer, outer_strategy=outer_strategy, precision=precision,
                   activation_checkpointing=activation_checkpointing, vocab_units=vocab_units, grad_accum=grad_accum,
                   optimizer=optimizer, backward_optimizer=backward_optimizer, ranks_per_host=ranks_per_host,
-                  build_on_device=build_on_device, cp=cp, device_type=device_type)
+                  build_on_device=build_on_device, cp=cp, materialized_mask=materialized_mask)
     param_dtype = _DTYPES[precision]
     acts = activation_bytes(config, seq_len, micro_batch, checkpointing=activation_checkpointing,
-                            compute_dtype=param_dtype, cp=cp, device_type=device_type)
+                            compute_dtype=param_dtype, cp=cp, materialized_mask=materialized_mask)
     kw = dict(world=world, strategy=strategy, outer=outer, outer_strategy=outer_strategy, param_dtype=param_dtype)
     on, off = BufferSizes(**kw), BufferSizes(**kw, offload=True)
     units, sizes = gpt_units(config, vocab_units)

@@ -126,7 +126,7 @@ def _run_estimate(cfg: TrainConfig, model_cfg: GPTConfig, world: int, device_typ
         outer_strategy=cfg.outer_strategy or "no_shard", precision=cfg.precision, vocab_units=False,
         grad_accum=cfg.grad_accum, optimizer="fused" if _fused(cfg, device_type) else "default",
         build_on_device=not cfg.meta_init, ranks_per_host=ranks_per_host, cp=cfg.cp,
-        device_type=device_type)
+        materialized_mask=device_type == "cpu")
 
 
 def check_host_memory(cfg: TrainConfig, model_cfg: GPTConfig, world: int, ranks_per_host: int) -> None:

@@ -39,6 +39,7 @@ from .base import (
     logger,
 )
 from .config import DistributedDataParallelConfig, TransformerConfig, as_ddp_config, as_transformer_config
+from .context_parallel import check_context_parallel
 from .meshes import (
     _build_dense_mesh,
     _build_expert_mesh_and_placements,
@@ -297,6 +298,7 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
                 expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
                 num_distributed_optimizer_instances=ddp.num_distributed_optimizer_instances,
             )
+        check_context_parallel("FullyShardedDataParallelV1", cfg.context_parallel_size, pg_collection, self.module)
         tp_group = getattr(pg_collection, "tp", None)
         if tp_group is None:  # this rank alone (the default layout's TP groups, created by every rank)
             tp_group = build_process_groups().tp

@@ -24,6 +24,7 @@ from .base import (
     logger,
 )
 from .config import DistributedDataParallelConfig, TransformerConfig, as_ddp_config, as_transformer_config
+from .context_parallel import check_context_parallel
 from .meshes import _build_dense_mesh, _build_expert_mesh_and_placements, _check_model_groups
 from .parallelism import annotate_tensor_parallelism, mark_tensor_parallel
 from .process_groups import ProcessGroupCollection, group_size
@@ -151,17 +152,14 @@ class FullyShardedDataParallelV2(_ShardedDataParallel):
             raise _reject("disable_bucketing", disable_bucketing, "V2 forms its own parameter groups; leave it False")
         if pg_collection is None or getattr(pg_collection, "dp_cp", None) is None:
             raise ValueError("FullyShardedDataParallelV2 needs pg_collection.dp_cp, the data-parallel process group")
-        for field in ("pipeline_model_parallel_size", "context_parallel_size"):
-            value = getattr(cfg, field)
-            if value != 1:
-                raise _reject(field, value, "composing FSDP with pipeline or context parallelism is not built yet")
-        for name in ("pp", "cp"):
-            size = group_size(getattr(pg_collection, name, None))
-            if size != 1:
-                raise ValueError(
-                    f"FullyShardedDataParallelV2 needs pg_collection.{name} of size 1, got {size}: "
-                    "composing FSDP with pipeline or context parallelism is not built yet"
-                )
+        if cfg.pipeline_model_parallel_size != 1:
+            raise _reject("pipeline_model_parallel_size", cfg.pipeline_model_parallel_size,
+                          "composing FSDP with pipeline parallelism is not built yet")
+        size = group_size(getattr(pg_collection, "pp", None))
+        if size != 1:
+            raise ValueError(f"FullyShardedDataParallelV2 needs pg_collection.pp of size 1, got {size}: "
+                             "composing FSDP with pipeline parallelism is not built yet")
+        check_context_parallel("FullyShardedDataParallelV2", cfg.context_parallel_size, pg_collection, module)
         sizes = _model_parallel_sizes(cfg, pg_collection)
         unbuilt = _unbuilt_model_parallelism(sizes, module)
         if unbuilt is not None:

@@ -425,8 +425,11 @@ def _units_configs_and_duck_typing():
     assert index.mesh is wrapped.sharded_state.plan.mesh and index.expert_mesh is None
     assert index.dp_tp_ranks.tolist() == [[[0]], [[1]]]  # (outer, inner, tp)
     assert dist.get_world_size(wrapped.tp_group) == 1
-    # V1 meshes the dp_cp group: with context parallel size 2 on 2 ranks, both ranks
-    cp = FullyShardedDataParallelV1(TransformerConfig(context_parallel_size=2), ddp_config(1), GPT(gpt_config()), device=device())
+    # V1 meshes the dp_cp group: with context parallel size 2 on 2 ranks, both ranks (the model's attention
+    # split over the same ranks; tests/megatron/test_megatron_context_parallel.py trains it)
+    cp_group = build_process_groups(context_parallel_size=2).cp
+    cp = FullyShardedDataParallelV1(TransformerConfig(context_parallel_size=2), ddp_config(1),
+                                    GPT(gpt_config(cp_group=cp_group, layer_pattern="A")), device=device())
     assert cp.sharded_state.plan.dp_size == 2
 
 

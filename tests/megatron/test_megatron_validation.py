@@ -99,9 +99,14 @@ def test_missing_pg_collection_in_the_constructor():
         V2(TransformerConfig(), _ddp(), nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("field", ["pipeline_model_parallel_size", "context_parallel_size"])
-def test_pipeline_and_context_parallel_sizes_not_composed_yet(field):
-    _rejects(field, config=TransformerConfig(**{field: 2}))
+def test_pipeline_parallel_size_not_composed_yet():
+    _rejects("pipeline_model_parallel_size", config=TransformerConfig(pipeline_model_parallel_size=2))
+
+
+def test_context_parallel_needs_its_cp_group():
+    # CP itself is composed (tests/megatron/test_megatron_context_parallel.py); the collection must hold a cp group
+    _rejects("context_parallel_size=2 needs pg_collection.cp with 2 ranks, got missing",
+             config=TransformerConfig(context_parallel_size=2))
 
 
 def test_tensor_parallel_needs_its_tp_group():

@@ -8,6 +8,7 @@
     shardwise bench --sizes 0.9b --wrappers shardwise,none --compile --cuda-graphs on,off   # one GPU
     torchrun --nproc-per-node 2 -m shardwise bench --sizes 8b --steps 8b=6
     shardwise bench --device cpu --nproc 2 --pp 2 --pp-schedule 1f1b   # a pipeline of shardwise stages
+    shardwise bench --device cpu --nproc 4 --cp 2 --seq-len 256        # each sequence over 2 ranks (CP)
 
 Started directly it spawns ``--nproc`` local workers (default: one per GPU, or 2
 on CPU); under ``torchrun`` it is the worker. Each size is trained under every
@@ -18,7 +19,9 @@ charts) under ``--out``; the JSON and table are rewritten after every run, so a
 job cut short still leaves what it measured. See :mod:`shardwise.app.bench.runner`
 for exactly what is measured. With ``--pp N`` it trains an ``N``-stage pipeline
 of shardwise stages instead (:mod:`shardwise.app.bench.pipeline`), writing
-``bench_pp.json``.
+``bench_pp.json``. With ``--cp N`` it trains shardwise with each sequence split
+over ``N`` ranks (:mod:`shardwise.app.bench.context_parallel`), writing
+``bench_cp.json``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from .fp8 import FP8_MODES
 from .graphs import GRAPH_MODES
 from .pipeline import MULTI_STAGE_SCHEDULES, format_pipeline_run, run_pipeline_benchmark
 from ...pipeline_order import PIPELINE_SCHEDULES
+from .context_parallel import check_options as check_context_parallel_options
+from .context_parallel import format_context_parallel_run, run_context_parallel_benchmark
 from .runner import COMPILE_MODES, GRAD_COMM_DTYPES, BenchOptions, run_benchmark
 from .sizes import SIZES
 from .wrappers import CLIP_MODES, DEFAULT_ORDER, WRAPPERS, wrapper_version
@@ -113,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp-virtual", type=int, default=0,
                    help="stages per rank (0 = 2 for interleaved and looped_bfs, else 1)")
     p.add_argument("--pp-microbatches", type=int, default=0, help="micro-batches per step (0 = 2 x --pp)")
+    p.add_argument("--cp", type=int, default=0,
+                   help="context parallelism: train shardwise with each sequence split over this many ranks "
+                        "(--nproc divisible by it, the sequence length by 2 x it) and report tokens/s and the "
+                        "activation estimate against the measurement, instead of the wrappers (0 = off)")
     p.add_argument("--save-traces", action="store_true",
                    help="also write rank 0's chrome trace of the profiled steps to OUT/traces/")
     return p
@@ -208,7 +217,11 @@ def parse_options(argv) -> tuple[BenchOptions, argparse.Namespace]:
         compile=args.compile, compile_backend=args.compile_backend, offload=args.offload,
         grad_comm_dtype=args.grad_comm_dtype, max_grad_norm=args.max_grad_norm, clip_mode=args.clip_mode,
         fp8=tuple(fp8), pp=args.pp, pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual,
-        pp_microbatches=args.pp_microbatches, cuda_graphs=tuple(GRAPH_MODES[m] for m in graphs))
+        pp_microbatches=args.pp_microbatches, cuda_graphs=tuple(GRAPH_MODES[m] for m in graphs),
+        cp=args.cp)
+    why = check_context_parallel_options(opts, wrappers_given=any(a.startswith("--wrappers") for a in argv or []))
+    if why:
+        raise UsageError(why)
     return opts, args
 
 
@@ -254,6 +267,7 @@ def worker(opts: BenchOptions, out: str, command: str = "") -> list[dict]:
         finished: list[dict] = []
         if rank == 0:
             what = (f"a {opts.pp}-stage {opts.pp_schedule} pipeline of shardwise stages" if opts.pp
+                    else f"shardwise with each sequence over {opts.cp} ranks" if opts.cp > 1
                     else f"wrappers {','.join(opts.wrappers)}")
             print(f"shardwise bench: sizes {','.join(opts.sizes)}, {what}, "
                   f"{meta['world_size']} x {meta['device_name']}, torch {meta['torch']}"
@@ -266,6 +280,8 @@ def worker(opts: BenchOptions, out: str, command: str = "") -> list[dict]:
 
         if opts.pp:
             return _pipeline_worker(opts, out, meta)
+        if opts.cp > 1:
+            return _context_parallel_worker(opts, out, meta)
         runs = run_benchmark(opts, on_result)
         if rank == 0:
             table = write_reports(out, meta, runs, png=True)
@@ -291,6 +307,18 @@ def _pipeline_worker(opts: BenchOptions, out: str, meta: dict) -> list[dict]:
     return runs
 
 
+def _context_parallel_worker(opts: BenchOptions, out: str, meta: dict) -> list[dict]:
+    """``--cp``: the CP runs, printed as they end; rank 0 writes ``bench_cp.json``."""
+    import json
+
+    runs = run_context_parallel_benchmark(opts, lambda run: print(format_context_parallel_run(run), flush=True))
+    if dist.get_rank() == 0:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "bench_cp.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1, default=str))
+        print(f"wrote {out}/bench_cp.json", flush=True)
+    return runs
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = "shardwise bench " + shlex.join(argv)
@@ -305,6 +333,8 @@ def main(argv=None) -> int:
                 raise UsageError(f"--nproc {world}: more processes than GPUs ({torch.cuda.device_count()})")
         if opts.pp and world % opts.pp:
             raise UsageError(f"--pp {opts.pp}: must divide the number of processes, {world}")
+        if opts.cp > 1 and world % opts.cp:
+            raise UsageError(f"--cp {opts.cp}: must divide the number of processes, {world}")
         if world < 2:
             print("shardwise bench: warning: one process measures no communication", file=sys.stderr)
     except UsageError as e:

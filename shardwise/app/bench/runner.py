@@ -91,6 +91,7 @@ class BenchOptions:
     pp_virtual: int = 0  # stages per rank (0: 2 for interleaved and looped_bfs, else 1)
     pp_microbatches: int = 0  # micro-batches per step (0: 2 x pp)
     cuda_graphs: Sequence[bool] = (False,)  # eager and/or each step a replayed CUDA graph (bench/graphs.py)
+    cp: int = 0  # > 1: shardwise with each sequence split over this many ranks (bench/context_parallel.py)
 
     def compile_kwargs(self) -> dict:
         """What every wrapper passes to torch.compile: whole layers, static shapes (as torchtitan)."""
