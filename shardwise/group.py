@@ -110,6 +110,9 @@ class ParamGroup:
         # dtype when the two differ, as Megatron-FSDP casts), or ``.decoupled_grad`` in their own
         # dtype, uncast, where Megatron's precision-aware optimizer reads them.
         self.grad_attr = "grad"
+        # Attributes of the compute parameters that alias their ``.grad`` (Megatron's fused wgrad
+        # kernels keep ``.main_grad``): dropped with it, so no full gradient outlives its reduction.
+        self.grad_aliases: tuple[str, ...] = ()
         self.comm_dtype = policy.comm_dtype
         # Offloaded: main weights (so the optimizer state) and the finished grads live on the host.
         self.offloaded = offload
@@ -355,6 +358,8 @@ class ParamGroup:
         for param in self.unsharded_params:
             grads.append(param.grad)
             param.grad = None
+            for alias in self.grad_aliases:
+                setattr(param, alias, None)
         flat.load(grads)
         return flat
 
@@ -437,6 +442,8 @@ class ParamGroup:
                 setattr(param, self.grad_attr, None)
         for param in self.unsharded_params:
             param.grad = None
+            for alias in self.grad_aliases:
+                setattr(param, alias, None)
         self._grad_acc = None
         self._main_grad = None
         self.grad_state = GradState.IDLE
