@@ -136,7 +136,8 @@ OPTIONS: tuple[Option, ...] = (
                        "0.19's Megatron-FSDP does not read it and neither does shardwise for a 0.19 config")),
     Option(DDP, "megatron_fsdp_use_decoupled_grad", "--use-precision-aware-optimizer", implemented(
         "the main grads go to param.decoupled_grad in their own dtype (uncast), where Megatron's "
-        "precision-aware optimizer reads them; .grad stays None"), releases="0.19"),
+        "precision-aware optimizer reads them; .grad stays None (0.16: the flag does not reach the DDP config, "
+        "and 0.16's Megatron-FSDP does not set decoupled_grad either)"), releases="0.19"),
     Option(DDP, "check_for_nan_in_grad", "on by default; --no-check-for-nan-in-loss-and-grad", implemented(
         "finish_grad_sync() raises RuntimeError naming the parameters when a reduced gradient holds NaN/Inf "
         "(every rank of the chunk raises)")),
@@ -201,8 +202,6 @@ OPTIONS: tuple[Option, ...] = (
     # ------------------------------------------------ TransformerConfig
     Option(TC, "bf16", "--bf16", implemented("the compute weights are bf16")),
     Option(TC, "fp16", "--fp16", implemented("the compute weights are fp16")),
-    Option(TC, "params_dtype", "--bf16 / --fp16", ignored(
-        "the dtype Megatron builds the model in; the wrapper takes the model as built")),
     Option(TC, "tensor_model_parallel_size", "--tensor-model-parallel-size", implemented(
         "a dp x tp mesh; must match pg_collection.tp")),
     Option(TC, "sequence_parallel", "--sequence-parallel", implemented(
@@ -246,7 +245,6 @@ OPTIONS: tuple[Option, ...] = (
     Option(TC, "fp8", "--fp8-format", refused(
         "Transformer Engine fp8 layers have not run under shardwise (not built or tested yet)",
         "drop --fp8-format (shardwise's own fp8: shardwise.fp8 with torchao)"), when=NOT_NONE),
-    Option(TC, "fp8_recipe", "--fp8-recipe", ignored("only read with fp8, which is refused")),
     Option(TC, "fp8_param", "--fp8-param-gather", refused(
         "fp8 parameters are not built", "drop --fp8-param-gather")),
     Option(TC, "fp4", "--fp4-format", refused("fp4 compute is not built", "drop --fp4-format"), when=NOT_NONE),
@@ -340,7 +338,9 @@ def render_markdown() -> str:
                 continue
             v2 = "as V1" if row.v2 is None else _cell(row.v2)
             flags = row.flags.replace("|", "\\|") or "-"
-            lines.append(f"| `{row.name}` | {flags} | {row.releases} | {row.when.text} | {_cell(row.v1)} | {v2} |")
+            verdicts = {row.handling(face).verdict for face in (V1, V2)}
+            when = "-" if verdicts == {Verdict.IMPLEMENTED} else row.when.text
+            lines.append(f"| `{row.name}` | {flags} | {row.releases} | {when} | {_cell(row.v1)} | {v2} |")
         lines.append("")
     return "\n".join(lines)
 
