@@ -276,12 +276,18 @@ def _train_mixed(face: str, main_grads: torch.dtype) -> tuple[Trained, Trained]:
         torch.manual_seed(0)
         return TinyLM(TinyConfig())
 
-    return train_both(
+    sharded, reference = train_both(
         build, lambda m: _wrap(face, TransformerConfig(), ddp, m, pg),
         lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), lambda step: batch(step, 8, TinyConfig()),
         4, hooks=megatron_hooks(), full_state=lambda w: shardwise.full_state_dict(w.module),
         reference_backward=_rounded_reference_backward(world, main_grads),
     )
+    return _sendable(sharded), _sendable(reference)
+
+
+def _sendable(run: Trained) -> Trained:
+    """What a worker sends back: the losses and the full state (a sharded model does not pickle)."""
+    return Trained(run.losses, run.state, None, None)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -313,7 +319,7 @@ def _bf16_main_weights_with_fp32_grads():
         reference_backward=reference_backward,
     )
     main = {g.main_dtype for g in sharded_state(sharded.model.module).groups}
-    return sharded, reference, main
+    return _sendable(sharded), _sendable(reference), main
 
 
 @pytest.mark.parametrize("world", [1, 2])
