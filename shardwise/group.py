@@ -110,6 +110,13 @@ class ParamGroup:
         self.compute_dtype = policy.compute_dtype(first.dtype)
         self.main_dtype = policy.main_params_dtype
         self.main_grad_dtype = policy.main_grads_dtype
+        # Where install_grads hands the main grads out: ``.grad`` (a copy cast to the main weights'
+        # dtype when the two differ, as Megatron-FSDP casts), or ``.decoupled_grad`` in their own
+        # dtype, uncast, where Megatron's precision-aware optimizer reads them.
+        self.grad_attr = "grad"
+        # Attributes of the compute parameters that alias their ``.grad`` (Megatron's fused wgrad
+        # kernels keep ``.main_grad``): dropped with it, so no full gradient outlives its reduction.
+        self.grad_aliases: tuple[str, ...] = ()
         self.comm_dtype = policy.comm_dtype
         # Offloaded: main weights (so the optimizer state) and the finished grads live on the host.
         self.offloaded = offload
@@ -330,7 +337,7 @@ class ParamGroup:
             raise RuntimeError(f"group {self.name}: a new accumulation window opened before the last one's "
                                "gradients were installed; please report it with the model")
         m = self.opt_level
-        cleared = [p.grad is None for p in self.sharded_params]
+        cleared = [getattr(p, self.grad_attr, None) is None for p in self.sharded_params]
         existing = self._main_grad_ref() if self._main_grad_ref is not None else None
         if self.offloaded:  # the host grads the user kept are added to at install time
             self._host_kept = None if all(cleared) or existing is None else (existing, cleared)
@@ -369,6 +376,8 @@ class ParamGroup:
         for param in self.unsharded_params:
             grads.append(param.grad)
             param.grad = None
+            for alias in self.grad_aliases:
+                setattr(param, alias, None)
         flat.load(grads)
         return flat
 
@@ -447,8 +456,12 @@ class ParamGroup:
         """Drop installed grads and any accumulation still open (the next backward overwrites)."""
         for param in self.sharded_params:
             param.grad = None
+            if self.grad_attr != "grad":
+                setattr(param, self.grad_attr, None)
         for param in self.unsharded_params:
             param.grad = None
+            for alias in self.grad_aliases:
+                setattr(param, alias, None)
         self._grad_acc = None
         self._main_grad = None
         self.grad_state = GradState.IDLE
@@ -465,12 +478,12 @@ class ParamGroup:
         if self.offloaded:
             self._install_host_grads()
             return
-        flat = self._main_grad.flat
-        if all(p.grad is not None and p.grad._local_tensor._base is flat for p in self.sharded_params):
+        flat, attr = self._main_grad.flat, self.grad_attr
+        if all(getattr(p, attr, None) is not None and getattr(p, attr)._local_tensor._base is flat
+               for p in self.sharded_params):
             pass  # accumulated onto the grads already installed
         else:
-            for param, grad in zip(self.sharded_params, self._main_grad.dtensors()):
-                param.grad = grad
+            self._hand_out(self._main_grad.dtensors())
         self._main_grad = None
         self.grad_state = GradState.IDLE
         # An optimizer step on these grads may not show in any version counter: on CUDA, torch's
@@ -485,6 +498,21 @@ class ParamGroup:
             return
         for param, grad in zip(self.sharded_params, DistributedBuffer(self.levels, self.opt_level, flat).dtensors()):
             param.grad = grad
+
+    def _hand_out(self, grads) -> None:
+        """Set each sharded parameter's ``grad_attr`` to its main grad.
+
+        ``.grad`` must have its parameter's dtype: main grads of another dtype are
+        handed out as a cast copy (the grads a user kept across steps are added to).
+        """
+        cast = self.grad_attr == "grad" and self.main_grad_dtype != self.main_dtype
+        for param, grad in zip(self.sharded_params, grads):
+            if not cast:
+                setattr(param, self.grad_attr, grad)
+            elif param.grad is None:
+                param.grad = grad.to(self.main_dtype)
+            else:
+                param.grad.add_(grad.to(self.main_dtype))
 
     def _install_host_grads(self) -> None:
         if self._host_ready is not None:
@@ -502,9 +530,8 @@ class ParamGroup:
                     old.add_(new)
             self._main_grad = target
         self._host_kept = None
-        if kept is None or any(p.grad is None for p in self.sharded_params):
-            for param, grad in zip(self.sharded_params, self._main_grad.dtensors()):
-                param.grad = grad
+        if kept is None or any(getattr(p, self.grad_attr, None) is None for p in self.sharded_params):
+            self._hand_out(self._main_grad.dtensors())
         self._main_grad_ref = weakref.ref(self._main_grad.flat)
         self._main_grad = None
         self.grad_state = GradState.IDLE

@@ -36,6 +36,8 @@ from ..registry import LAYER, module_types
 from .config import OUTER_SHARDING_STRATEGIES, DistributedDataParallelConfig, TransformerConfig
 from .meshes import _DATA_PARALLEL_PLACEMENTS, EP_AXIS, INNER_AXIS, OUTER_AXIS, TP_AXIS
 from .buffer_view import ParamAndGradBufferView
+from .grads import grads_of
+from .main_dtypes import mixed_precision_for
 from .process_groups import group_size
 
 __all__ = ["MegatronFSDPLevel", "_BaseDataParallel", "_ShardedDataParallel", "expert_plan_fn", "is_expert_param", "logger"]
@@ -82,26 +84,11 @@ def _present(module: nn.Module, types: list) -> list:
     return [t for t in types if any(isinstance(m, t) for m in subs)]
 
 
-def _dtype(value, field: str) -> Optional[torch.dtype]:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str) and isinstance(getattr(torch, value.replace("torch.", ""), None), torch.dtype):
-        return getattr(torch, value.replace("torch.", ""))
-    raise ValueError(f"{field}={value!r} is not a torch dtype")
-
-
-def _mixed_precision(cfg: TransformerConfig, ddp: DistributedDataParallelConfig) -> MixedPrecisionPolicy:
-    """bf16/fp16 compute from the model config; main weights, main grads, wire dtype from the DDP config."""
-    param_dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else None
-    comm = _dtype(ddp.megatron_fsdp_grad_comm_dtype, "megatron_fsdp_grad_comm_dtype")
-    if comm is None and ddp.grad_reduce_in_fp32:
-        comm = torch.float32
-    return MixedPrecisionPolicy(
-        param_dtype=param_dtype,
-        main_params_dtype=_dtype(ddp.megatron_fsdp_main_params_dtype, "megatron_fsdp_main_params_dtype") or torch.float32,
-        main_grads_dtype=_dtype(ddp.megatron_fsdp_main_grads_dtype, "megatron_fsdp_main_grads_dtype") or torch.float32,
-        grad_comm_dtype=comm,
-    )
+def _mixed_precision(cfg: TransformerConfig, ddp: DistributedDataParallelConfig, raw_ddp: Any,
+                     module: nn.Module) -> MixedPrecisionPolicy:
+    """The engine's dtypes from Megatron's configs, as the release of ``raw_ddp`` means them
+    (:mod:`shardwise.megatron.main_dtypes`)."""
+    return mixed_precision_for(cfg, ddp, raw_ddp, module)
 
 
 def check_module(module: Any, who: str) -> None:
@@ -396,9 +383,8 @@ class _ShardedDataParallel(_BaseDataParallel):
 
     @torch.no_grad()
     def scale_gradients(self, scaling_factor: float) -> None:
-        """Multiply every installed gradient (the sharded main grads) by ``scaling_factor``."""
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                 for p in self.sharded_model.parameters() if p.grad is not None]
+        """Multiply every installed gradient (the sharded main grads, ``.grad`` or ``.decoupled_grad``) by ``scaling_factor``."""
+        grads = [g.to_local() if isinstance(g, DTensor) else g for _, g in grads_of(self.sharded_model)]
         grads = [g for g in grads if g.numel()]
         if grads:
             torch._foreach_mul_(grads, float(scaling_factor))

@@ -51,3 +51,11 @@ class ParamAndGradBufferView:
         ZeRO-3 unit casts and gathers at its next forward, as it always does.
         """
         refresh_model_weights(self._module)
+
+    def manual_buffer_registration(self) -> None:
+        """Megatron-LM calls this under ``--use-nccl-ub --fsdp-manual-registration``; not built."""
+        raise NotImplementedError(
+            "param_and_grad_buffer.manual_buffer_registration(): NCCL user-buffer registration is not built in "
+            "shardwise (its buffers come from PyTorch's allocator); drop --use-nccl-ub and "
+            "--fsdp-manual-registration (nccl_ub / fsdp_manual_registration are refused at wrap time)"
+        )

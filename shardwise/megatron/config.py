@@ -138,10 +138,10 @@ class DistributedDataParallelConfig:
     into that many replicas: ``outer_dp_sharding_strategy="no_shard"`` across
     them is HSDP, ``"optim"`` is HFSDP. ``megatron_fsdp_version`` (not in
     Megatron-Core 0.19 yet; the adapter's next API) picks the V1 or V2 wrapper
-    in :func:`FullyShardedDataParallel`. Megatron-Core's default for
-    ``megatron_fsdp_main_grads_dtype`` is ``None`` (its gradients then follow the
-    compute dtype); shardwise keeps fp32 gradients for ``None``, which is what
-    ``torch.float32`` asks Megatron for.
+    in :func:`FullyShardedDataParallel`. ``None`` in the ``megatron_fsdp_*_dtype``
+    fields is Megatron-LM's ``auto``, read as Megatron-FSDP 0.19 reads it (the
+    compute dtype; :mod:`shardwise.megatron.main_dtypes`). What each field does,
+    or why it is refused or ignored: :mod:`shardwise.megatron.options`.
     """
 
     # gradient reduction

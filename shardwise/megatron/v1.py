@@ -40,6 +40,7 @@ from .base import (
 )
 from .config import DistributedDataParallelConfig, TransformerConfig, as_ddp_config, as_transformer_config
 from .context_parallel import check_context_parallel
+from .grads import check_grads_finite, wire_megatron_grads
 from .meshes import (
     _build_dense_mesh,
     _build_expert_mesh_and_placements,
@@ -54,6 +55,7 @@ from .parallelism import (
     detect_parallelism_type,
     mark_tensor_parallel,
 )
+from .options import V1, check_options
 from .process_groups import ProcessGroupCollection, build_process_groups, group_size
 
 __all__ = ["FullyShardedDataParallelV1"]
@@ -200,6 +202,8 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         check_module(module, "FullyShardedDataParallelV1")
+        check_options(V1, config, ddp_config, dict(fsdp_unit_modules=fsdp_unit_modules, disable_bucketing=disable_bucketing,
+                                                   device=device, pg_collection=pg_collection))
         cfg, ddp = as_transformer_config(config), as_ddp_config(ddp_config)
         super().__init__(config=config, module=module)
         self.ddp_config = ddp_config
@@ -234,7 +238,7 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
             mesh=index.mesh,
             placements=index.placements,
             unit_types=self.fsdp_unit_modules,
-            policy=_mixed_precision(cfg, ddp),
+            policy=_mixed_precision(cfg, ddp, ddp_config, module),
             init_on_meta=cfg.init_model_with_meta_device,
             prefetch=ddp.overlap_param_gather,
             expert_mesh=index.expert_mesh,
@@ -242,6 +246,7 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
             gradient_reduction="sum" if cfg.calculate_per_token_loss else "mean",
             bucket_size=self.bucket_size,
         )
+        wire_megatron_grads(self.sharded_model, config, ddp_config)
         # The sharded parameters are new objects: carry the annotations over by name.
         for name, param in self.sharded_model.named_parameters():
             if name in modes:
@@ -268,16 +273,6 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
             raise ValueError(
                 f"FullyShardedDataParallelV1 with expert_model_parallel_size={sizes.ep}: the model has no MoE "
                 "layers (no parameter under '.experts.')"
-            )
-        for field in ("fp8_param_gather", "fp4_param_gather"):
-            if getattr(ddp, field):
-                raise NotImplementedError(
-                    f"FullyShardedDataParallelV1 with {field}=True: low-precision parameter gathers are not built yet"
-                )
-        if cfg.gradient_accumulation_fusion:
-            raise ValueError(
-                "FullyShardedDataParallelV1 with gradient_accumulation_fusion=True: shardwise reduces autograd's "
-                ".grad and gives parameters no .main_grad to fuse into; set gradient_accumulation_fusion=False"
             )
         return sizes
 
@@ -376,9 +371,13 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
 
         After a syncing last backward (or ``start_grad_sync``) the engine has already
         done it all and this only confirms it (idempotent); ``finalize_model_grads``
-        calls it on every chunk whichever schedule ran.
+        calls it on every chunk whichever schedule ran. With ``check_for_nan_in_grad``
+        the reduced gradients are then checked (a ``RuntimeError`` on every rank).
         """
         finish_grad_accumulation(self.sharded_model)
+        if getattr(self.ddp_config, "check_for_nan_in_grad", False):
+            index = self.megatron_fsdp_dist_index
+            check_grads_finite(self.sharded_model, (index.dp_group, index.tp_group), V1)
 
     def broadcast_params(self) -> None:
         """Make every data-parallel replica hold the first replica's weights.

@@ -1,4 +1,5 @@
-"""``FullyShardedDataParallelV2``: the engine's hooks do everything; unsupported options are rejected by name."""
+"""``FullyShardedDataParallelV2``: the engine's hooks do everything; unsupported options are rejected by name
+(:mod:`shardwise.megatron.options` decides which)."""
 
 from __future__ import annotations
 
@@ -25,38 +26,13 @@ from .base import (
 )
 from .config import DistributedDataParallelConfig, TransformerConfig, as_ddp_config, as_transformer_config
 from .context_parallel import check_context_parallel
+from .grads import check_grads_finite, wire_megatron_grads
 from .meshes import _build_dense_mesh, _build_expert_mesh_and_placements, _check_model_groups
 from .parallelism import annotate_tensor_parallelism, mark_tensor_parallel
+from .options import V2, check_options
 from .process_groups import ProcessGroupCollection, group_size
 
 __all__ = ["FullyShardedDataParallelV2"]
-
-# (config source, field, why) for options V2 rejects whenever they are set (truthy).
-_V2_UNSUPPORTED_FLAGS = (
-    ("config", "calculate_per_token_loss", "per-token loss normalization is not supported"),
-    ("config", "fp8", "fp8 compute is not supported"),
-    ("config", "fp8_param", "fp8 parameters are not supported"),
-    ("config", "fp4", "fp4 compute is not supported"),
-    ("ddp_config", "fp8_param_gather", "fp8 parameter gathers are not supported"),
-    ("ddp_config", "fp4_param_gather", "fp4 parameter gathers are not supported"),
-    ("config", "enable_cuda_graph", "CUDA graphs are not supported"),
-    ("ddp_config", "megatron_fsdp_cuda_graph_mode", "CUDA graphs are not supported"),
-    ("config", "gradient_accumulation_fusion", "parameters have no .main_grad to fuse into"),
-    ("config", "delay_wgrad_compute", "delayed weight-gradient computation is not supported"),
-    ("ddp_config", "delay_wgrad_compute", "delayed weight-gradient computation is not supported"),
-    ("ddp_config", "fsdp_manual_registration", "manual buffer registration is not supported"),
-    ("ddp_config", "megatron_fsdp_use_decoupled_grad", "decoupled gradients are not supported"),
-    ("ddp_config", "megatron_fsdp_enable_fine_grained_param_gather", "fine-grained parameter gathers are not supported"),
-    ("config", "overlap_moe_expert_parallel_comm", "it needs fine-grained parameter gathers, which are not supported"),
-    ("ddp_config", "megatron_fsdp_max_pool_double_buffer", "the max-pool double buffer is not supported"),
-    ("ddp_config", "fsdp_db_use_persist_buf_on_alloc_fail", "communication buffers come from PyTorch's allocator"),
-    ("ddp_config", "fsdp_trace_pool", "the trace pool allocator is not supported"),
-    ("ddp_config", "reduce_scatter_with_fp32_accumulation",
-     "gradients are reduced in megatron_fsdp_grad_comm_dtype (fp32 by default); set that instead"),
-    ("ddp_config", "param_name_patterns_for_fp32_local_accumulation",
-     "gradients are accumulated in megatron_fsdp_main_grads_dtype for every parameter"),
-    ("ddp_config", "reuse_grad_buf_for_mxfp8_param_ag", "MXFP8 parameter gathers are not supported"),
-)
 
 
 def _reject(field: str, value, why: str) -> ValueError:
@@ -98,11 +74,6 @@ class FullyShardedDataParallelV2(_ShardedDataParallel):
                 does not support (the message names the field).
         """
         check_module(module, "FullyShardedDataParallelV2")
-        if pg_collection is None:
-            raise ValueError(
-                "FullyShardedDataParallelV2 needs an explicit pg_collection (ProcessGroupCollection); "
-                "its dp_cp group defines the data-parallel mesh"
-            )
         self._validate_config(config, ddp_config, module, pg_collection, disable_bucketing)
         super().__init__(config=config, module=module)
         cfg, ddp = as_transformer_config(config), as_ddp_config(ddp_config)
@@ -110,11 +81,9 @@ class FullyShardedDataParallelV2(_ShardedDataParallel):
         logger.info("Setting up FullyShardedDataParallelV2 with config %s", ddp)
         warn_if_not_megatron_fsdp(ddp, "FullyShardedDataParallelV2")
         device_type = _device_type(device)
-        for field in ("nccl_ub", "fsdp_double_buffer"):
-            if getattr(ddp, field):
-                logger.warning("%s=True is accepted and ignored: buffers come from PyTorch's allocator", field)
         hybrid = ddp.num_distributed_optimizer_instances > 1
         self.mesh = _build_dense_mesh(pg_collection, hybrid, device_type)
+        self._grad_check_groups = (pg_collection.dp_cp, getattr(pg_collection, "tp", None))
         self.moe_mesh, expert_placements = _build_expert_mesh_and_placements(cfg, ddp, pg_collection, device_type)
         tp = group_size(getattr(pg_collection, "tp", None))
         if tp > 1:
@@ -132,12 +101,13 @@ class FullyShardedDataParallelV2(_ShardedDataParallel):
             mesh=self.mesh,
             placements=_placements(ddp, hybrid),
             unit_types=self.fsdp_unit_modules,
-            policy=_mixed_precision(cfg, ddp),
+            policy=_mixed_precision(cfg, ddp, ddp_config, module),
             init_on_meta=cfg.init_model_with_meta_device,
             prefetch=True,
             expert_mesh=self.moe_mesh,
             expert_placements=expert_placements,
         )
+        wire_megatron_grads(self.sharded_model, config, ddp_config)
 
     @staticmethod
     def _validate_config(config, ddp_config, module: nn.Module, pg_collection, disable_bucketing: bool = False) -> None:
@@ -148,9 +118,8 @@ class FullyShardedDataParallelV2(_ShardedDataParallel):
                 unsupported feature, topology or data-parallel option.
         """
         cfg, ddp = as_transformer_config(config), as_ddp_config(ddp_config)
-        if disable_bucketing:
-            raise _reject("disable_bucketing", disable_bucketing, "V2 forms its own parameter groups; leave it False")
-        if pg_collection is None or getattr(pg_collection, "dp_cp", None) is None:
+        check_options(V2, config, ddp_config, dict(disable_bucketing=disable_bucketing, pg_collection=pg_collection))
+        if getattr(pg_collection, "dp_cp", None) is None:
             raise ValueError("FullyShardedDataParallelV2 needs pg_collection.dp_cp, the data-parallel process group")
         if cfg.pipeline_model_parallel_size != 1:
             raise _reject("pipeline_model_parallel_size", cfg.pipeline_model_parallel_size,
@@ -182,19 +151,6 @@ class FullyShardedDataParallelV2(_ShardedDataParallel):
                         f"num_distributed_optimizer_instances={ddp.num_distributed_optimizer_instances} needs "
                         f"pg_collection.{name}"
                     )
-        sources = {"config": cfg, "ddp_config": ddp}
-        for source, field, why in _V2_UNSUPPORTED_FLAGS:
-            value = getattr(sources[source], field)
-            if value:
-                raise _reject(field, value, why)
-        if cfg.cuda_graph_impl != "none":
-            raise _reject("cuda_graph_impl", cfg.cuda_graph_impl, "CUDA graphs are not supported")
-        if ddp.nccl_ub and ddp.disable_symmetric_registration:
-            raise _reject("disable_symmetric_registration", True, "nccl_ub needs symmetric registration")
-        for field in ("num_buckets", "suggested_communication_unit_size"):
-            value = getattr(ddp, field)
-            if value is not None:
-                raise _reject(field, value, "V2 sizes its communication per unit")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -217,7 +173,10 @@ class FullyShardedDataParallelV2(_ShardedDataParallel):
         """No-op: gradients are reduced during backward."""
 
     def finish_grad_sync(self, *unused, **unused_kwargs) -> None:
-        """No-op: gradient reduction is complete when backward returns."""
+        """Gradient reduction is complete when backward returns; with ``check_for_nan_in_grad`` the
+        reduced gradients are checked here (``finalize_model_grads`` calls it on every chunk)."""
+        if getattr(self.ddp_config, "check_for_nan_in_grad", False):
+            check_grads_finite(self.sharded_model, self._grad_check_groups, V2)
 
     def synchronize_param_gather(self, *unused, **unused_kwargs) -> None:
         """No-op: parameter gathers complete inside the module hooks."""

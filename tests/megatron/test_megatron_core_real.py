@@ -42,7 +42,7 @@ from shardwise.megatron import (
     use_in_megatron,
 )
 from shardwise.megatron.config import _declared_kind, mirrored_fields
-from shardwise.megatron.v2 import _V2_UNSUPPORTED_FLAGS
+from shardwise.megatron.options import DDP, OPTIONS, TC, V2, Verdict
 from shardwise.models import GPT, GPTConfig
 
 from tests.helpers import DATA
@@ -110,21 +110,23 @@ def test_real_objects_pass_and_wrong_types_are_refused():
         as_ddp_config(ddp)
 
 
-_FLAG_VALUES = {"fp8": "e4m3", "fp4": "e2m1", "param_name_patterns_for_fp32_local_accumulation": ("router",)}
+_FLAG_VALUES = {"fp8": "e4m3", "fp4": "e2m1", "cuda_graph_impl": "local", "pipeline_model_parallel_size": 2,
+                "context_parallel_size": 2}
 
 
 def _real_has(source: str, field: str) -> bool:
-    cls = RealTransformerConfig if source == "config" else RealDDPConfig
+    cls = RealTransformerConfig if source == TC else RealDDPConfig
     return field in {f.name for f in dataclasses.fields(cls)}
 
 
-# the rules on the fields the installed release has (the others: tests/megatron/test_megatron_validation.py)
-@pytest.mark.parametrize("source,field", [(s, f) for s, f, _ in _V2_UNSUPPORTED_FLAGS if _real_has(s, f)],
+# the rules on the fields the installed release has (all rows, both faces: tests/megatron/test_megatron_options.py)
+@pytest.mark.parametrize("source,field", [(o.source, o.name) for o in OPTIONS if o.source in (DDP, TC)
+                                          and o.handling(V2).verdict is Verdict.REFUSED and _real_has(o.source, o.name)],
                          ids=lambda x: x)
 def test_v2_refuses_each_unsupported_real_field(source, field):
     config = RealTransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=2)
     ddp = RealDDPConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params")
-    setattr(config if source == "config" else ddp, field, _FLAG_VALUES.get(field, True))
+    setattr(config if source == TC else ddp, field, _FLAG_VALUES.get(field, True))
     with pytest.raises(ValueError, match=re.escape(field)):
         FullyShardedDataParallelV2._validate_config(config, ddp, nn.Linear(2, 2), RealProcessGroups(dp_cp=object()))
 

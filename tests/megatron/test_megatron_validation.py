@@ -16,7 +16,7 @@ from shardwise.megatron import (
     TransformerConfig,
     build_process_groups,
 )
-from shardwise.megatron.v2 import _V2_UNSUPPORTED_FLAGS, logger
+from shardwise.megatron.options import logger
 from shardwise.models import GPT, GPTConfig
 
 from tests.helpers.distributed import device, run_distributed
@@ -50,7 +50,7 @@ def _rejects(field, **kwargs):
 def test_a_supported_configuration_passes():
     _validate()
     _validate(ddp=_ddp(data_parallel_sharding_strategy="no_shard"))
-    _validate(ddp=_ddp(nccl_ub=True, fsdp_double_buffer=True))  # accepted (the constructor says it ignores them)
+    _validate(ddp=_ddp(fsdp_double_buffer=True, megatron_fsdp_max_pool_double_buffer=True))  # allocators: ignored
     _validate(
         ddp=_ddp(num_distributed_optimizer_instances=2, outer_dp_sharding_strategy="optim"),
         pg=ProcessGroupCollection(dp_cp=GROUP, intra_dp_cp=GROUP, inter_dist_opt=GROUP),
@@ -59,7 +59,7 @@ def test_a_supported_configuration_passes():
 
 class _Said(logging.Handler):
     def __init__(self):
-        super().__init__(logging.WARNING)
+        super().__init__(logging.INFO)
         self.messages: list[str] = []
 
     def emit(self, record):
@@ -67,21 +67,22 @@ class _Said(logging.Handler):
 
 
 def _buffer_flags_are_said_to_be_ignored(flags):
-    said = _Said()
+    said, level = _Said(), logger.level
     logger.addHandler(said)
+    logger.setLevel(logging.INFO)
     try:
         V2(TransformerConfig(), _ddp(**flags), nn.Linear(2, 2), device=device(), pg_collection=build_process_groups())
     finally:
         logger.removeHandler(said)
-    return [m for m in said.messages if "accepted and ignored" in m]
+        logger.setLevel(level)
+    return [m.split(" is accepted and ignored")[0] for m in said.messages if "accepted and ignored" in m]
 
 
-def test_nccl_ub_and_fsdp_double_buffer_are_accepted_and_said_to_be_ignored():
-    both, neither = run_distributed(_buffer_flags_are_said_to_be_ignored, 2, dict(nccl_ub=True,
-                                                                                   fsdp_double_buffer=True))
-    expected = [f"{field}=True is accepted and ignored: buffers come from PyTorch's allocator"
-                for field in ("nccl_ub", "fsdp_double_buffer")]
-    assert both == neither == expected  # each flag once, on every rank
+def test_allocator_flags_are_accepted_and_said_to_be_ignored_once_on_every_rank():
+    flags = dict(fsdp_double_buffer=True, megatron_fsdp_max_pool_double_buffer=True)
+    both, neither = run_distributed(_buffer_flags_are_said_to_be_ignored, 2, flags)
+    expected = [f"FullyShardedDataParallelV2: {field}=True" for field in flags]
+    assert sorted(both) == sorted(neither) == sorted(expected)  # each flag once, on every rank
     assert run_distributed(_buffer_flags_are_said_to_be_ignored, 2, {}) == [[], []]  # unset: nothing said
 
 
@@ -140,27 +141,7 @@ def test_hybrid_needs_both_hybrid_groups(missing):
     _rejects(missing, ddp=_ddp(num_distributed_optimizer_instances=2), pg=ProcessGroupCollection(**groups))
 
 
-_FLAG_VALUES = {"fp8": "e4m3", "fp4": "e2m1", "param_name_patterns_for_fp32_local_accumulation": ("router",)}
-
-
-@pytest.mark.parametrize("source,field", [(s, f) for s, f, _ in _V2_UNSUPPORTED_FLAGS], ids=lambda x: x)
-def test_unsupported_option(source, field):
-    value = _FLAG_VALUES.get(field, True)
-    if source == "config":
-        _rejects(field, config=TransformerConfig(**{field: value}))
-    else:
-        _rejects(field, ddp=_ddp(**{field: value}))
-
-
-def test_named_unsupported_options_are_all_in_the_table():
-    # the list: per-token loss, fp8/fp4, CUDA graphs, manual registration, delayed wgrad,
-    # decoupled grads, fine-grained gather, max-pool double buffer
-    fields = {f for _, f, _ in _V2_UNSUPPORTED_FLAGS}
-    for field in ("calculate_per_token_loss", "fp8", "fp4", "fp8_param_gather", "fp4_param_gather",
-                  "enable_cuda_graph", "fsdp_manual_registration", "delay_wgrad_compute",
-                  "megatron_fsdp_use_decoupled_grad", "megatron_fsdp_enable_fine_grained_param_gather",
-                  "megatron_fsdp_max_pool_double_buffer"):
-        assert field in fields, field
+# every option V2 refuses by name: tests/megatron/test_megatron_options.py, from the one table
 
 
 def test_cuda_graph_impl():
@@ -168,13 +149,15 @@ def test_cuda_graph_impl():
     _rejects("cuda_graph_impl", config=TransformerConfig(cuda_graph_impl="full_iteration"))
 
 
-def test_nccl_ub_without_symmetric_registration():
-    _rejects("disable_symmetric_registration", ddp=_ddp(nccl_ub=True, disable_symmetric_registration=True))
+def test_nccl_ub_is_refused_with_or_without_symmetric_registration():
+    _rejects("nccl_ub", ddp=_ddp(nccl_ub=True))
+    _rejects("nccl_ub", ddp=_ddp(nccl_ub=True, disable_symmetric_registration=True))
 
 
 @pytest.mark.parametrize("field,value", [("num_buckets", 4), ("suggested_communication_unit_size", 1 << 20)])
-def test_communication_sizing_options(field, value):
-    _rejects(field, ddp=_ddp(**{field: value}))
+def test_communication_sizing_options_are_accepted(field, value):
+    # Megatron-FSDP does not read them either (ignored, tests/megatron/test_megatron_options.py)
+    _validate(ddp=_ddp(**{field: value}))
 
 
 # ------------------------------------------- rules that need real process groups

@@ -1,0 +1,350 @@
+"""Every option a Megatron-LM user can hand Megatron-FSDP, and what shardwise does with it: one table.
+
+A row is a field of Megatron-Core's ``DistributedDataParallelConfig`` or
+``TransformerConfig`` (read field by field from 0.16.1's and 0.19.2's source), or
+an argument of the adapter's constructor, with the Megatron-LM flags that set it
+(``megatron/training/arguments.py``, ``core_r0.16.0`` and ``core_r0.19.0``) and one
+verdict per face:
+
+- IMPLEMENTED: what shardwise does with it;
+- REFUSED: raised at wrap time as :class:`UnsupportedMegatronOption`, naming the
+  field and value, why, and what to do; only for the values ``when`` says
+  (the defaults always pass);
+- IGNORED: why it is harmless; logged once at wrap time when set.
+
+:func:`check_options` is what V1 and V2 call; ``docs/megatron-options.md`` is
+:func:`render_markdown` (``python -m shardwise.megatron.options`` rewrites it).
+Structural rules that need the process groups or the model (strategy names,
+model-parallel sizes against ``pg_collection``) stay with the code that builds
+the meshes; their rows say IMPLEMENTED and where the value is checked.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+__all__ = [
+    "Verdict", "Handling", "Option", "OPTIONS", "UnsupportedMegatronOption",
+    "check_options", "render_markdown", "V1", "V2",
+]
+
+logger = logging.getLogger("shardwise.megatron.mcore_fsdp_adapter")
+
+V1, V2 = "FullyShardedDataParallelV1", "FullyShardedDataParallelV2"
+DDP, TC, ARG = "DistributedDataParallelConfig", "TransformerConfig", "argument"
+
+
+class UnsupportedMegatronOption(ValueError, NotImplementedError):
+    """An option shardwise refuses at wrap time (a ``ValueError`` and a ``NotImplementedError``)."""
+
+
+class Verdict(enum.Enum):
+    IMPLEMENTED = "implemented"
+    REFUSED = "refused"
+    IGNORED = "ignored"
+
+
+@dataclass(frozen=True)
+class Handling:
+    verdict: Verdict
+    text: str  # IMPLEMENTED: what shardwise does; REFUSED: why; IGNORED: why it is harmless
+    todo: str = ""  # REFUSED: what to do instead
+
+
+def implemented(text: str) -> Handling:
+    return Handling(Verdict.IMPLEMENTED, text)
+
+
+def refused(why: str, todo: str) -> Handling:
+    return Handling(Verdict.REFUSED, why, todo)
+
+
+def ignored(why: str) -> Handling:
+    return Handling(Verdict.IGNORED, why)
+
+
+@dataclass(frozen=True)
+class When:
+    """Which values a REFUSED / IGNORED verdict takes effect on (the others, defaults included, pass)."""
+
+    text: str
+    test: Callable[[Any], bool]
+
+
+SET = When("set", lambda v: bool(v))
+FALSE = When("False", lambda v: v is False)
+NOT_NONE = When("not None", lambda v: v is not None)
+NOT_ONE = When("not 1", lambda v: v is not None and v != 1)
+CUDA_GRAPH = When("not 'none'", lambda v: v not in (None, "none"))
+
+
+@dataclass(frozen=True)
+class Option:
+    source: str  # DDP, TC or ARG
+    name: str
+    flags: str  # the Megatron-LM flags that set it ("" when Megatron-LM sets it otherwise, or never)
+    v1: Handling
+    v2: Optional[Handling] = None  # None: as V1
+    when: When = SET
+    releases: str = "0.16, 0.19"
+
+    def handling(self, face: str) -> Handling:
+        return self.v2 if face == V2 and self.v2 is not None else self.v1
+
+
+_CUDA_GRAPHS = refused("CUDA graphs: not built yet", "leave CUDA graphs off (--cuda-graph-impl none)")
+_ALLOCATOR = ignored("an allocation strategy for Megatron-FSDP's own communication buffers; shardwise's "
+                     "come from PyTorch's caching allocator, the numbers are the same")
+_FSDP_DOES_NOT_READ = "Megatron-FSDP does not read it either (plain DDP's option)"
+
+OPTIONS: tuple[Option, ...] = (
+    # ------------------------------------------------ DistributedDataParallelConfig
+    Option(DDP, "use_megatron_fsdp", "--use-megatron-fsdp", implemented(
+        "must be True for Megatron's optimizer and finalize_model_grads to take their Megatron-FSDP paths; "
+        "False is warned about (the chunk is sharded anyway)")),
+    Option(DDP, "use_custom_fsdp", "--use-custom-fsdp (0.16)", ignored("the old name of use_megatron_fsdp")),
+    Option(DDP, "megatron_fsdp_version", "", implemented(
+        "picks V1 (1) or V2 (2) in FullyShardedDataParallel; shardwise's field (the adapter's next API)"),
+        releases="shardwise"),
+    Option(DDP, "use_distributed_optimizer", "--use-distributed-optimizer", ignored(
+        "read by Megatron's optimizer; the main weights and their optimizer state are sharded by "
+        "data_parallel_sharding_strategy")),
+    Option(DDP, "data_parallel_sharding_strategy", "--data-parallel-sharding-strategy", implemented(
+        "no_shard / optim / optim_grads / optim_grads_params = ZeRO-0/1/2/3; another value is refused by name")),
+    Option(DDP, "outer_dp_sharding_strategy", "--outer-dp-sharding-strategy", implemented(
+        "with num_distributed_optimizer_instances > 1: no_shard = HSDP, optim = HFSDP; checked by name")),
+    Option(DDP, "num_distributed_optimizer_instances", "--num-distributed-optimizer-instances", implemented(
+        "> 1: an outer data-parallel axis over pg_collection.inter_dist_opt (HSDP / HFSDP)")),
+    Option(DDP, "expert_data_parallel_sharding_strategy", "", implemented(
+        "the expert parameters' strategy over expt_dp (default: the dense one)"), releases="shardwise"),
+    Option(DDP, "megatron_fsdp_main_params_dtype", "--megatron-fsdp-main-params-dtype", implemented(
+        "the main weights' dtype; None (auto) = the compute weights are the main weights, as Megatron-FSDP 0.19"),
+        releases="0.19"),
+    Option(DDP, "megatron_fsdp_main_grads_dtype", "--megatron-fsdp-main-grads-dtype", implemented(
+        "the dtype gradients are accumulated in; None (auto, Megatron-LM's default) = the compute dtype; "
+        "handed to the optimizer as .grad cast to the main weights' dtype when they differ"), releases="0.19"),
+    Option(DDP, "megatron_fsdp_grad_comm_dtype", "--megatron-fsdp-grad-comm-dtype", implemented(
+        "the dtype gradients are reduced in; None (auto) = the main grads' dtype"), releases="0.19"),
+    Option(DDP, "preserve_fp32_weights", "", implemented(
+        "0.16: fp32 main weights when True (the default), else the compute weights are the main weights"),
+        releases="0.16"),
+    Option(DDP, "grad_reduce_in_fp32", "--accumulate-allreduce-grads-in-fp32 (on for --bf16), --grad-reduce-in-bf16",
+           implemented("0.16: fp32 main grads (accumulated and reduced) when True, else the compute dtype; "
+                       "0.19's Megatron-FSDP does not read it and neither does shardwise for a 0.19 config")),
+    Option(DDP, "megatron_fsdp_use_decoupled_grad", "--use-precision-aware-optimizer", implemented(
+        "the main grads go to param.decoupled_grad in their own dtype (uncast), where Megatron's "
+        "precision-aware optimizer reads them; .grad stays None (0.16: the flag does not reach the DDP config, "
+        "and 0.16's Megatron-FSDP does not set decoupled_grad either)"), releases="0.19"),
+    Option(DDP, "check_for_nan_in_grad", "on by default; --no-check-for-nan-in-loss-and-grad", implemented(
+        "finish_grad_sync() raises RuntimeError naming the parameters when a reduced gradient holds NaN/Inf "
+        "(every rank of the chunk raises)")),
+    Option(DDP, "check_for_large_grads", "--check-for-large-grads", ignored(_FSDP_DOES_NOT_READ)),
+    Option(DDP, "overlap_grad_reduce", "--overlap-grad-reduce", implemented(
+        "always on: each unit's gradients are reduced during backward (Megatron-FSDP forces it for ZeRO-2/3)")),
+    Option(DDP, "overlap_param_gather", "--overlap-param-gather", implemented(
+        "V1: prefetch the next unit's all-gather; V2 always prefetches")),
+    Option(DDP, "align_param_gather", "", ignored(_FSDP_DOES_NOT_READ + "; shardwise orders its own gathers")),
+    Option(DDP, "fsdp_all_gather_in_start_param_sync", "off with --cuda-graph-impl full_iteration", ignored(
+        "shardwise gathers in forward's pre-hooks; start_param_sync only rebuilds the compute weights"),
+        when=FALSE, releases="0.19"),
+    Option(DDP, "bucket_size", "--ddp-bucket-size (Megatron-LM fills in a default)", implemented(
+        "V1: caps the groups of parameters no unit owns (embeddings, head)"),
+        v2=ignored("V2 forms one group per unit and one for the rest"), when=NOT_NONE),
+    Option(DDP, "num_buckets", "--ddp-num-buckets", ignored(_FSDP_DOES_NOT_READ + "; groups are per unit"),
+           when=NOT_NONE, releases="0.19"),
+    Option(DDP, "suggested_communication_unit_size", "--suggested-communication-unit-size", ignored(
+        "a communication-size hint; shardwise communicates per unit"), when=NOT_NONE),
+    Option(DDP, "pad_buckets_for_high_nccl_busbw", "--ddp-pad-buckets-for-high-nccl-busbw",
+           ignored(_FSDP_DOES_NOT_READ)),
+    Option(DDP, "average_in_collective", "--ddp-average-in-collective", ignored(
+        "the mean over data-parallel ranks is the same whether divided before or inside the collective")),
+    Option(DDP, "gradient_reduce_div_fusion", "", ignored(
+        "how the mean is fused into the reduction; the mean is the same"), when=FALSE),
+    Option(DDP, "reduce_scatter_with_fp32_accumulation", "--ddp-reduce-scatter-with-fp32-accumulation", refused(
+        "fp32 accumulation inside a low-precision reduce-scatter is not built",
+        "set --megatron-fsdp-grad-comm-dtype fp32 (megatron_fsdp_grad_comm_dtype=torch.float32)")),
+    Option(DDP, "param_name_patterns_for_fp32_local_accumulation",
+           "--ddp-param-name-patterns-for-fp32-local-accumulation", refused(
+               "per-parameter fp32 accumulation is not built; gradients use megatron_fsdp_main_grads_dtype",
+               "set --megatron-fsdp-main-grads-dtype fp32 for every parameter"), releases="0.19"),
+    Option(DDP, "delay_wgrad_compute", "--delay-wgrad-compute", refused(
+        "delayed weight-gradient computation is not built", "drop --delay-wgrad-compute")),
+    Option(DDP, "fp8_param_gather", "--fp8-param-gather", refused(
+        "fp8 parameter gathers (Transformer Engine fp8 parameters) are not built", "drop --fp8-param-gather")),
+    Option(DDP, "fp4_param_gather", "--fp4-param-gather", refused(
+        "fp4 parameter gathers are not built", "drop --fp4-param-gather"), releases="0.19"),
+    Option(DDP, "reuse_grad_buf_for_mxfp8_param_ag", "--reuse-grad-buf-for-mxfp8-param-ag", refused(
+        "MXFP8 parameter gathers are not built", "drop --reuse-grad-buf-for-mxfp8-param-ag")),
+    Option(DDP, "keep_fp8_transpose_cache", "--keep-fp8-transpose-cache", ignored(
+        "only matters for fp8 parameters, which are refused")),
+    Option(DDP, "megatron_fsdp_cuda_graph_mode", "set by --cuda-graph-impl other than none", _CUDA_GRAPHS,
+           releases="0.19"),
+    Option(DDP, "megatron_fsdp_enable_fine_grained_param_gather", "--megatron-fsdp-enable-fine-grained-param-gather",
+           refused("per-submodule parameter gathers are not built; shardwise gathers per unit",
+                   "drop --megatron-fsdp-enable-fine-grained-param-gather"), releases="0.19"),
+    Option(DDP, "nccl_ub", "--use-nccl-ub", refused(
+        "NCCL user-buffer registration is not built: shardwise's buffers come from PyTorch's allocator",
+        "drop --use-nccl-ub (it also turns on fsdp_manual_registration and fsdp_double_buffer)")),
+    Option(DDP, "fsdp_manual_registration", "--fsdp-manual-registration (set by --use-nccl-ub in 0.19)", refused(
+        "manual NCCL buffer registration is not built (param_and_grad_buffer.manual_buffer_registration() "
+        "raises)", "drop --fsdp-manual-registration and --use-nccl-ub")),
+    Option(DDP, "disable_symmetric_registration", "--disable-symmetric-registration", ignored(
+        "only matters with nccl_ub, which is refused")),
+    Option(DDP, "fsdp_double_buffer", "--fsdp-double-buffer (set by --use-nccl-ub in 0.19)", _ALLOCATOR),
+    Option(DDP, "megatron_fsdp_max_pool_double_buffer", "--megatron-fsdp-max-pool-double-buffer", _ALLOCATOR,
+           releases="0.19"),
+    Option(DDP, "fsdp_db_use_persist_buf_on_alloc_fail", "--fsdp-db-use-persist-buf-on-alloc-fail", _ALLOCATOR,
+           releases="0.19"),
+    Option(DDP, "fsdp_trace_pool", "", _ALLOCATOR, releases="shardwise"),
+    # ------------------------------------------------ TransformerConfig
+    Option(TC, "bf16", "--bf16", implemented("the compute weights are bf16")),
+    Option(TC, "fp16", "--fp16", implemented("the compute weights are fp16")),
+    Option(TC, "tensor_model_parallel_size", "--tensor-model-parallel-size", implemented(
+        "a dp x tp mesh; must match pg_collection.tp")),
+    Option(TC, "sequence_parallel", "--sequence-parallel", implemented(
+        "the sequence-parallel layers' partial gradients are summed over TP")),
+    Option(TC, "expert_model_parallel_size", "--expert-model-parallel-size", implemented(
+        "experts over an (expert_dp, ep) mesh; must match pg_collection.ep")),
+    Option(TC, "expert_tensor_parallel_size", "--expert-tensor-parallel-size", implemented(
+        "with EP: 1 (whole experts); expert TP inside the expert mesh is refused by name")),
+    Option(TC, "num_moe_experts", "--num-experts", implemented("experts are the parameters under '.experts.'")),
+    Option(TC, "pipeline_model_parallel_size", "--pipeline-model-parallel-size", implemented(
+        "one wrapper per stage's chunk, sharded over that stage's dp_cp; must match pg_collection.pp"),
+        v2=refused("composing V2 with pipeline parallelism is not built yet", "use megatron_fsdp_version=1"),
+        when=NOT_ONE),
+    Option(TC, "virtual_pipeline_model_parallel_size", "--num-layers-per-virtual-pipeline-stage", implemented(
+        "one wrapper per virtual chunk"), when=NOT_NONE),
+    Option(TC, "context_parallel_size", "--context-parallel-size", implemented(
+        "the data-parallel mesh is dp_cp, as Megatron-FSDP's; the model must declare its split over "
+        "pg_collection.cp (megatron/context_parallel.py)"), when=NOT_ONE),
+    Option(TC, "calculate_per_token_loss", "--calculate-per-token-loss", implemented(
+        "gradients are summed over data-parallel ranks; finalize_model_grads scales them by 1 / tokens"),
+        v2=refused("per-token loss normalization is not built in V2", "use megatron_fsdp_version=1")),
+    Option(TC, "init_model_with_meta_device", "--init-model-with-meta-device", implemented(
+        "meta parameters are materialized and initialized unit by unit")),
+    Option(TC, "use_cpu_initialization", "--use-cpu-initialization", ignored(
+        "read by Megatron's layers when they are built; the wrapper takes the model as built")),
+    Option(TC, "perform_initialization", "", ignored("read by Megatron's layers when they are built"),
+           when=FALSE),
+    Option(TC, "gated_linear_unit", "--swiglu", ignored("the layout of the fc1 weight; sharded like any other")),
+    Option(TC, "gradient_accumulation_fusion", "on by default; --no-gradient-accumulation-fusion", implemented(
+        "the compute weights get __fsdp_param__ and get_main_grad() (their .grad): Megatron's linear layers "
+        "write the fused weight gradient there and the engine reduces it")),
+    Option(TC, "defer_embedding_wgrad_compute", "--defer-embedding-wgrad-compute", refused(
+        "finalize_model_grads then writes the output layer's gradient into the sharded weight's main_grad, "
+        "which shardwise does not keep", "drop --defer-embedding-wgrad-compute")),
+    Option(TC, "delay_wgrad_compute", "--delay-wgrad-compute", refused(
+        "delayed weight-gradient computation is not built", "drop --delay-wgrad-compute")),
+    Option(TC, "overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm", refused(
+        "it needs per-submodule parameter gathers, which are not built",
+        "drop --overlap-moe-expert-parallel-comm")),
+    Option(TC, "fp8", "--fp8-format", refused(
+        "Transformer Engine fp8 layers have not run under shardwise (not built or tested yet)",
+        "drop --fp8-format (shardwise's own fp8: shardwise.fp8 with torchao)"), when=NOT_NONE),
+    Option(TC, "fp8_param", "--fp8-param-gather", refused(
+        "fp8 parameters are not built", "drop --fp8-param-gather")),
+    Option(TC, "fp4", "--fp4-format", refused("fp4 compute is not built", "drop --fp4-format"), when=NOT_NONE),
+    Option(TC, "fp4_param", "--fp4-param-gather", refused("fp4 parameters are not built", "drop --fp4-param-gather")),
+    Option(TC, "enable_cuda_graph", "--enable-cuda-graph", _CUDA_GRAPHS),
+    Option(TC, "external_cuda_graph", "--external-cuda-graph", _CUDA_GRAPHS),
+    Option(TC, "cuda_graph_impl", "--cuda-graph-impl", _CUDA_GRAPHS, when=CUDA_GRAPH),
+    # ------------------------------------------------ the constructor's arguments
+    Option(ARG, "fsdp_unit_modules", "", implemented(
+        "the module classes sharded as units (default: transformer, MoE and Mamba layers present)"),
+        when=NOT_NONE),
+    Option(ARG, "disable_bucketing", "True for virtual chunks after the first", implemented(
+        "V1: one group per dtype for the parameters no unit owns"),
+        v2=refused("V2 forms its own parameter groups", "leave disable_bucketing=False")),
+    Option(ARG, "device", "", implemented("its type picks the mesh's device (default: CUDA with NCCL, else CPU)"),
+           when=NOT_NONE),
+    Option(ARG, "pg_collection", "", implemented(
+        "the process groups (dp_cp, tp, ep, expt_dp, pp, ...); None: V1 builds them from the configs"),
+        v2=refused("V2 needs an explicit pg_collection; its dp_cp group defines the data-parallel mesh",
+                   "pass pg_collection=ProcessGroupCollection.use_mpu_process_groups()"),
+        when=When("None", lambda v: v is None)),
+)
+
+_BY_NAME = {(o.source, o.name): o for o in OPTIONS}
+
+
+def option(source: str, name: str) -> Option:
+    return _BY_NAME[(source, name)]
+
+
+def _read(row: Option, sources: Mapping[str, Any]) -> Any:
+    source = sources.get(row.source)
+    if row.source == ARG:
+        return source.get(row.name) if source is not None else None
+    return getattr(source, row.name, None) if source is not None else None
+
+
+def refusal_message(face: str, row: Option, value: Any) -> str:
+    handling = row.handling(face)
+    return f"{face} does not support {row.name}={value!r}: {handling.text}; {handling.todo}"
+
+
+def check_options(face: str, config: Any, ddp_config: Any, arguments: Mapping[str, Any]) -> None:
+    """Refuse, by field and value, every REFUSED option set in the configs or arguments; log the IGNORED ones.
+
+    ``config`` / ``ddp_config`` are read as given (Megatron-Core's objects, whose
+    unset Megatron-LM flags may be ``None``, or shardwise's mirrors).
+    """
+    sources = {DDP: ddp_config, TC: config, ARG: arguments}
+    for row in OPTIONS:
+        handling = row.handling(face)
+        if handling.verdict is Verdict.IMPLEMENTED:
+            continue
+        value = _read(row, sources)
+        if not row.when.test(value):
+            continue
+        if handling.verdict is Verdict.REFUSED:
+            raise UnsupportedMegatronOption(refusal_message(face, row, value))
+        logger.info("%s: %s=%r is accepted and ignored: %s", face, row.name, value, handling.text)
+
+
+# ------------------------------------------------------------------ the doc page
+_HEADER = """# Megatron-FSDP options in shardwise
+
+Generated from `shardwise/megatron/options.py` (`python -m shardwise.megatron.options`); a test holds
+this page to the table. Every field of Megatron-Core's `DistributedDataParallelConfig` that
+Megatron-FSDP reads (0.16.1 and 0.19.2), the `TransformerConfig` fields that change what the
+data-parallel wrapper must do, and the arguments of `FullyShardedDataParallel(...)`, with the
+Megatron-LM flags that set them. **implemented**: what shardwise does; **refused**: raised at wrap
+time (`UnsupportedMegatronOption`, a `ValueError`) naming the field and value, with what to do;
+**ignored**: why it is harmless (logged at wrap time). A verdict applies to the values in *when*;
+defaults always pass. V2 is as V1 unless its column says otherwise.
+"""
+
+
+def _cell(handling: Handling) -> str:
+    text = f"**{handling.verdict.value}**: {handling.text}"
+    if handling.todo:
+        text += f". To do: {handling.todo}"
+    return text.replace("|", "\\|")
+
+
+def render_markdown() -> str:
+    lines = [_HEADER]
+    for source, title in ((DDP, "DistributedDataParallelConfig"), (TC, "TransformerConfig"),
+                          (ARG, "FullyShardedDataParallel arguments")):
+        lines += [f"## {title}", "", "| field | Megatron-LM flag | releases | when | V1 | V2 |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for row in OPTIONS:
+            if row.source != source:
+                continue
+            v2 = "as V1" if row.v2 is None else _cell(row.v2)
+            flags = row.flags.replace("|", "\\|") or "-"
+            verdicts = {row.handling(face).verdict for face in (V1, V2)}
+            when = "-" if verdicts == {Verdict.IMPLEMENTED} else row.when.text
+            lines.append(f"| `{row.name}` | {flags} | {row.releases} | {when} | {_cell(row.v1)} | {v2} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # rewrite the doc page
+    from pathlib import Path
+
+    Path(__file__).resolve().parents[2].joinpath("docs", "megatron-options.md").write_text(render_markdown())
