@@ -16,7 +16,7 @@ The lines Megatron-LM prints (``lm loss``, ``grad norm``, ms per iteration, TFLO
 memory) are parsed; ``--out`` gets every run's log, ``runs.json`` and ``summary.md``
 (the table of ``docs/benchmarks.md``). One GPU:
 
-    python scripts/megatron_lm_pretrain.py --megatron-lm PATH --out DIR [--ckpt-dir DIR]
+    python scripts/megatron_lm_pretrain.py --megatron-lm PATH --out DIR [--ckpt-dir DIR] [--nproc 2]
 
 Megatron-LM's tree must import with the installed megatron-core (its own ``megatron/core``
 or a wheel of the same release); ``shardwise`` must be importable (``PYTHONPATH``).
@@ -46,6 +46,8 @@ MODEL = (
     "--use-megatron-fsdp --use-distributed-optimizer --ckpt-format fsdp_dtensor "
     "--log-interval 1 --log-throughput --eval-iters 0 --eval-interval 100000"
 )
+# (who loads, whose iteration-save_at checkpoint): resume, the two migrations, Megatron's own resume
+RESUMES = (("shardwise", "shardwise"), ("shardwise", "megatron"), ("megatron", "shardwise"), ("megatron", "megatron"))
 STRATEGIES = {"zero1": "optim", "zero3": "optim_grads_params"}
 FIELDS = {
     "loss": r"lm loss: ([0-9.E+-]+)",
@@ -66,13 +68,14 @@ def with_added_line(tree: Path, where: Path) -> Path:
     return path
 
 
-def command(script: Path, strategy: str, iters: int, save: Path | None, load: Path | None, save_at: int) -> list:
+def command(script: Path, strategy: str, iters: int, save: Path | None, load: Path | None, save_at: int,
+            nproc: int) -> list:
     args = f"{MODEL} --train-iters {iters} --data-parallel-sharding-strategy {strategy}".split()
     if save is not None:
         args += ["--save", str(save), "--save-interval", str(save_at)]
     if load is not None:
         args += ["--load", str(load), "--exit-on-missing-checkpoint"]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(script), *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(script), *args]
 
 
 def environment(tree: Path) -> dict:
@@ -141,6 +144,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--save-at", type=int, default=20)
     p.add_argument("--ckpt-dir", type=Path, default=None, help="where the checkpoints go (default: OUT/ckpt)")
+    p.add_argument("--nproc", type=int, default=1, help="GPUs per run (data-parallel ranks; 1, 2, 4 or 8)")
     args = p.parse_args()
     tree, out = args.megatron_lm.resolve(), args.out.resolve()
     ckpt = (args.ckpt_dir or out / "ckpt").resolve()
@@ -154,20 +158,23 @@ def main() -> None:
         for impl in ("megatron", "shardwise"):  # one at a time: these are the timed runs
             name = f"{zero}_{impl}_full"
             proc, log = launch(name, command(scripts[impl], strategy, args.iters, ckpt / f"{zero}_{impl}",
-                                             None, args.save_at), env, out)
+                                             None, args.save_at, args.nproc), env, out)
             runs[name] = finish(name, proc, log, out)
             print(name, "rc", runs[name]["rc"], timing(runs[name], skip=5), flush=True)
             # a run also saves at its end: point Megatron-LM's tracker back at the iteration-save_at one
             (ckpt / f"{zero}_{impl}" / TRACKER).write_text(str(args.save_at))
-        started = {}
-        for impl, source in (("shardwise", "shardwise"), ("shardwise", "megatron"),
-                             ("megatron", "shardwise"), ("megatron", "megatron")):
+        started = {}  # one GPU: the resumed runs side by side; several: one after another
+        for impl, source in RESUMES:
             name = f"{zero}_{impl}_from_{source}"
-            started[name] = launch(name, command(scripts[impl], strategy, args.iters, None,
-                                                 ckpt / f"{zero}_{source}", args.save_at), env, out)
+            cmd = command(scripts[impl], strategy, args.iters, None, ckpt / f"{zero}_{source}", args.save_at,
+                          args.nproc)
+            started[name] = launch(name, cmd, env, out)
+            if args.nproc > 1:
+                runs[name] = finish(name, *started.pop(name), out)
         for name, (proc, log) in started.items():
             runs[name] = finish(name, proc, log, out)
-            print(name, "rc", runs[name]["rc"], flush=True)
+        for impl, source in RESUMES:
+            print(f"{zero}_{impl}_from_{source}", "rc", runs[f"{zero}_{impl}_from_{source}"]["rc"], flush=True)
     summary = summarize(runs, args)
     (out / "runs.json").write_text(json.dumps({"runs": runs, "summary": summary}, indent=1))
     (out / "summary.md").write_text(table(summary))
@@ -181,8 +188,7 @@ def summarize(runs: dict, args) -> dict:
         m, s = runs[f"{zero}_megatron_full"], runs[f"{zero}_shardwise_full"]
         entry = {"megatron": timing(m, skip=5), "shardwise": timing(s, skip=5),
                  "shardwise_vs_megatron_1..N": differences(s, m, 1, args.iters)}
-        for impl, source in (("shardwise", "shardwise"), ("shardwise", "megatron"),
-                             ("megatron", "shardwise"), ("megatron", "megatron")):
+        for impl, source in RESUMES:
             resumed = runs[f"{zero}_{impl}_from_{source}"]
             entry[f"{impl}_from_{source}"] = {
                 "rc": resumed["rc"],

@@ -293,7 +293,7 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
                 expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
                 num_distributed_optimizer_instances=ddp.num_distributed_optimizer_instances,
             )
-        check_context_parallel("FullyShardedDataParallelV1", cfg.context_parallel_size, pg_collection, self.module)
+        check_context_parallel("FullyShardedDataParallelV1", cfg.context_parallel_size, pg_collection, self.sharded_model)
         tp_group = getattr(pg_collection, "tp", None)
         if tp_group is None:  # this rank alone (the default layout's TP groups, created by every rank)
             tp_group = build_process_groups().tp

@@ -70,7 +70,7 @@ def _ddp(version: int, strategy: str) -> DistributedDataParallelConfig:
 
 def _cp_loss(wrapped, tokens, targets):
     """The GPT's loss (the whole rows' token mean) on this CP rank's zig-zag slice of the rows."""
-    group = wrapped.module.config.cp_group
+    group = wrapped.sharded_model.config.cp_group
     return wrapped(zigzag_split(tokens, group), zigzag_split(targets, group))
 
 
@@ -91,7 +91,7 @@ def _check_sharding(wrapped, pg, tp: int) -> None:
     assert names == (("dp_shard", "tp") if tp > 1 else ("dp_shard",)), names
     # the data-parallel axis is Megatron's dp_cp group itself: data x context ranks
     assert plan.mesh.get_group("dp_shard") is pg.dp_cp and plan.dp_size == dist.get_world_size(pg.dp_cp)
-    weight = wrapped.module.layers[0].attention.wq.weight
+    weight = wrapped.sharded_model.layers[0].attention.wq.weight
     assert isinstance(weight, DTensor) and weight.shape == (32, 32)
     assert weight.placements[names.index("dp_shard")] == Shard(0)
 
@@ -110,7 +110,7 @@ def _train_case(pg, version: int, strategy: str, tp: int) -> None:
     sharded, reference = train_both(
         _seeded(cp_model), wrap, _sgd, _batch, STEPS, loss=_cp_loss, data_rank=dist.get_rank(pg.dp),
         data_ranks=dist.get_world_size(pg.dp), hooks=megatron_hooks(), loss_group=pg.dp_cp,
-        full_state=lambda wrapped: shardwise.full_state_dict(wrapped.module), reference=_seeded(_gpt_config()),
+        full_state=lambda wrapped: shardwise.full_state_dict(wrapped.sharded_model), reference=_seeded(_gpt_config()),
         reference_backward=lambda model, *rows: _backward(_reference_loss(model, *rows)),
     )
     compare(sharded, reference, trained_by=0.1)
@@ -150,7 +150,7 @@ def _per_token_case(pg) -> None:
     with torch.no_grad():
         for p in single.parameters():
             p -= p.grad
-    assert_close_states(shardwise.full_state_dict(wrapped.module), state_of(single))
+    assert_close_states(shardwise.full_state_dict(wrapped.sharded_model), state_of(single))
 
 
 def _refusals(pg) -> None:
