@@ -155,7 +155,7 @@ def _one_step_grads(face, config, ddp, pg) -> dict:
     tokens, targets = batch(0, 4, TinyConfig())
     wrapped(tokens.to(device()), targets.to(device())).backward()
     wrapped.finish_grad_sync()
-    return {n: p.grad.full_tensor() for n, p in wrapped.module.named_parameters() if p.grad is not None}
+    return {n: p.grad.full_tensor() for n, p in wrapped.sharded_model.named_parameters() if p.grad is not None}
 
 
 def _ignored_rows_change_nothing():
@@ -224,11 +224,11 @@ def _dtypes_reach_the_groups(face):
     pg = build_process_groups()
     cfg = TransformerConfig(bf16=True)
     wrapped = _wrap(face, cfg, _ddp(megatron_fsdp_main_params_dtype=torch.float32), TinyLM(TinyConfig()), pg)
-    groups = sharded_state(wrapped.module).groups
+    groups = sharded_state(wrapped.sharded_model).groups
     tokens, targets = batch(0, 4, TinyConfig())
     wrapped(tokens.to(device()), targets.to(device())).backward()
     wrapped.finish_grad_sync()
-    grads = {p.grad.dtype for p in wrapped.module.parameters() if p.grad is not None}
+    grads = {p.grad.dtype for p in wrapped.sharded_model.parameters() if p.grad is not None}
     return ({(g.main_dtype, g.main_grad_dtype, g.compute_dtype) for g in groups if g.requires_grad}, grads)
 
 
@@ -279,7 +279,7 @@ def _train_mixed(face: str, main_grads: torch.dtype) -> tuple[Trained, Trained]:
     sharded, reference = train_both(
         build, lambda m: _wrap(face, TransformerConfig(), ddp, m, pg),
         lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), lambda step: batch(step, 8, TinyConfig()),
-        4, hooks=megatron_hooks(), full_state=lambda w: shardwise.full_state_dict(w.module),
+        4, hooks=megatron_hooks(), full_state=lambda w: shardwise.full_state_dict(w.sharded_model),
         reference_backward=_rounded_reference_backward(world, main_grads),
     )
     return _sendable(sharded), _sendable(reference)
@@ -318,10 +318,10 @@ def _bf16_main_weights_with_fp32_grads():
     sharded, reference = train_both(
         build, lambda m: _wrap(V1, TransformerConfig(bf16=True), ddp, m, pg),
         lambda m: torch.optim.SGD(m.parameters(), lr=0.05), lambda step: batch(step, 8, TinyConfig()),
-        BF16_STEPS, hooks=megatron_hooks(), full_state=lambda w: shardwise.full_state_dict(w.module),
+        BF16_STEPS, hooks=megatron_hooks(), full_state=lambda w: shardwise.full_state_dict(w.sharded_model),
         reference_backward=reference_backward,
     )
-    main = {g.main_dtype for g in sharded_state(sharded.model.module).groups}
+    main = {g.main_dtype for g in sharded_state(sharded.model.sharded_model).groups}
     return _sendable(sharded), _sendable(reference), main
 
 
@@ -354,7 +354,7 @@ def _decoupled(face):
             wrapped.zero_grad_buffer()
             wrapped(tokens[rows].to(device()), targets[rows].to(device())).backward()
             wrapped.finish_grad_sync()
-            params = list(wrapped.module.parameters())
+            params = list(wrapped.sharded_model.parameters())
             if step == 0 and decoupled:
                 assert all(p.grad is None for p in params)
                 grads = [p.decoupled_grad for p in params if getattr(p, "decoupled_grad", None) is not None]
@@ -364,7 +364,7 @@ def _decoupled(face):
         wrapped.scale_gradients(0.5)
         attr = "decoupled_grad" if decoupled else "grad"
         results[decoupled] = {n: getattr(p, attr).full_tensor().float()
-                              for n, p in wrapped.module.named_parameters() if getattr(p, attr, None) is not None}
+                              for n, p in wrapped.sharded_model.named_parameters() if getattr(p, attr, None) is not None}
     return results
 
 
@@ -418,7 +418,7 @@ def _fused_wgrad(face):
             net, cfg, units = _megatron_linears(fusion)
             wrapped = FACES[face](cfg, ddp, net, fsdp_unit_modules=list(units), device=device(), pg_collection=pg)
             if fusion:
-                for p in compute_parameters(wrapped.module):
+                for p in compute_parameters(wrapped.sharded_model):
                     inner = p.get_main_grad
                     p.get_main_grad = (lambda f: lambda: calls.append(1) or f())(inner)
             g = torch.Generator().manual_seed(7 + dist.get_rank())
@@ -429,9 +429,9 @@ def _fused_wgrad(face):
                 with ctx:
                     wrapped(x).square().mean().backward()
             wrapped.finish_grad_sync()
-            grads[fusion] = {n: p.grad.full_tensor() for n, p in wrapped.module.named_parameters()}
+            grads[fusion] = {n: p.grad.full_tensor() for n, p in wrapped.sharded_model.named_parameters()}
             if fusion:
-                left = [getattr(p, "main_grad", None) for p in compute_parameters(wrapped.module)]
+                left = [getattr(p, "main_grad", None) for p in compute_parameters(wrapped.sharded_model)]
         return grads, len(calls), left
     finally:
         parallel_state.destroy_model_parallel()
@@ -457,7 +457,7 @@ def _nan_check(face, check: bool):
     wrapped(tokens.to(device()), targets.to(device())).backward()
     wrapped.finish_grad_sync()  # finite: passes
     if dist.get_rank() == 0:  # one rank's shard only
-        bad = next(p for p in wrapped.module.parameters() if p.grad is not None and p.grad.to_local().numel())
+        bad = next(p for p in wrapped.sharded_model.parameters() if p.grad is not None and p.grad.to_local().numel())
         bad.grad.to_local().view(-1)[0] = float("nan")
     try:
         wrapped.finish_grad_sync()
