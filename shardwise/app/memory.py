@@ -109,9 +109,9 @@ def _layer_saved(kind: str, cfg: GPTConfig, t: int, c: int) -> tuple[int, int]:
 def _context_parallel_attention(cfg: GPTConfig, seq_len: int, micro_batch: int, cp: int, c: int,
                                 materialized_mask: bool = False) -> int:
     """What one attention layer saves beyond its own tokens' under context parallelism
-    (``models.context_parallel.attend_gathered``): each of a rank's two query chunks (``L = seq / 2cp`` tokens)
-    saves the keys and values of the chunks up to its own, ``2 cp + 1`` chunks of every sequence in all, in place
-    of its own two; the attention output is kept twice (per chunk by SDPA, concatenated by ``wo``). Flash and
+    (``models.context_parallel.attend_gathered``): the gathered keys and values of the whole sequence stay
+    saved (each of a rank's two query chunks, ``L = seq / 2cp`` tokens, reads a prefix of them as a view),
+    ``2 cp`` chunks of every sequence in place of its own two; the attention output is kept twice (per chunk by SDPA, concatenated by ``wo``). Flash and
     memory-efficient SDPA (CUDA) take the lower-right causal mask as a flag; where
     ``materialized_mask`` (the CPU path) SDPA builds and keeps it, ``[L, keys seen]`` per chunk in the compute
     dtype, at most ``(2 cp + 1) L^2`` per rank (ranks other than 0)."""
@@ -119,7 +119,7 @@ def _context_parallel_attention(cfg: GPTConfig, seq_len: int, micro_batch: int, 
         return 0
     kv = cfg.n_kv_heads * cfg.head_dim
     chunk = seq_len // (2 * cp)
-    kv_bytes = c * micro_batch * (2 * cp - 1) * chunk * 2 * kv
+    kv_bytes = c * micro_batch * (2 * cp - 2) * chunk * 2 * kv
     # the attention output twice: each chunk's SDPA keeps its own, ``wo`` the concatenated copy
     output = c * micro_batch * 2 * chunk * cfg.n_heads * cfg.head_dim
     return kv_bytes + output + (c * (2 * cp + 1) * chunk * chunk if materialized_mask else 0)

@@ -6,10 +6,10 @@ causal mask every rank has the same amount of attention work (an early chunk
 sees few keys, its partner many).
 
 Attention exchange (all-gather of K/V): every rank gathers the whole
-sequence's keys and values, in rank order (chunks ``0, 2cp-1, 1, 2cp-2, ...``),
-and each query chunk attends to the keys before it with the causal mask aligned
-to its lower right (:func:`attend_gathered`), which flash attention takes as a
-flag: no mask is built and masked blocks are skipped. Backward reduce-scatters the K/V gradients: each rank's keys
+sequence's keys and values, put in sequence order as they arrive (one copy),
+and each query chunk attends to the keys before it (a prefix view) with the causal
+mask aligned to its lower right (:func:`attend_gathered`), which flash attention
+takes as a flag: no mask is built and masked blocks are skipped. Backward reduce-scatters the K/V gradients: each rank's keys
 were read by every rank's queries. This is the simplest exchange that is
 exact for zig-zag causal attention, and the one Megatron-Core (``a2a`` /
 ``allgather`` CP comm types) and torchtitan offer besides the ring; a ring
@@ -87,36 +87,41 @@ def zigzag_unsplit(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     return torch.cat(chunks, dim=dim)
 
 
-def _all_gather_cat(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(group_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+def _rank_slices(x: torch.Tensor, cp: int, dim: int) -> list[torch.Tensor]:
+    """Each CP rank's zig-zag slice of the whole sequence ``x`` (contiguous, rank order)."""
+    chunks = x.chunk(2 * cp, dim=dim)
+    return [torch.cat([chunks[c] for c in zigzag_chunks(rank, cp)], dim=dim) for rank in range(cp)]
 
 
 class _GatherSequence(torch.autograd.Function):
-    """All-gather along ``dim`` forward (rank order); reduce-scatter (sum) of the gradient backward."""
+    """All-gather of every rank's zig-zag slice along ``dim``, put in sequence order, forward; reduce-scatter
+    (sum) of the gradient backward."""
 
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _all_gather_cat(x, group, dim)
+        parts = [torch.empty_like(x) for _ in range(group_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return zigzag_unsplit(parts, dim=dim)
 
     @staticmethod
     def backward(ctx, grad):
         cp, rank = group_size(ctx.group), group_rank(ctx.group)
-        pieces = [p.contiguous() for p in grad.chunk(cp, dim=ctx.dim)]
-        out = torch.empty_like(pieces[rank])
         if dist.get_backend(ctx.group) == "nccl":
+            pieces = _rank_slices(grad, cp, ctx.dim)
+            out = torch.empty_like(pieces[rank])
             dist.reduce_scatter(out, pieces, group=ctx.group)
-        else:  # gloo has no reduce-scatter: sum everything, keep this rank's piece
+        else:  # gloo has no reduce-scatter: sum everything, keep this rank's slice
             total = grad.contiguous().clone()
             dist.all_reduce(total, group=ctx.group)
-            out.copy_(total.chunk(cp, dim=ctx.dim)[rank])
+            chunks = total.chunk(2 * cp, dim=ctx.dim)
+            out = torch.cat([chunks[c] for c in zigzag_chunks(rank, cp)], dim=ctx.dim)
         return out, None, None
 
 
 def gather_sequence(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """Every CP rank's ``x`` concatenated along ``dim`` in rank order (autograd-correct)."""
+    """The whole sequence, in sequence order, from every CP rank's zig-zag slice ``x`` along ``dim``
+    (autograd-correct: the inverse of :func:`zigzag_split` across the group)."""
     return x if group_size(group) == 1 else _GatherSequence.apply(x, group, dim)
 
 
@@ -125,7 +130,7 @@ def context_parallel_attention(q, k, v, group, *, causal: bool = True, dropout_p
     """SDPA of this CP rank's queries against the whole sequence's keys and values.
 
     ``q``, ``k``, ``v`` are ``[batch, heads, local_seq, head_dim]`` holding this rank's zig-zag chunks;
-    the keys and values are all-gathered (rank order) and attended by :func:`attend_gathered`.
+    the keys and values are all-gathered into sequence order and attended by :func:`attend_gathered`.
     """
     cp, rank = group_size(group), group_rank(group)
     if cp == 1:
@@ -135,18 +140,9 @@ def context_parallel_attention(q, k, v, group, *, causal: bool = True, dropout_p
     return attend_gathered(q, keys, values, rank, cp, causal=causal, dropout_p=dropout_p, enable_gqa=enable_gqa)
 
 
-def _natural_order(cp: int) -> list[int]:
-    """Where chunk ``c`` (of ``2 * cp``, in sequence order) sits in the K/V gathered in rank order."""
-    slot = {}
-    for rank in range(cp):
-        first, second = zigzag_chunks(rank, cp)
-        slot[first], slot[second] = 2 * rank, 2 * rank + 1
-    return [slot[c] for c in range(2 * cp)]
-
-
 def attend_gathered(q, keys, values, rank: int, cp: int, *, causal: bool, dropout_p: float = 0.0,
                     enable_gqa: bool = False) -> torch.Tensor:
-    """CP rank ``rank``'s attention, given the whole sequence's keys and values gathered in rank order.
+    """CP rank ``rank``'s attention, given the whole sequence's keys and values in sequence order.
 
     Causal: each of the rank's two query chunks (chunk ``c``, positions ``c*L .. (c+1)*L``) attends to
     the keys of chunks ``0 .. c`` with the causal mask aligned to the lower right (query ``c*L + i`` sees
@@ -158,13 +154,10 @@ def attend_gathered(q, keys, values, rank: int, cp: int, *, causal: bool, dropou
     if not causal:
         return F.scaled_dot_product_attention(q, keys, values, dropout_p=dropout_p, enable_gqa=enable_gqa)
     chunk = q.shape[2] // 2
-    order = _natural_order(cp)
-    k_chunks, v_chunks = keys.split(chunk, dim=2), values.split(chunk, dim=2)
     outs = []
     for queries, c in zip(q.split(chunk, dim=2), zigzag_chunks(rank, cp)):
         seen = (c + 1) * chunk
-        k_seen = torch.cat([k_chunks[order[i]] for i in range(c + 1)], dim=2)
-        v_seen = torch.cat([v_chunks[order[i]] for i in range(c + 1)], dim=2)
+        k_seen, v_seen = keys.narrow(2, 0, seen), values.narrow(2, 0, seen)  # views: the keys before the chunk
         if c == 0:  # a square block: plain causal
             outs.append(F.scaled_dot_product_attention(queries, k_seen, v_seen, dropout_p=dropout_p,
                                                        is_causal=True, enable_gqa=enable_gqa))

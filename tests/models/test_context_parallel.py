@@ -41,7 +41,7 @@ def test_zigzag_chunks_cover_each_position_once_and_balance_causal_work():
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
 def test_each_rank_attending_the_gathered_keys_equals_unsplit_causal_attention(cp):
-    """Every rank's chunks against the K/V in gathered (rank) order, one process: forward and backward."""
+    """Every rank's chunks against the whole sequence's K/V, one process: forward and backward."""
     seq, g = 24 * cp, torch.Generator().manual_seed(cp)
     q, k, v = torch.randn(2, 4, seq, 8, generator=g), torch.randn(2, 2, seq, 8, generator=g), torch.randn(
         2, 2, seq, 8, generator=g)
@@ -55,7 +55,7 @@ def test_each_rank_attending_the_gathered_keys_equals_unsplit_causal_attention(c
         return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=2)
 
     kv = [t.clone().requires_grad_() for t in (k, v)]
-    gathered = [torch.cat([rank_slice(t, r) for r in range(cp)], dim=2) for t in kv]
+    gathered = [t * 1 for t in kv]  # what the gather hands attend_gathered: the whole sequence, in order
     queries = [rank_slice(q, r).requires_grad_() for r in range(cp)]
     outs = [attend_gathered(queries[r], *gathered, r, cp, causal=True, enable_gqa=True) for r in range(cp)]
     sum((o * rank_slice(upstream, r)).sum() for r, o in enumerate(outs)).backward()
