@@ -113,7 +113,7 @@ def setup_model_and_optimizer(pretrain_gpt, training):
     return training.setup_model_and_optimizer(provider, ModelType.encoder_or_decoder)
 
 
-def run(phase: str, folder: Path, strategy: str) -> list[str]:
+def run(phase: str, folder: Path, strategy: str, extra_flags: str = "") -> list[str]:
     import pretrain_gpt
     from megatron.training import checkpointing, get_args, training
 
@@ -121,7 +121,7 @@ def run(phase: str, folder: Path, strategy: str) -> list[str]:
 
     names = use_in_megatron()  # the one added line
     cmdline = (f"--data-parallel-sharding-strategy {strategy} --save {folder / 'ckpt'} --save-interval {STEPS} "
-               f"{CPU_FLAGS if not torch.cuda.is_available() else ''}")
+               f"{CPU_FLAGS if not torch.cuda.is_available() else ''} {extra_flags}")
     if phase == "load":
         cmdline += f" --load {folder / 'ckpt'}"
     check._setup(cmdline)
@@ -152,6 +152,8 @@ def main() -> None:
     parser.add_argument("--phase", choices=["save", "load"], required=True)
     parser.add_argument("--folder", type=Path, required=True)
     parser.add_argument("--strategy", default="optim_grads_params")
+    parser.add_argument("--swiglu", action="store_true",
+                        help="a SwiGLU GPT: checkpointing.py splits each linear_fc1 into _w/_v halves")
     opts = parser.parse_args()
     tree, folder = opts.megatron_lm.resolve(), opts.folder.resolve()
     check.put_on_path(tree)
@@ -161,7 +163,7 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     with check.cuda_on_the_cpu(), check.cuda_tensors_on_the_cpu():
-        wrong = run(opts.phase, folder, opts.strategy)
+        wrong = run(opts.phase, folder, opts.strategy, "--swiglu" if opts.swiglu else "")
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, wrong)
     if dist.get_rank() == 0:

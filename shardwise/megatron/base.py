@@ -34,6 +34,7 @@ from ..placements import AxisPlacements
 from ..precision import MixedPrecisionPolicy
 from ..registry import LAYER, module_types
 from .config import OUTER_SHARDING_STRATEGIES, DistributedDataParallelConfig, TransformerConfig
+from .options import UnsupportedMegatronOption
 from .meshes import _DATA_PARALLEL_PLACEMENTS, EP_AXIS, INNER_AXIS, OUTER_AXIS, TP_AXIS
 from .buffer_view import ParamAndGradBufferView
 from .grads import grads_of
@@ -286,8 +287,34 @@ class MegatronFSDPLevel(nn.Module):
         return self.module(*inputs, **kwargs)
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
-        """What Megatron-LM saves of an unwrapped chunk: this level's state dict (``module.<model key>``)."""
+        """What Megatron-LM saves of an unwrapped chunk: this level's state dict (``module.<model key>``).
+
+        Refused for gated linear units: see :func:`refuse_swiglu_checkpoint`.
+        """
+        refuse_swiglu_checkpoint(self.config)
         return self.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+
+def refuse_swiglu_checkpoint(config: Any) -> None:
+    """Refuse Megatron-LM's ``fsdp_dtensor`` save/load of a ``--swiglu`` model, by name, before it fails obscurely.
+
+    Megatron-LM builds its ``fsdp_dtensor`` state (save and load alike) from this
+    level's ``state_dict_for_save_checkpoint``, then, under ``--swiglu``, its
+    ``handle_swiglu_in_state_dict`` cuts every ``linear_fc1`` weight/bias into
+    ``_w``/``_v`` halves from Megatron-FSDP's own parameter attributes
+    (``megatron_fsdp_slice``, ``megatron_fsdp_dist_index``) and rebuilds them with
+    Megatron-FSDP's uneven-DTensor metadata; shardwise's parameters carry neither.
+    """
+    if getattr(config, "gated_linear_unit", False):
+        raise UnsupportedMegatronOption(
+            "TransformerConfig.gated_linear_unit=True (--swiglu) with Megatron-LM's --ckpt-format fsdp_dtensor "
+            "checkpoints is not supported by shardwise: checkpointing.py's handle_swiglu_in_state_dict splits "
+            "each linear_fc1 into _w/_v halves by reading Megatron-FSDP's parameter attributes "
+            "megatron_fsdp_slice and megatron_fsdp_dist_index, which shardwise's parameters do not have. "
+            "Instead: train the SwiGLU model without Megatron-LM's --save/--load (checkpoint with "
+            "torch.distributed.checkpoint on the chunk's state_dict()), or run it on Megatron-FSDP itself "
+            "(without use_in_megatron())."
+        )
 
 
 class _ShardedDataParallel(_BaseDataParallel):

@@ -229,7 +229,9 @@ OPTIONS: tuple[Option, ...] = (
         "read by Megatron's layers when they are built; the wrapper takes the model as built")),
     Option(TC, "perform_initialization", "", ignored("read by Megatron's layers when they are built"),
            when=FALSE),
-    Option(TC, "gated_linear_unit", "--swiglu", ignored("the layout of the fc1 weight; sharded like any other")),
+    Option(TC, "gated_linear_unit", "--swiglu", ignored("the layout of the fc1 weight; sharded like any other "
+                                                       "(Megatron-LM's fsdp_dtensor save/load of it is refused at the "
+                                                       "first save: base.refuse_swiglu_checkpoint)")),
     Option(TC, "gradient_accumulation_fusion", "on by default; --no-gradient-accumulation-fusion", implemented(
         "the compute weights get __fsdp_param__ and get_main_grad() (their .grad): Megatron's linear layers "
         "write the fused weight gradient there and the engine reduces it")),
