@@ -25,6 +25,7 @@ __all__ = [
     "wait_for_reductions",
     "install_grads",
     "install_static_grads",
+    "zero_grads_in_place",
     "finish_grad_accumulation",
     "split_backward_input",
     "compute_parameters",
@@ -85,6 +86,23 @@ def install_static_grads(model: nn.Module) -> None:
     """
     for group in sharded_state(model).groups:
         group.install_static_grads()
+
+
+def zero_grads_in_place(model: nn.Module) -> None:
+    """Start a step by zeroing every gradient where it is: the kept gradient buffers and the ``.grad`` (or
+    ``.decoupled_grad``) tensors handed out stay installed, and the step's reductions add onto the zeros.
+
+    For a face whose training loop replays a captured graph it does not drive (Megatron-LM's
+    full-iteration graph): the optimizer step after a replay reads ``.grad`` with no Python run in
+    between, so those tensors must be the ones the captured step wrote. Needs ``graph_safe=True``
+    (its gradient buffers are kept from step to step).
+    """
+    state = sharded_state(model)
+    if not state.graph_safe:
+        raise ValueError(f"zero_grads_in_place: {type(model).__name__} was wrapped with graph_safe=False; its "
+                         "gradient buffers are freed with .grad, use model.zero_grad_buffer() instead")
+    for group in state.groups:
+        group.zero_grads_in_place()
 
 
 def finish_grad_accumulation(model: nn.Module) -> None:

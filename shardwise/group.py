@@ -468,6 +468,32 @@ class ParamGroup:
         self._host_ready = None
         self._host_kept = None
 
+    @torch.no_grad()
+    def zero_grads_in_place(self) -> None:
+        """Graph-safe mode's ``zero_grad``: zero the kept gradient buffer and the gradients handed out where
+        they are, never drop them; the next window adds onto those zeros.
+
+        A replayed graph runs no Python, so the ``.grad`` (or ``grad_attr``) tensors the optimizer reads
+        after a replay must be the very tensors the captured step wrote: they stay installed for good.
+        Also ends any ``no_sync`` accumulation left open, as :meth:`discard_grads` does.
+        """
+        for param in self.unsharded_params:
+            param.grad = None
+            for alias in self.grad_aliases:
+                setattr(param, alias, None)
+        self._grad_acc = None
+        self._main_grad = None
+        self.grad_state = GradState.IDLE
+        flat = self._static_grads.get("main_grad")
+        handed = [getattr(p, self.grad_attr, None) for p in self.sharded_params]
+        handed = [g._local_tensor if hasattr(g, "_local_tensor") else g for g in handed if g is not None]
+        if flat is not None:
+            flat.zero_()
+            handed = [g for g in handed if g._base is not flat]  # views of the kept buffer: zeroed with it
+        handed = [g for g in handed if g.numel()]
+        if handed:
+            torch._foreach_zero_(handed)
+
     def install_grads(self) -> None:
         """Expose the finalized main grads as the sharded parameters' ``.grad``.
 

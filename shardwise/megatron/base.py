@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..engine import ShardedState, load_full_state_dict, sharded_state
+from ..engine import ShardedState, load_full_state_dict, sharded_state, zero_grads_in_place
 from ..fully_shard import fully_shard
 from ..materialize import MetaInitializer, has_meta_tensors
 from ..mesh import DENSE, EXPERT, default_device_type
@@ -347,10 +347,13 @@ class _ShardedDataParallel(_BaseDataParallel):
         expert_placements: Optional[dict[str, AxisPlacements]] = None,
         gradient_reduction: str = "mean",
         bucket_size: Optional[int] = None,
+        graph_mode: bool = False,
     ) -> None:
         """Shard the model (:attr:`sharded_model`) with the engine: dense parameters over ``mesh`` (its ``tp`` axis, if
         any, is tensor-parallel), expert parameters (:func:`is_expert_param`) over ``expert_mesh``
-        (its ``ep`` axis)."""
+        (its ``ep`` axis). ``graph_mode`` (``megatron_fsdp_cuda_graph_mode``): ``graph_safe=True``, see
+        :meth:`zero_grad_buffer` and :class:`ParamAndGradBufferView` for what changes around it."""
+        self.graph_mode = graph_mode
         module = self.sharded_model
         initializer = None
         if has_meta_tensors(module):
@@ -378,12 +381,13 @@ class _ShardedDataParallel(_BaseDataParallel):
             gradient_reduction=gradient_reduction,
             bucket_size=bucket_size,
             plan_fn=expert_plan_fn,
+            graph_safe=graph_mode,
         )
         if initializer is not None:
             initializer.finish()
         for param in module.parameters():
             setattr(param, FSDP_PARAM_ATTR, True)
-        self.param_and_grad_buffer = ParamAndGradBufferView(module)
+        self.param_and_grad_buffer = ParamAndGradBufferView(module, rebuild_now=not graph_mode)
 
     @property
     def sharded_state(self) -> ShardedState:
@@ -404,16 +408,28 @@ class _ShardedDataParallel(_BaseDataParallel):
         """Start a new step: the next backward overwrites the gradient buffers instead of adding.
 
         Clears every sharded parameter's ``.grad`` and drops what earlier
-        ``no_sync`` micro-batches accumulated without a final backward.
+        ``no_sync`` micro-batches accumulated without a final backward. In CUDA-graph mode the
+        gradients are zeroed in place instead and ``.grad`` stays: Megatron-LM's optimizer reads it right
+        after a replay, which runs no Python to install it again.
         """
-        self.sharded_model.zero_grad_buffer()
+        if getattr(self, "graph_mode", False):
+            zero_grads_in_place(self.sharded_model)
+        else:
+            self.sharded_model.zero_grad_buffer()
 
     @torch.no_grad()
-    def scale_gradients(self, scaling_factor: float) -> None:
-        """Multiply every installed gradient (the sharded main grads, ``.grad`` or ``.decoupled_grad``) by ``scaling_factor``."""
+    def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
+        """Multiply every installed gradient (the sharded main grads, ``.grad`` or ``.decoupled_grad``) by ``scaling_factor``.
+
+        A tensor factor (``finalize_model_grads``' ``1 / num_tokens`` with per-token loss) stays on the device:
+        reading it on the host would be a sync, which a captured graph cannot hold."""
         grads = [g.to_local() if isinstance(g, DTensor) else g for _, g in grads_of(self.sharded_model)]
         grads = [g for g in grads if g.numel()]
-        if grads:
+        if not grads:
+            return
+        if isinstance(scaling_factor, torch.Tensor):
+            torch._foreach_mul_(grads, scaling_factor.to(grads[0].device))
+        else:
             torch._foreach_mul_(grads, float(scaling_factor))
 
     # ------------------------------------------------------------- state dict

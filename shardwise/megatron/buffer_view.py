@@ -33,8 +33,11 @@ class ParameterGroupView:
 class ParamAndGradBufferView:
     """Megatron-FSDP's ``param_and_grad_buffer`` API over a model that ``fully_shard`` wrapped."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, rebuild_now: bool = True):
         self._module = module
+        # CUDA-graph mode: the rebuild belongs to the next forward (inside Megatron-LM's captured
+        # iteration, so every replay redoes it), never to the eager optimizer step.
+        self._rebuild_now = rebuild_now
 
     @property
     def parameter_groups(self) -> list[ParameterGroupView]:
@@ -48,9 +51,14 @@ class ParamAndGradBufferView:
 
         Where parameters are replicated but the optimizer state is sharded
         (ZeRO-1/2, HFSDP's outer axis) this gathers the updated shards now; a
-        ZeRO-3 unit casts and gathers at its next forward, as it always does.
+        ZeRO-3 unit casts and gathers at its next forward, as it always does. In CUDA-graph mode
+        the weights are only marked changed: the next forward rebuilds them in place (a replay
+        cannot run the host logic that would decide it).
         """
-        refresh_model_weights(self._module)
+        if self._rebuild_now:
+            refresh_model_weights(self._module)
+        else:
+            self._module.mark_weights_modified()
 
     def manual_buffer_registration(self) -> None:
         """Megatron-LM calls this under ``--use-nccl-ub --fsdp-manual-registration``; not built."""

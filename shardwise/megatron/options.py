@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Optional
 
 __all__ = [
     "Verdict", "Handling", "Option", "OPTIONS", "UnsupportedMegatronOption",
-    "check_options", "render_markdown", "V1", "V2",
+    "check_options", "render_markdown", "V1", "V2", "GRAPH_MODE", "graph_mode",
 ]
 
 logger = logging.getLogger("shardwise.megatron.mcore_fsdp_adapter")
@@ -68,17 +68,35 @@ def ignored(why: str) -> Handling:
 
 @dataclass(frozen=True)
 class When:
-    """Which values a REFUSED / IGNORED verdict takes effect on (the others, defaults included, pass)."""
+    """Which values a REFUSED / IGNORED verdict takes effect on (the others, defaults included, pass);
+    ``given``: a condition on the other configs too (``{DDP: ..., TC: ..., ARG: ...}``), if any."""
 
     text: str
     test: Callable[[Any], bool]
+    given: Optional[Callable[[Mapping[str, Any]], bool]] = None
+
+    def applies(self, value: Any, sources: Mapping[str, Any]) -> bool:
+        return self.test(value) and (self.given is None or self.given(sources))
 
 
 SET = When("set", lambda v: bool(v))
 FALSE = When("False", lambda v: v is False)
 NOT_NONE = When("not None", lambda v: v is not None)
 NOT_ONE = When("not 1", lambda v: v is not None and v != 1)
-CUDA_GRAPH = When("not 'none'", lambda v: v not in (None, "none"))
+
+
+def graph_mode(ddp_config: Any) -> bool:
+    """Whether the DDP config asks for Megatron-FSDP's CUDA-graph mode (0.19's field; 0.16 has none)."""
+    return bool(getattr(ddp_config, "megatron_fsdp_cuda_graph_mode", False))
+
+
+# Megatron's per-layer graphs (local, transformer_engine) capture each layer's forward alone; the full
+# iteration is built, on a graph-safe wrapper only.
+UNCAPTURABLE_GRAPH = When(
+    "'local', 'transformer_engine', or 'full_iteration' without megatron_fsdp_cuda_graph_mode",
+    lambda v: v not in (None, "none"),
+    given=lambda sources: _read_name(sources, TC, "cuda_graph_impl") != "full_iteration"
+    or not graph_mode(sources.get(DDP)))
 
 
 @dataclass(frozen=True)
@@ -95,7 +113,9 @@ class Option:
         return self.v2 if face == V2 and self.v2 is not None else self.v1
 
 
-_CUDA_GRAPHS = refused("CUDA graphs: not built yet", "leave CUDA graphs off (--cuda-graph-impl none)")
+_CUDA_GRAPHS = refused(
+    "per-layer CUDA graphs capture each layer's forward without the wrapper's gathers and reductions around it; "
+    "only Megatron-LM's full-iteration graph is built", "use --cuda-graph-impl full_iteration (0.19) or none")
 _ALLOCATOR = ignored("an allocation strategy for Megatron-FSDP's own communication buffers; shardwise's "
                      "come from PyTorch's caching allocator, the numbers are the same")
 _FSDP_DOES_NOT_READ = "Megatron-FSDP does not read it either (plain DDP's option)"
@@ -147,8 +167,11 @@ OPTIONS: tuple[Option, ...] = (
     Option(DDP, "overlap_param_gather", "--overlap-param-gather", implemented(
         "V1: prefetch the next unit's all-gather; V2 always prefetches")),
     Option(DDP, "align_param_gather", "", ignored(_FSDP_DOES_NOT_READ + "; shardwise orders its own gathers")),
-    Option(DDP, "fsdp_all_gather_in_start_param_sync", "off with --cuda-graph-impl full_iteration", ignored(
-        "shardwise gathers in forward's pre-hooks; start_param_sync only rebuilds the compute weights"),
+    Option(DDP, "fsdp_all_gather_in_start_param_sync", "off with --cuda-graph-impl full_iteration", implemented(
+        "V1, True: start_param_sync rebuilds the compute weights now (ZeRO-1/2: the all-gather of the updated "
+        "shards); False: it only marks them changed and the next forward rebuilds them (inside Megatron-LM's "
+        "full-iteration graph, on every replay)"),
+        v2=ignored("V2 rebuilds the compute weights in forward's pre-hooks; its start_param_sync does nothing"),
         when=FALSE, releases="0.19"),
     Option(DDP, "bucket_size", "--ddp-bucket-size (Megatron-LM fills in a default)", implemented(
         "V1: caps the groups of parameters no unit owns (embeddings, head)"),
@@ -180,8 +203,13 @@ OPTIONS: tuple[Option, ...] = (
         "MXFP8 parameter gathers are not built", "drop --reuse-grad-buf-for-mxfp8-param-ag")),
     Option(DDP, "keep_fp8_transpose_cache", "--keep-fp8-transpose-cache", ignored(
         "only matters for fp8 parameters, which are refused")),
-    Option(DDP, "megatron_fsdp_cuda_graph_mode", "set by --cuda-graph-impl other than none", _CUDA_GRAPHS,
-           releases="0.19"),
+    Option(DDP, "megatron_fsdp_cuda_graph_mode", "set by --cuda-graph-impl other than none", implemented(
+        "the chunk is wrapped with fully_shard(graph_safe=True): gathered weights, gradient buffers and staging "
+        "buffers keep their addresses, no host syncs in forward, backward and finish_grad_sync; "
+        "zero_grad_buffer zeroes the gradients in place (.grad stays installed for the optimizer after a "
+        "replay); the optimizer step only marks the compute weights changed, the next forward rebuilds "
+        "them in place; what cannot be captured is refused by name (the graph-mode table below)"),
+        releases="0.19"),
     Option(DDP, "megatron_fsdp_enable_fine_grained_param_gather", "--megatron-fsdp-enable-fine-grained-param-gather",
            refused("per-submodule parameter gathers are not built; shardwise gathers per unit",
                    "drop --megatron-fsdp-enable-fine-grained-param-gather"), releases="0.19"),
@@ -252,7 +280,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(TC, "fp4_param", "--fp4-param-gather", refused("fp4 parameters are not built", "drop --fp4-param-gather")),
     Option(TC, "enable_cuda_graph", "--enable-cuda-graph", _CUDA_GRAPHS),
     Option(TC, "external_cuda_graph", "--external-cuda-graph", _CUDA_GRAPHS),
-    Option(TC, "cuda_graph_impl", "--cuda-graph-impl", _CUDA_GRAPHS, when=CUDA_GRAPH),
+    Option(TC, "cuda_graph_impl", "--cuda-graph-impl", _CUDA_GRAPHS, when=UNCAPTURABLE_GRAPH),
     # ------------------------------------------------ the constructor's arguments
     Option(ARG, "fsdp_unit_modules", "", implemented(
         "the module classes sharded as units (default: transformer, MoE and Mamba layers present)"),
@@ -269,6 +297,33 @@ OPTIONS: tuple[Option, ...] = (
         when=When("None", lambda v: v is None)),
 )
 
+_GRAPH_TODO = "leave CUDA graphs off for this run (--cuda-graph-impl none)"
+
+# What a captured full iteration cannot hold, refused at wrap time when megatron_fsdp_cuda_graph_mode=True.
+GRAPH_MODE: tuple[Option, ...] = (
+    Option(DDP, "check_for_nan_in_grad", "on by default; --no-check-for-nan-in-loss-and-grad", refused(
+        "the NaN check reads its verdict on the host inside finish_grad_sync, which a CUDA graph cannot hold",
+        "pass --no-check-for-nan-in-loss-and-grad (Megatron-LM requires it with full_iteration)"), releases="0.19"),
+    Option(TC, "num_moe_experts", "--num-experts", refused(
+        "dynamic MoE routing gives each expert a data-dependent number of tokens (sizes read on the host)",
+        _GRAPH_TODO), when=NOT_NONE, releases="0.19"),
+    Option(TC, "expert_model_parallel_size", "--expert-model-parallel-size", refused(
+        "expert parallelism's all-to-alls take sizes read on the host", _GRAPH_TODO), when=NOT_ONE,
+        releases="0.19"),
+    Option(TC, "pipeline_model_parallel_size", "--pipeline-model-parallel-size", refused(
+        "pipeline schedules are not captured by the engine (its pipeline stages refuse graph_safe models)",
+        _GRAPH_TODO), when=NOT_ONE, releases="0.19"),
+    Option(TC, "virtual_pipeline_model_parallel_size", "--num-layers-per-virtual-pipeline-stage", refused(
+        "virtual pipeline stages are pipeline schedules, which are not captured", _GRAPH_TODO), when=NOT_NONE,
+        releases="0.19"),
+    Option(TC, "cpu_offloading", "--cpu-offloading", refused(
+        "offloading activations or weights to the host copies and waits on the host inside the step",
+        _GRAPH_TODO), releases="0.19"),
+    Option(TC, "fine_grained_activation_offloading", "--fine-grained-activation-offloading", refused(
+        "offloading activations to the host copies and waits on the host inside the step", _GRAPH_TODO),
+        releases="0.19"),
+)
+
 _BY_NAME = {(o.source, o.name): o for o in OPTIONS}
 
 
@@ -276,16 +331,20 @@ def option(source: str, name: str) -> Option:
     return _BY_NAME[(source, name)]
 
 
+def _read_name(sources: Mapping[str, Any], kind: str, name: str) -> Any:
+    source = sources.get(kind)
+    if kind == ARG:
+        return source.get(name) if source is not None else None
+    return getattr(source, name, None) if source is not None else None
+
+
 def _read(row: Option, sources: Mapping[str, Any]) -> Any:
-    source = sources.get(row.source)
-    if row.source == ARG:
-        return source.get(row.name) if source is not None else None
-    return getattr(source, row.name, None) if source is not None else None
+    return _read_name(sources, row.source, row.name)
 
 
-def refusal_message(face: str, row: Option, value: Any) -> str:
+def refusal_message(face: str, row: Option, value: Any, context: str = "") -> str:
     handling = row.handling(face)
-    return f"{face} does not support {row.name}={value!r}: {handling.text}; {handling.todo}"
+    return f"{face} does not support {row.name}={value!r}{context}: {handling.text}; {handling.todo}"
 
 
 def check_options(face: str, config: Any, ddp_config: Any, arguments: Mapping[str, Any]) -> None:
@@ -300,11 +359,17 @@ def check_options(face: str, config: Any, ddp_config: Any, arguments: Mapping[st
         if handling.verdict is Verdict.IMPLEMENTED:
             continue
         value = _read(row, sources)
-        if not row.when.test(value):
+        if not row.when.applies(value, sources):
             continue
         if handling.verdict is Verdict.REFUSED:
             raise UnsupportedMegatronOption(refusal_message(face, row, value))
         logger.info("%s: %s=%r is accepted and ignored: %s", face, row.name, value, handling.text)
+    if graph_mode(ddp_config):
+        for row in GRAPH_MODE:
+            value = _read(row, sources)
+            if row.when.applies(value, sources):
+                raise UnsupportedMegatronOption(
+                    refusal_message(face, row, value, " with megatron_fsdp_cuda_graph_mode=True"))
 
 
 # ------------------------------------------------------------------ the doc page
@@ -343,6 +408,14 @@ def render_markdown() -> str:
             when = "-" if verdicts == {Verdict.IMPLEMENTED} else row.when.text
             lines.append(f"| `{row.name}` | {flags} | {row.releases} | {when} | {_cell(row.v1)} | {v2} |")
         lines.append("")
+    lines += ["## With `megatron_fsdp_cuda_graph_mode=True`", "",
+              "What a captured full iteration (`--cuda-graph-impl full_iteration`) cannot hold: refused at wrap "
+              "time, on top of the rows above, when the DDP config asks for graph mode.", "",
+              "| field | source | Megatron-LM flag | when | V1 and V2 |", "| --- | --- | --- | --- | --- |"]
+    for row in GRAPH_MODE:
+        flags = row.flags.replace("|", "\\|") or "-"
+        lines.append(f"| `{row.name}` | {row.source} | {flags} | {row.when.text} | {_cell(row.v1)} |")
+    lines.append("")
     return "\n".join(lines)
 
 
