@@ -1,10 +1,10 @@
 """shardwise: Fully Sharded Data Parallel training for PyTorch."""
 
-from .buffers import Collectives
-from .compile import compile_units
-from .cuda_graphs import CapturedStep, capture_step
-from .device import device_for
-from .engine import (
+from .engine.collectives import Collectives
+from .engine.compile import compile_units
+from .engine.cuda_graphs import CapturedStep, capture_step
+from .engine.device import device_for
+from .engine.model_ops import (
     broadcast_from_first_replica,
     finish_grad_accumulation,
     install_grads,
@@ -15,19 +15,19 @@ from .engine import (
     sharded_state,
     wait_for_reductions,
 )
-from .fp8 import convert_to_fp8
-from .fully_shard import ShardedModule, fully_shard
-from .host_syncs import count_host_syncs
-from .materialize import MetaInitializer, materialize_meta_module, materialize_owned_meta_modules
-from .mesh import (build_dp_mesh, build_expert_mesh, check_mesh_ranks_and_group_ranks_are_consistent, experts_by_mark,
+from .engine.fp8 import convert_to_fp8
+from .engine.fully_shard import ShardedModule, fully_shard
+from .engine.host_syncs import count_host_syncs
+from .engine.materialize import MetaInitializer, materialize_meta_module, materialize_owned_meta_modules
+from .engine.mesh import (build_dp_mesh, build_expert_mesh, check_mesh_ranks_and_group_ranks_are_consistent, experts_by_mark,
                    fold_context_parallel)
-from .optim import BackwardOptimizer, clip_grad_norm_, grad_norm
-from .placements import AxisPlacements, STRATEGY_PLACEMENTS, resolve_strategy, strategy_placements
-from .offload import OffloadPolicy
-from .precision import MixedPrecisionPolicy
-from .replaced import check_optimizer_params
-from .state_dict import full_state_dict
-from .teardown import destroy_process_groups
+from .engine.optim import BackwardOptimizer, clip_grad_norm_, grad_norm
+from .engine.placements import AxisPlacements, STRATEGY_PLACEMENTS, resolve_strategy, strategy_placements
+from .engine.offload import OffloadPolicy
+from .engine.precision import MixedPrecisionPolicy
+from .engine.replaced_params import check_optimizer_params
+from .engine.state_dict import full_state_dict
+from .engine.teardown import destroy_process_groups
 
 __all__ = [
     "fully_shard",

@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..optim import takes_clip_factor
+from ..engine.optim import takes_clip_factor
 
 __all__ = ["Phase", "DataParallelRun", "run_steps", "memory_gib", "PEAK_FLOPS_PER_GPU"]
 

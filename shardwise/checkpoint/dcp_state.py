@@ -71,7 +71,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from ..engine import sharded_state
+from ..engine.model_ops import sharded_state
 from .integrity import read_dcp_metadata
 from .rng_state import capture_rng_state, restore_rng_state
 
@@ -176,7 +176,7 @@ def model_tensors(model) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
 def describe_model(model: nn.Module) -> dict:
     """JSON-friendly facts: tensors (shape, dtype, kind), tied aliases, mesh and placements."""
-    from ..placements import STRATEGY_PLACEMENTS, describe
+    from ..engine.placements import STRATEGY_PLACEMENTS, describe
 
     plan = sharded_state(model_parts(model)[0]).plan
     tensors, aliases = model_tensors(model)

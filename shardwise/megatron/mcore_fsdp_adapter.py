@@ -32,8 +32,8 @@ from typing import List, Optional, Type
 import torch
 import torch.nn as nn
 
-from ..materialize import materialize_meta_module, materialize_owned_meta_modules
-from ..rng import get_rng_state_dict, load_rng_state_dict
+from ..engine.materialize import materialize_meta_module, materialize_owned_meta_modules
+from ..engine.rng import get_rng_state_dict, load_rng_state_dict
 from .base import _BaseDataParallel, logger  # noqa: F401  (the reference's module logger)
 from .config import DistributedDataParallelConfig, TransformerConfig
 from .meshes import (  # noqa: F401  (the reference API has these names in this module)

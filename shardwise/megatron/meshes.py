@@ -29,9 +29,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..consistency import raise_together
-from ..mesh import check_mesh_ranks_and_group_ranks_are_consistent as _check_ordered
-from ..placements import STRATEGY_PLACEMENTS, AxisPlacements
+from ..engine.rank_consistency import raise_together
+from ..engine.mesh import check_mesh_ranks_and_group_ranks_are_consistent as _check_ordered
+from ..engine.placements import STRATEGY_PLACEMENTS, AxisPlacements
 from .config import SHARDING_STRATEGIES
 from .process_groups import check_group_layout, group_ranks, group_size
 

@@ -13,15 +13,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..engine import (
+from ..engine.model_ops import (
     broadcast_from_first_replica,
     finish_grad_accumulation,
     refresh_model_weights,
     wait_for_reductions,
 )
-from ..placements import AxisPlacements
-from ..registry import EXPERTS, module_types
-from ..rng import sync_rng_states
+from ..engine.placements import AxisPlacements
+from ..engine.registry import EXPERTS, module_types
+from ..engine.rng import sync_rng_states
 from .base import (
     check_module,
     warn_if_not_megatron_fsdp,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardwise.consistency import check_rank_consistency, first_difference
+from shardwise.engine.rank_consistency import check_rank_consistency, first_difference
 from shardwise.megatron import (
     DistributedDataParallelConfig,
     FullyShardedDataParallelV1,
@@ -26,7 +26,7 @@ from shardwise.megatron import (
     build_process_groups,
 )
 from shardwise.megatron.process_groups import group_layout_problem
-from shardwise.mesh import build_dp_mesh, build_expert_mesh
+from shardwise.engine.mesh import build_dp_mesh, build_expert_mesh
 from shardwise.models import GPT, GPTConfig
 from shardwise.models.tensor_parallel import ColumnParallelLinear
 

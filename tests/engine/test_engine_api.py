@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import shardwise
-from shardwise.mesh import DENSE, EXPERT, experts_by_mark
-from shardwise.registry import EXPERTS, LAYER, module_types, register_module_type
+from shardwise.engine.mesh import DENSE, EXPERT, experts_by_mark
+from shardwise.engine.registry import EXPERTS, LAYER, module_types, register_module_type
 
 from tests.helpers.distributed import device, run_distributed
 from tests.helpers.tiny_model import Block, TinyConfig, TinyLM, batch
@@ -55,8 +55,8 @@ def _package_of(module: str) -> str:
 def test_scan_sees_relative_imports():
     found = {(str(p.relative_to(PACKAGE)), target) for p, _, _, target, _ in _imports()}
     assert ("megatron/v1.py", "shardwise.megatron.base") in found
-    assert ("megatron/base.py", "shardwise.engine") in found
-    assert ("checkpoint/full.py", "shardwise.engine") in found
+    assert ("megatron/base.py", "shardwise.engine.model_ops") in found
+    assert ("checkpoint/full.py", "shardwise.engine.model_ops") in found
 
 
 def test_no_underscore_name_crosses_a_package_boundary():
@@ -77,10 +77,10 @@ def test_megatron_does_not_import_models():
 
 
 def test_only_the_accessor_reads_the_engine_state_attribute():
-    from shardwise.fully_shard import _STATE_ATTR
+    from shardwise.engine.fully_shard import _STATE_ATTR
 
     readers = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if _STATE_ATTR in p.read_text()]
-    assert readers == ["fully_shard.py"], readers
+    assert readers == ["engine/fully_shard.py"], readers
 
 
 # ------------------------------------------------------------ without processes

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 import shardwise
-from shardwise.buffers import Collectives
+from shardwise.engine.collectives import Collectives
 from tests.helpers.distributed import run_distributed
 
 BF16 = shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
@@ -51,8 +51,8 @@ class Holder(nn.Module):
 
     def __init__(self, mark: bool):
         super().__init__()
-        from shardwise.fp8 import require_torchao
-        from shardwise.quantized import GATHER_ATTR, Fp8Tensorwise
+        from shardwise.engine.fp8 import require_torchao
+        from shardwise.engine.quantized_gather import GATHER_ATTR, Fp8Tensorwise
 
         require_torchao()
         from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole, LinearMMConfig
@@ -352,7 +352,7 @@ def test_convert_to_fp8_checks_its_arguments():
         shardwise.convert_to_fp8(odd, filter_fn=lambda m, fqn: True)
     done = shardwise.convert_to_fp8(odd)  # the default filter leaves unaligned linears (and the head) in bf16
     assert done.converted == [] and "output" in done.skipped and len(done.skipped) == 8, done
-    kept = shardwise.convert_to_fp8(model, "rowwise", filter_fn=shardwise.fp8.skip_modules("output", "w2"))
+    kept = shardwise.convert_to_fp8(model, "rowwise", filter_fn=shardwise.engine.fp8.skip_modules("output", "w2"))
     assert "layers.0.mlp.w2" in kept.skipped and kept.fp8_gathered == [] and len(kept.converted) == 12, kept
 
 

@@ -168,7 +168,7 @@ def _refusals():
     except ValueError as e:
         errors["backward_optimizer"] = str(e)
     try:
-        from shardwise.pipeline import ShardedPipelineStage
+        from shardwise.engine.pipeline import ShardedPipelineStage
         ShardedPipelineStage(safe, 0, 1, torch.device("cpu"))
     except ValueError as e:
         errors["pipeline"] = str(e)
@@ -196,7 +196,7 @@ def test_what_cannot_be_captured_is_refused_by_name():
 
 
 def test_expert_parallel_is_refused_by_name():
-    from shardwise.graph_safe import check_graph_safe
+    from shardwise.engine.graph_safe import check_graph_safe
 
     with pytest.raises(ValueError, match="graph_safe=True with expert_mesh"):
         check_graph_safe(torch.nn.Linear(2, 2), True, None, expert_mesh=object())
@@ -246,7 +246,7 @@ class _ReplayedByHand:
 
 
 def _captured_step_bookkeeping():
-    from shardwise.cuda_graphs import CapturedStep
+    from shardwise.engine.cuda_graphs import CapturedStep
 
     model = _wrap("optim_grads_params", None, False, False, True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from shardwise.materialize import MetaInitializer, has_meta_tensors, materialize_meta_module
+from shardwise.engine.materialize import MetaInitializer, has_meta_tensors, materialize_meta_module
 from shardwise.megatron.mcore_fsdp_adapter import _materialize_meta_module, _materialize_owned_meta_modules
 from shardwise.models import GPT, UNIT_MODULES, GPTConfig, TransformerLayer, init_weights
 

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise
-from shardwise.pipeline import ShardedPipelineStage, build_schedule, pipeline_groups
+from shardwise.engine.pipeline import ShardedPipelineStage, build_schedule, pipeline_groups
 from tests.helpers.counting import CountingCollectives
 from tests.helpers.distributed import device, run_distributed
 from tests.helpers.parity import assert_close_states, micro_batch_losses, state_of, train_clipped

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 import shardwise
-from shardwise.pipeline import ShardedPipelineStage
+from shardwise.engine.pipeline import ShardedPipelineStage
 from tests.helpers.counting import CountingCollectives
 from tests.helpers.distributed import run_distributed
 from tests.helpers.gpt_stages import MICRO_BATCHES, Pipeline, Reference

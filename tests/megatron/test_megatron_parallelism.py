@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from shardwise import rng
+from shardwise.engine import rng
 from shardwise.megatron import FullyShardedDataParallelV1, annotate_tensor_parallelism, detect_parallelism_type, rank_layout
 from shardwise.megatron import build_process_groups
 from shardwise.megatron.mcore_fsdp_adapter import (

@@ -1,6 +1,6 @@
 """How many bytes the engine holds per GPU and per host, from parameter counts, strategy and offload.
 
-Every term is a buffer :class:`~shardwise.group.ParamGroup` builds, or a
+Every term is a buffer :class:`~shardwise.engine.param_group.ParamGroup` builds, or a
 temporary the collectives stage (``buffers.py``), at the size its *level* gives
 it (level ``j`` = a parameter split over the first ``j`` sharded axes, see
 ``design.md``). :class:`BufferSizes` mirrors ``ParamGroup.__init__`` buffer by

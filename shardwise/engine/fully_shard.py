@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .buffers import Collectives, StreamSet
-from .consistency import check_rank_consistency
+from .collectives import Collectives, StreamSet
+from .rank_consistency import check_rank_consistency
 from .construct import (
     GroupBuilder,
     Ownership,
@@ -32,7 +32,7 @@ from .construct import (
 )
 from .device import device_for
 from .graph_safe import check_graph_safe
-from .hooks import ShardedState
+from .sharded_state import ShardedState
 from .offload import OffloadPolicy, choose_offloaded
 from .placements import AxisPlacements
 from .precision import MixedPrecisionPolicy
@@ -135,11 +135,11 @@ def fully_shard(
     ``collectives`` (a ``shardwise.Collectives``) replaces how buffers travel
     between placements (gather, reduce-scatter, all-reduce). Parameters marked
     for an FP8 gather (``shardwise.convert_to_fp8``) form groups of their own
-    that gather e4m3 bytes (``shardwise.quantized``). ``graph_safe=True`` keeps every
+    that gather e4m3 bytes (``shardwise.engine.quantized_gather``). ``graph_safe=True`` keeps every
     engine buffer allocated at one address from step to step and the step free of host
     synchronisation, so ``shardwise.capture_step`` can capture it in a CUDA graph
     (memory: the gathered weights and the gradient buffers stay allocated; CPU offload,
-    MoE routing and expert parallelism are refused, see ``shardwise.graph_safe``).
+    MoE routing and expert parallelism are refused, see ``shardwise.engine.graph_safe``).
     Returns ``module`` itself, whose parameters are now DTensors.
     """
     policy = check_module(module, mixed_precision, _STATE_ATTR)

@@ -37,9 +37,9 @@ from typing import Callable, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from .buffers import Collectives, InFlight, StreamSet
+from .collectives import Collectives, InFlight, StreamSet
 from .layout import LevelLayout
-from .param import ShardedParam
+from .sharded_param import ShardedParam
 
 __all__ = ["BufferState", "Levels", "DistributedBuffer"]
 

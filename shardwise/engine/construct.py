@@ -19,14 +19,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .buffers import Collectives, StreamSet
-from .group import ParamGroup, ParamRef
-from .hooks import ShardedState
+from .collectives import Collectives, StreamSet
+from .param_group import ParamGroup, ParamRef
+from .sharded_state import ShardedState
 from .mesh import EXPERT, PLAN_CHOICES, ShardingPlan, build_dp_mesh, experts_by_mark, fold_context_parallel
 from .offload import OffloadPolicy
 from .placements import normalize_placements, strategy_placements
 from .precision import MixedPrecisionPolicy
-from .quantized import gather_mark
+from .quantized_gather import gather_mark
 from .unit import Unit
 
 __all__ = [
