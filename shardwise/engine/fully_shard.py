@@ -9,7 +9,7 @@ scheduling itself lives in ``hooks``.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator, Mapping, Type, Union
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -31,6 +31,7 @@ from .construct import (
     resolve_units,
 )
 from .device import device_for
+from .fully_shard_options import FullyShardOptions, UnitSpec
 from .graph_safe import check_graph_safe
 from .sharded_state import ShardedState
 from .offload import OffloadPolicy, choose_offloaded
@@ -39,7 +40,6 @@ from .precision import MixedPrecisionPolicy
 
 __all__ = ["fully_shard", "ShardedModule", "ShardedState"]
 
-UnitSpec = Union[Type[nn.Module], nn.Module]
 _STATE_ATTR = "_shardwise_state"
 
 
@@ -142,24 +142,18 @@ def fully_shard(
     MoE routing and expert parallelism are refused, see ``shardwise.engine.graph_safe``).
     Returns ``module`` itself, whose parameters are now DTensors.
     """
+    options = FullyShardOptions(
+        mesh=mesh, placements=placements, strategy=strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy,
+        unit_modules=unit_modules, mixed_precision=mixed_precision, init_fn=init_fn,
+        reshard_after_forward=reshard_after_forward, prefetch=prefetch, tp_axis=tp_axis, expert_mesh=expert_mesh,
+        expert_placements=expert_placements, ep_axis=ep_axis, gradient_reduction=gradient_reduction,
+        bucket_size=bucket_size, plan_fn=plan_fn, offload_policy=offload_policy, collectives=collectives,
+        graph_safe=graph_safe,
+    )
     policy = check_module(module, mixed_precision, _STATE_ATTR)
-    check_rank_consistency(  # one small collective; ranks that disagree fail here, never hang later
-        module, mesh=mesh, placements=placements, strategy=strategy,
-        outer_dp_sharding_strategy=outer_dp_sharding_strategy, unit_modules=unit_modules,
-        expert_mesh=expert_mesh, expert_placements=expert_placements, tp_axis=tp_axis, ep_axis=ep_axis,
-        plan_fn=plan_fn,
-        options=dict(mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
-                     prefetch=prefetch, gradient_reduction=gradient_reduction, bucket_size=bucket_size,
-                     graph_safe=graph_safe),
-    )
-    plan_fn = check_options(
-        reshard_after_forward, prefetch, gradient_reduction, tp_axis, ep_axis, offload_policy, init_fn, plan_fn,
-        collectives,
-    )
-    plan, expert_plan = build_plans(
-        mesh, placements, strategy, outer_dp_sharding_strategy, tp_axis, expert_mesh, expert_placements, ep_axis,
-        gradient_reduction,
-    )
+    check_rank_consistency(module, options)  # one small collective; ranks that disagree fail here, never hang later
+    plan_fn = check_options(options)
+    plan, expert_plan = build_plans(options)
     check_bucket_size(bucket_size)
     check_graph_safe(module, graph_safe, offload_policy, expert_mesh)
     unit_list = resolve_units(module, unit_modules)

@@ -15,6 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import shardwise.engine.mesh as mesh_module
 from shardwise.engine.construct import build_plans
+from shardwise.engine.fully_shard_options import FullyShardOptions
 from shardwise.engine.mesh import ShardingPlan
 from shardwise.engine.placements import (
     OUTER_STRATEGY_PLACEMENTS,
@@ -210,7 +211,8 @@ def test_plan_rejects_axes_it_cannot_place(backend):
 
 # ------------------------------------------------------------ grad_scale
 def _build(mesh, gradient_reduction, expert_mesh=None, strategy=3, outer=None):
-    return build_plans(mesh, None, strategy, outer, "tp", expert_mesh, None, "ep", gradient_reduction)
+    return build_plans(FullyShardOptions(mesh=mesh, strategy=strategy, outer_dp_sharding_strategy=outer,
+                                         expert_mesh=expert_mesh, gradient_reduction=gradient_reduction))
 
 
 @pytest.mark.parametrize("outer", [None, "no_shard", "optim"])
