@@ -82,7 +82,6 @@ __all__ = [
     "OPTIM_PREFIX",
     "model_tensors",
     "param_names",
-    "tied_aliases",
     "describe_model",
     "describe_optimizer",
     "save_state",
@@ -123,11 +122,6 @@ def _names(model: nn.Module, keys=None) -> tuple[dict[int, str], dict[str, str],
 def param_names(model: nn.Module) -> dict[int, str]:
     """``{id(parameter): FQN}``, a tied parameter under its first name (as torch's optimizer state dict names it)."""
     return _names(model)[0]
-
-
-def tied_aliases(model: nn.Module) -> dict[str, str]:
-    """``{alias: canonical}`` for the ``state_dict()`` keys that name a tensor already named (tied weights)."""
-    return _names(model, {_clean(k) for k in model.state_dict(keep_vars=True)})[1]
 
 
 def model_parts(model) -> list[nn.Module]:

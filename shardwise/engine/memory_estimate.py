@@ -95,10 +95,6 @@ class MemoryEstimate:
     notes: tuple[str, ...] = ()
     inputs: dict = field(default_factory=dict, repr=False)  # what it was estimated from (for suggestions)
 
-    @property
-    def host_bytes_per_rank(self) -> int:
-        return self.host_bytes // max(1, self.ranks_per_host)
-
     def dominant(self, count: int = 3) -> list[tuple[str, int]]:
         """The ``count`` largest GPU terms, largest first."""
         return sorted(((k, v) for k, v in self.parts.items() if v > 0), key=lambda kv: -kv[1])[:count]

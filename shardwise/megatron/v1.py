@@ -180,15 +180,20 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         ):
             return ()
         types: list = list(module_types(EXPERTS))
+        if importlib.util.find_spec("megatron") is None:  # Megatron-Core absent: only the registered classes
+            return tuple(types)
         for module_name, name in (
             ("megatron.core.transformer.moe.experts", "TEGroupedMLP"),
             ("megatron.core.transformer.moe.shared_experts", "SharedExpertMLP"),
         ):
             try:
-                if importlib.util.find_spec("megatron") is not None:
-                    types.append(getattr(importlib.import_module(module_name), name))
-            except Exception:
-                pass
+                found = getattr(importlib.import_module(module_name), name, None)
+            except ModuleNotFoundError as err:  # a Megatron without this module; any other error is a real one
+                if err.name is None or not module_name.startswith(err.name):
+                    raise
+                continue
+            if found is not None:  # a Megatron version without this class
+                types.append(found)
         return tuple(types)
 
     def __init__(
