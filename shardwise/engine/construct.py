@@ -129,7 +129,7 @@ def check_parameters(root: nn.Module, init_fn: Callable | None) -> None:
     if meta and init_fn is None:
         raise ValueError(
             f"parameters {meta[:4]}{'...' if len(meta) > 4 else ''} are on the meta device; "
-            "pass init_fn=shardwise.MetaInitializer(model) (or shardwise.materialize_owned_meta_modules) "
+            "pass init_fn=shardwise.MetaInitializer(model) (or shardwise.engine.materialize.materialize_owned_meta_modules) "
             "to materialize them unit by unit"
         )
 

@@ -44,10 +44,15 @@ _STATE_ATTR = "_shardwise_state"
 
 
 class ShardedModule(nn.Module):
-    """Methods ``fully_shard`` adds to the class of the module it wraps."""
+    """Methods ``fully_shard`` adds to the class of the module it wraps (torch's ``FSDPModule``'s role).
+
+    ``isinstance(model, shardwise.ShardedModule)`` holds for a wrapped model; the
+    faces' per-model operations are in ``shardwise.engine.model_ops``.
+    """
 
     @property
     def sharded_state(self) -> ShardedState:
+        """The engine's state of this model (units, parameter groups, plan); for the faces and tests."""
         return getattr(self, _STATE_ATTR)
 
     @contextlib.contextmanager
@@ -65,6 +70,7 @@ class ShardedModule(nn.Module):
             state.sync_grads = previous
 
     def set_requires_gradient_sync(self, requires_sync: bool) -> None:
+        """torch's FSDPModule method: ``False`` accumulates like ``no_sync()`` until set back to ``True``."""
         self.sharded_state.sync_grads = requires_sync
 
     def unshard(self) -> None:
@@ -74,6 +80,7 @@ class ShardedModule(nn.Module):
             unit.unshard()
 
     def reshard(self) -> None:
+        """Free what ``unshard()`` gathered: each unit back to its sharded parameters."""
         for unit in self.sharded_state.all_units:
             unit.reshard()
 

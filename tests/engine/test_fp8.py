@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 import shardwise
+from shardwise.engine.model_ops import load_full_state_dict, sharded_state
 from shardwise.engine.collectives import Collectives
 from tests.helpers.distributed import run_distributed
 
@@ -109,7 +110,7 @@ def _bits_case(outer: int | None) -> dict:
             g = torch.Generator().manual_seed(1)
             new = {n: torch.randn(s, generator=g) * 3.0 for n, s in SHAPES.items()}
             new["b"] = torch.zeros(SHAPES["b"])
-            shardwise.load_full_state_dict(model, new, strict=False)
+            load_full_state_dict(model, new, strict=False)
             _check_gathered(model, new)
             _check_gathered(model, new)  # no change: the scales are kept (no further all-reduce)
             counts["amax_calls"] = collectives.amax_calls
@@ -186,7 +187,7 @@ def _parity_case(all_gather: bool, outer: int | None) -> dict:
     mesh = shardwise.build_dp_mesh(outer=outer) if outer else None
     extra = dict(outer_dp_sharding_strategy="no_shard") if outer else {}
     model = shardwise.fully_shard(model, mesh, unit_modules=[TransformerLayer], mixed_precision=BF16, **extra)
-    groups = [g.name for g in shardwise.sharded_state(model).groups if g.quantized is not None]
+    groups = [g.name for g in sharded_state(model).groups if g.quantized is not None]
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens = _tokens(0)
     rows = tokens.shape[0] // world
@@ -428,7 +429,7 @@ def _tied_case() -> dict:
             if name != "first.weight":
                 p.data = p.data.to(torch.bfloat16)
     model = shardwise.fully_shard(model, unit_modules=[model.first], mixed_precision=BF16)
-    groups = {g.name: g.fqns for g in shardwise.sharded_state(model).groups}
+    groups = {g.name: g.fqns for g in sharded_state(model).groups}
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(3))
     mine = tokens[rank * 2:(rank + 1) * 2]

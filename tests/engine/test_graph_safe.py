@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 from shardwise import (BackwardOptimizer, MixedPrecisionPolicy, OffloadPolicy, build_dp_mesh, capture_step,
-                       clip_grad_norm_, count_host_syncs, fully_shard, sharded_state)
+                       clip_grad_norm_, fully_shard)
+from shardwise.engine.host_syncs import count_host_syncs
+from shardwise.engine.model_ops import sharded_state
 from shardwise.models import GPT, GPTConfig, TransformerLayer
 from tests.helpers.distributed import run_distributed
 
@@ -284,7 +286,7 @@ def test_a_captured_step_copies_inputs_restores_grads_and_marks_weights_changed(
 
 
 def _static_grads_come_back():
-    from shardwise import install_static_grads
+    from shardwise.engine.model_ops import install_static_grads
 
     model = _wrap("optim_grads_params", None, False, False, True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
