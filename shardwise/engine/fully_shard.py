@@ -3,7 +3,7 @@
 ``fully_shard`` is the recipe; its steps live in ``construct``. Units are
 built deepest first, one at a time (materializing meta parameters just
 before), so the unsharded model never has to exist all at once; the
-scheduling itself lives in ``hooks``.
+scheduling itself lives in ``sharded_state``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One parameter group: its buffers and their lifecycle.
 
 A group is the parameters of one unit that share a dtype and requires_grad.
-Each buffer is a ``DistributedBuffer`` (``dbuffer``): one *level* of every
+Each buffer is a ``DistributedBuffer`` (``distributed_buffer``): one *level* of every
 parameter's sharding (see ``layout``), one slot per parameter packed into a
 flat tensor, and the transitions between levels:
 
@@ -15,7 +15,7 @@ flat tensor, and the transitions between levels:
 - ``grad_acc`` / ``main_grad``: gradients accumulated at the gradient level
   across micro-batches, and finalized at the optimizer level.
 
-A group of weights marked for an FP8 gather (``quantized``) gathers uint8
+A group of weights marked for an FP8 gather (``quantized_gather``) gathers uint8
 e4m3 bytes into ``unsharded`` instead, cast from ``main`` with scales shared
 over the axes, and its unsharded parameters wrap those bytes.
 
