@@ -1,71 +1,49 @@
-"""shardwise: Fully Sharded Data Parallel training for PyTorch."""
+"""shardwise: Fully Sharded Data Parallel training for PyTorch.
 
-from .buffers import Collectives
-from .compile import compile_units
-from .cuda_graphs import CapturedStep, capture_step
-from .device import device_for
-from .engine import (
-    broadcast_from_first_replica,
-    finish_grad_accumulation,
-    install_grads,
-    install_static_grads,
-    is_sharded,
-    load_full_state_dict,
-    refresh_model_weights,
-    sharded_state,
-    wait_for_reductions,
-)
-from .fp8 import convert_to_fp8
-from .fully_shard import ShardedModule, fully_shard
-from .host_syncs import count_host_syncs
-from .materialize import MetaInitializer, materialize_meta_module, materialize_owned_meta_modules
-from .mesh import (build_dp_mesh, build_expert_mesh, check_mesh_ranks_and_group_ranks_are_consistent, experts_by_mark,
-                   fold_context_parallel)
-from .optim import BackwardOptimizer, clip_grad_norm_, grad_norm
-from .placements import AxisPlacements, STRATEGY_PLACEMENTS, resolve_strategy, strategy_placements
-from .offload import OffloadPolicy
-from .precision import MixedPrecisionPolicy
-from .replaced import check_optimizer_params
-from .state_dict import full_state_dict
-from .teardown import destroy_process_groups
+The names a user needs, shaped like torch's FSDP2 (``fully_shard``, the module
+class it returns, ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``clip_grad_norm_``).
+Everything else lives in submodules: the engine in ``shardwise.engine`` (the
+faces' per-model operations in ``shardwise.engine.model_ops``), the Megatron-Core
+face in ``shardwise.megatron``, checkpoints in ``shardwise.checkpoint``, Hugging
+Face models in ``shardwise.hf``.
+"""
+
+from .engine.collectives import Collectives
+from .engine.compile import compile_units
+from .engine.cuda_graphs import CapturedStep, capture_step
+from .engine.fp8 import convert_to_fp8
+from .engine.fully_shard import ShardedModule, fully_shard
+from .engine.materialize import MetaInitializer
+from .engine.mesh import build_dp_mesh, build_expert_mesh
+from .engine.offload import OffloadPolicy
+from .engine.optim import BackwardOptimizer, clip_grad_norm_
+from .engine.placements import AxisPlacements
+from .engine.precision import MixedPrecisionPolicy
+from .engine.replaced_params import check_optimizer_params
+from .engine.state_dict import full_state_dict
+from .engine.teardown import destroy_process_groups
 
 __all__ = [
+    # wrapping
     "fully_shard",
     "ShardedModule",
-    "sharded_state",
-    "is_sharded",
-    "wait_for_reductions",
-    "install_grads",
-    "install_static_grads",
-    "finish_grad_accumulation",
-    "refresh_model_weights",
-    "broadcast_from_first_replica",
-    "load_full_state_dict",
-    "experts_by_mark",
-    "compile_units",
-    "capture_step",
-    "CapturedStep",
-    "count_host_syncs",
-    "convert_to_fp8",
-    "MetaInitializer",
-    "materialize_meta_module",
-    "materialize_owned_meta_modules",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
-    "Collectives",
     "AxisPlacements",
-    "STRATEGY_PLACEMENTS",
-    "strategy_placements",
-    "resolve_strategy",
-    "device_for",
+    "Collectives",
+    "MetaInitializer",
+    # meshes
     "build_dp_mesh",
     "build_expert_mesh",
-    "fold_context_parallel",
-    "check_mesh_ranks_and_group_ranks_are_consistent",
+    # the training step
     "clip_grad_norm_",
     "BackwardOptimizer",
     "check_optimizer_params",
-    "grad_norm",
+    "compile_units",
+    "capture_step",
+    "CapturedStep",
+    "convert_to_fp8",
+    # state and teardown
     "full_state_dict",
     "destroy_process_groups",
 ]

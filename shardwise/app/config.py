@@ -274,7 +274,7 @@ def resolve_config(argv=None, problems: Problems | None = None) -> tuple[TrainCo
 
 def _validate(cfg: TrainConfig, model: GPTConfig, problems: Problems, explicit=frozenset()) -> None:
     """Every check of the settings, each problem added to ``problems`` (checks that depend on one skipped)."""
-    import shardwise
+    from ..engine.placements import STRATEGY_PLACEMENTS, resolve_strategy
 
     for obj, names in ((cfg, _TRAIN_FIELDS), (model, _MODEL_FIELDS)):
         for name, f in names.items():
@@ -329,10 +329,10 @@ def _validate(cfg: TrainConfig, model: GPTConfig, problems: Problems, explicit=f
         if getattr(cfg, name) < 0:
             problems.add(name, getattr(cfg, name), "must not be negative")
     try:
-        cfg.strategy = shardwise.resolve_strategy(cfg.strategy)
+        cfg.strategy = resolve_strategy(cfg.strategy)
     except ValueError:
         problems.add("strategy", cfg.strategy,
-                     f"unknown strategy; use one of {sorted(shardwise.STRATEGY_PLACEMENTS)} or 0-3")
+                     f"unknown strategy; use one of {sorted(STRATEGY_PLACEMENTS)} or 0-3")
     if cfg.outer_strategy and cfg.outer_strategy not in OUTER_STRATEGIES:
         problems.add("outer_strategy", cfg.outer_strategy, f"use one of {', '.join(OUTER_STRATEGIES)}")
     if cfg.outer_strategy and cfg.outer_dp < 1:

@@ -1,7 +1,7 @@
 """``--fp8`` for ``shardwise train`` and ``shardwise bench``: the checks and the conversion, in one place.
 
 ``--fp8 tensorwise|rowwise`` converts the model's linears to torchao's
-``Float8Linear`` before ``fully_shard`` (``shardwise.fp8``), except the modules
+``Float8Linear`` before ``fully_shard`` (``shardwise.engine.fp8``), except the modules
 ``--fp8-skip`` names (default: the output head); with tensorwise the weights
 also travel as FP8 bytes (``--no-fp8-all-gather`` keeps the bf16 gather).
 FP8 matmuls only pay when compiled, so ``--fp8`` turns ``--compile`` on
@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch.nn as nn
 
-from ..fp8 import DEFAULT_SKIP, RECIPES, Fp8Conversion, convert_to_fp8, require_torchao, skip_modules
+from ..engine.fp8 import DEFAULT_SKIP, RECIPES, Fp8Conversion, convert_to_fp8, require_torchao, skip_modules
 
 __all__ = ["FP8_MODES", "DEFAULT_SKIP_TEXT", "check_fp8", "convert_model", "skip_names", "cpu_note"]
 

@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..optim import takes_clip_factor
+from ..engine.optim import grad_norm as global_grad_norm, takes_clip_factor
 
 __all__ = ["Phase", "DataParallelRun", "run_steps", "memory_gib", "PEAK_FLOPS_PER_GPU"]
 
@@ -113,7 +113,7 @@ def run_steps(cfg, run, optimizer, loader, checkpoints, schedule, start, grad_ac
                                                   optimizer=optimizer if takes_clip_factor(optimizer) else None,
                                                   extra_groups=run.extra_groups)
         else:
-            grad_norm = shardwise.grad_norm(params, extra_groups=run.extra_groups)
+            grad_norm = global_grad_norm(params, extra_groups=run.extra_groups)
         phase(f"step {step}, optimizer step")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -4,7 +4,7 @@ A rank holds the stages ``stage_indices(pp_rank, pp, virtual)`` of
 :func:`shardwise.models.pipeline_stage` (embedding on the first stage, norm and
 head on the last), each sharded over the rank's data-parallel sub-mesh of
 ``dp`` ranks: their parameters, gradients and optimizer state are the
-engine's buffers for those units (:func:`shardwise.memory.state_phases`, with
+engine's buffers for those units (:func:`shardwise.engine.memory_estimate.state_phases`, with
 gradients accumulated over the step's micro-batches, as a stage's backwards run
 under ``no_sync``). On top, per micro-batch of each local stage
 (:func:`stage_activations`):
@@ -21,7 +21,7 @@ under ``no_sync``). On top, per micro-batch of each local stage
   the stage is set up, and keeps them; they count for every micro-batch.
 
 The schedule decides how many chunks are in flight at once
-(:mod:`shardwise.pipeline_order`); the peak is the heaviest such moment plus one
+(:mod:`shardwise.engine.pipeline_order`); the peak is the heaviest such moment plus one
 layer's backward working set (or the loss backward's, on the last stage).
 ``return_outputs=True`` (``schedule.step``'s default) also keeps every
 micro-batch's logits on the last stage until the step returns them.
@@ -34,9 +34,9 @@ from typing import Sequence
 
 import torch
 
-from ..memory import MemoryEstimate, combine, state_phases
+from ..engine.memory_estimate import MemoryEstimate, combine, state_phases
 from ..models import GPTConfig, stage_indices, stage_layer_counts
-from ..pipeline_order import in_flight_peak, rank_order
+from ..engine.pipeline_order import in_flight_peak, rank_order
 from .memory import _DTYPES, OPTIMIZER_TEMPS, activation_bytes, gpt_units
 
 __all__ = ["StageActivations", "stage_activations", "estimate_pipeline_rank", "estimate_pipeline"]

@@ -8,7 +8,7 @@ the pipeline holds stages ``r, r + pp, ...`` (with ``--pp-schedule zb``, torch's
 stages of a V: ``r`` and ``2 pp - 1 - r``). Each stage module is wrapped by ``fully_shard`` on the
 rank's data-parallel sub-mesh with the flags the one-model path uses (strategy, mixed precision,
 offload, meta init, activation checkpointing, ``--compile``) and driven by
-:func:`shardwise.pipeline.build_schedule`: ``--grad-accum`` is the number of micro-batches, the loss
+:func:`shardwise.engine.pipeline.build_schedule`: ``--grad-accum`` is the number of micro-batches, the loss
 of each is the mean cross entropy, and torch scales the gradients by the micro-batch count, so the
 gradients are those of the one-model path's mean loss. Clipping spans the stages
 (``extra_groups=[pp_group]``); the loss is the last stage's, summed over all ranks (the others add
@@ -34,7 +34,7 @@ from .weight_decay import decayed_names
 __all__ = ["PP_SCHEDULES", "check_flags", "check_world", "parse_split", "PipelineRun", "StageOptimizers",
            "StageTimer", "build_pipeline"]
 
-# --pp-schedule choices, and the name shardwise.pipeline.SCHEDULES gives each ("zb": torch's ZBV).
+# --pp-schedule choices, and the name shardwise.engine.pipeline.SCHEDULES gives each ("zb": torch's ZBV).
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved", "looped_bfs", "zb", "interleaved_zb")
 _SCHEDULE_NAME = {"zb": "zbv"}
 _MULTI_STAGE = ("interleaved", "looped_bfs", "interleaved_zb")  # several stages per rank, looped numbering
@@ -42,7 +42,7 @@ _ROUNDS = ("interleaved", "interleaved_zb")  # torch splits the micro-batches in
 
 
 def schedule_name(cfg) -> str:
-    """``--pp-schedule`` as :func:`shardwise.pipeline.build_schedule` names it."""
+    """``--pp-schedule`` as :func:`shardwise.engine.pipeline.build_schedule` names it."""
     return _SCHEDULE_NAME.get(cfg.pp_schedule, cfg.pp_schedule)
 
 
@@ -265,7 +265,7 @@ class PipelineRun:
 
     def _schedule_for(self, micro: int):
         if self._micro != micro:  # built once (again only if a resume changed --grad-accum)
-            from ..pipeline import build_schedule
+            from ..engine.pipeline import build_schedule
 
             self._schedule, self._micro = build_schedule(schedule_name(self.cfg), self.stages, micro, lm_loss), micro
         return self._schedule
@@ -302,7 +302,7 @@ def build_pipeline(cfg, model_cfg, device: torch.device, world: int, policy, say
 
     from ..models import GPT
     from ..models.pipeline_split import StageInitializer, pipeline_stage, stage_layer_counts
-    from ..pipeline import ShardedPipelineStage, pipeline_groups
+    from ..engine.pipeline import ShardedPipelineStage, pipeline_groups
 
     dp = world // cfg.pp
     if cfg.outer_dp:

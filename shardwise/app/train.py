@@ -54,10 +54,10 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import CheckpointError, CheckpointManager
-from ..device import device_for
+from ..engine.device import device_for
 from ..models import GPT, GPTConfig
-from ..replaced import check_optimizer_params
-from ..teardown import destroy_process_groups
+from ..engine.replaced_params import check_optimizer_params
+from ..engine.teardown import destroy_process_groups
 from .config import (ConfigError, TrainConfig, build_parser, check_world, default_out_dir, device_type,
                      resolve_config)
 from .corpus import open_data
@@ -81,7 +81,7 @@ RENDEZVOUS_S = 600.0  # how long ranks may take to meet at start (imports, data)
 
 def _pipeline_estimates(cfg: TrainConfig, model_cfg: GPTConfig, world: int, fused: bool) -> tuple[list, str]:
     """Each pipeline rank's memory estimate for ``--pp`` (shardwise.app.pipeline_memory), or ``([], why not)``."""
-    from ..pipeline_order import PIPELINE_SCHEDULES
+    from ..engine.pipeline_order import PIPELINE_SCHEDULES
     from .pipeline_memory import estimate_pipeline
     from .pipeline_train import parse_split, schedule_name
 

@@ -71,7 +71,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from ..engine import sharded_state
+from ..engine.model_ops import sharded_state
 from .integrity import read_dcp_metadata
 from .rng_state import capture_rng_state, restore_rng_state
 
@@ -82,7 +82,6 @@ __all__ = [
     "OPTIM_PREFIX",
     "model_tensors",
     "param_names",
-    "tied_aliases",
     "describe_model",
     "describe_optimizer",
     "save_state",
@@ -123,11 +122,6 @@ def _names(model: nn.Module, keys=None) -> tuple[dict[int, str], dict[str, str],
 def param_names(model: nn.Module) -> dict[int, str]:
     """``{id(parameter): FQN}``, a tied parameter under its first name (as torch's optimizer state dict names it)."""
     return _names(model)[0]
-
-
-def tied_aliases(model: nn.Module) -> dict[str, str]:
-    """``{alias: canonical}`` for the ``state_dict()`` keys that name a tensor already named (tied weights)."""
-    return _names(model, {_clean(k) for k in model.state_dict(keep_vars=True)})[1]
 
 
 def model_parts(model) -> list[nn.Module]:
@@ -176,7 +170,7 @@ def model_tensors(model) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
 def describe_model(model: nn.Module) -> dict:
     """JSON-friendly facts: tensors (shape, dtype, kind), tied aliases, mesh and placements."""
-    from ..placements import STRATEGY_PLACEMENTS, describe
+    from ..engine.placements import STRATEGY_PLACEMENTS, describe
 
     plan = sharded_state(model_parts(model)[0]).plan
     tensors, aliases = model_tensors(model)

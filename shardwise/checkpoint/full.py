@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..state_dict import gathered
-from ..engine import sharded_state
+from ..engine.state_dict import gathered
+from ..engine.model_ops import sharded_state
 from .dcp_state import _optimizer_params
 
 __all__ = ["gather_full_optimizer_state"]

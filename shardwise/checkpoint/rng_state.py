@@ -16,7 +16,7 @@ __all__ = ["capture_rng_state", "restore_rng_state"]
 
 def _shardwise_rng():
     try:
-        from ..rng import get_rng_state_dict, load_rng_state_dict
+        from ..engine.rng import get_rng_state_dict, load_rng_state_dict
     except ImportError:
         return None
     return get_rng_state_dict, load_rng_state_dict

@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..engine import is_sharded
+from ..engine.model_ops import is_sharded
 from .mapping import gpt_hf_keys
 from .models import HFCausalLM
 

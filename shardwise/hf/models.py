@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..materialize import allocate_meta_tensors, meta_tensor_names
+from ..engine.materialize import allocate_meta_tensors, meta_tensor_names
 
 __all__ = [
     "INSTALL_HINT",

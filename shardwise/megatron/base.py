@@ -26,13 +26,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..engine import ShardedState, load_full_state_dict, sharded_state, zero_grads_in_place
-from ..fully_shard import fully_shard
-from ..materialize import MetaInitializer, has_meta_tensors
-from ..mesh import DENSE, EXPERT, default_device_type
-from ..placements import AxisPlacements
-from ..precision import MixedPrecisionPolicy
-from ..registry import LAYER, module_types
+from ..engine.model_ops import ShardedState, load_full_state_dict, sharded_state, zero_grads_in_place
+from ..engine.fully_shard import fully_shard
+from ..engine.materialize import MetaInitializer, has_meta_tensors
+from ..engine.mesh import DENSE, EXPERT, default_device_type
+from ..engine.placements import AxisPlacements
+from ..engine.precision import MixedPrecisionPolicy
+from ..engine.registry import LAYER, module_types
 from .config import OUTER_SHARDING_STRATEGIES, DistributedDataParallelConfig, TransformerConfig
 from .options import UnsupportedMegatronOption
 from .meshes import _DATA_PARALLEL_PLACEMENTS, EP_AXIS, INNER_AXIS, OUTER_AXIS, TP_AXIS

@@ -6,7 +6,7 @@ asks each model chunk's ``param_and_grad_buffer`` to rebuild the compute
 weights from the updated main weights
 (``copy_main_weights_to_model_weights()``); its FP8 paths also list
 ``parameter_groups``. This is a view onto the engine's parameter groups that
-answers those calls through :mod:`shardwise.engine`, not a second set of buffers.
+answers those calls through :mod:`shardwise.engine.model_ops`, not a second set of buffers.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..engine import refresh_model_weights, sharded_state
+from ..engine.model_ops import refresh_model_weights, sharded_state
 
 __all__ = ["ParamAndGradBufferView", "ParameterGroupView"]
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..engine import compute_parameters, sharded_state
+from ..engine.model_ops import compute_parameters, sharded_state
 
 __all__ = ["hand_out_decoupled_grads", "give_compute_params_main_grad", "check_grads_finite", "grads_of",
            "wire_megatron_grads"]

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from ..precision import MixedPrecisionPolicy
+from ..engine.precision import MixedPrecisionPolicy
 
 __all__ = ["mixed_precision_for", "is_016_ddp_config"]
 

@@ -32,51 +32,13 @@ from typing import List, Optional, Type
 import torch
 import torch.nn as nn
 
-from ..materialize import materialize_meta_module, materialize_owned_meta_modules
-from ..rng import get_rng_state_dict, load_rng_state_dict
-from .base import _BaseDataParallel, logger  # noqa: F401  (the reference's module logger)
+from .base import _BaseDataParallel
 from .config import DistributedDataParallelConfig, TransformerConfig
-from .meshes import (  # noqa: F401  (the reference API has these names in this module)
-    _AxisPlacements,
-    _build_expert_mesh_and_placements,
-    _build_hybrid_dp_mesh,
-    _check_mesh_ranks_and_group_ranks_are_consistent,
-    _DATA_PARALLEL_PLACEMENTS,
-    _get_dp_tp_mesh,
-    _get_hsdp_tp_mesh,
-)
 from .process_groups import ProcessGroupCollection
 from .v1 import FullyShardedDataParallelV1
 from .v2 import FullyShardedDataParallelV2
 
 __all__ = ["FullyShardedDataParallel"]
-
-
-# ------------------------------------------------------------------ helpers
-def _materialize_meta_module(module: nn.Module, device: Optional[torch.device]) -> None:
-    """Materialize and initialize one module's direct meta parameters (and buffers)."""
-    materialize_meta_module(module, device)
-
-
-def _materialize_owned_meta_modules(module: nn.Module, device: Optional[torch.device]) -> None:
-    """Materialize meta parameters reachable from one FSDP unit.
-
-    Each module's ``reset_parameters()`` runs before the unit is sharded, so a
-    reset that initializes in place (PyTorch style) and one that replaces its
-    ``Parameter`` via ``setattr`` (Transformer Engine style) both end in the
-    parameters that get sharded.
-    """
-    materialize_owned_meta_modules(module, device)
-
-
-def _get_rng_state_dict() -> dict:
-    """Python, NumPy, torch CPU, CUDA (when present) and TP-tracker RNG states."""
-    return get_rng_state_dict()
-
-
-def _load_rng_state_dict(rng_state_dict: dict) -> None:
-    """Restore what :func:`_get_rng_state_dict` captured."""
-    load_rng_state_dict(rng_state_dict)
 
 
 # ------------------------------------------------------------------ factory

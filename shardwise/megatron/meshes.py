@@ -29,14 +29,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..consistency import raise_together
-from ..mesh import check_mesh_ranks_and_group_ranks_are_consistent as _check_ordered
-from ..placements import STRATEGY_PLACEMENTS, AxisPlacements
+from ..engine.rank_consistency import raise_together
+from ..engine.mesh import check_mesh_ranks_and_group_ranks_are_consistent as _check_ordered
+from ..engine.placements import STRATEGY_PLACEMENTS, AxisPlacements
 from .config import SHARDING_STRATEGIES
 from .process_groups import check_group_layout, group_ranks, group_size
 
 __all__ = [
-    "_AxisPlacements",
     "_DATA_PARALLEL_PLACEMENTS",
     "_check_mesh_ranks_and_group_ranks_are_consistent",
     "_get_dp_tp_mesh",
@@ -57,7 +56,6 @@ INNER_AXIS, OUTER_AXIS, EXPERT_AXIS = "dp_shard", "dp_outer", "expert_dp"
 TP_AXIS, EP_AXIS = "tp", "ep"
 
 # How one mesh axis places the three buffers: the engine's AxisPlacements.
-_AxisPlacements = AxisPlacements
 
 # Per-axis placements of each sharding strategy (ZeRO 0-3). HSDP is `no_shard` on the
 # outer axis over `optim_grads_params` inside; HFSDP is `optim` on the outer axis.

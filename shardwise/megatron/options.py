@@ -273,7 +273,7 @@ OPTIONS: tuple[Option, ...] = (
         "drop --overlap-moe-expert-parallel-comm")),
     Option(TC, "fp8", "--fp8-format", refused(
         "Transformer Engine fp8 layers have not run under shardwise (not built or tested yet)",
-        "drop --fp8-format (shardwise's own fp8: shardwise.fp8 with torchao)"), when=NOT_NONE),
+        "drop --fp8-format (shardwise's own fp8: shardwise.engine.fp8 with torchao)"), when=NOT_NONE),
     Option(TC, "fp8_param", "--fp8-param-gather", refused(
         "fp8 parameters are not built", "drop --fp8-param-gather")),
     Option(TC, "fp4", "--fp4-format", refused("fp4 compute is not built", "drop --fp4-format"), when=NOT_NONE),

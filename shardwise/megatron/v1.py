@@ -13,15 +13,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..engine import (
+from ..engine.model_ops import (
     broadcast_from_first_replica,
     finish_grad_accumulation,
     refresh_model_weights,
     wait_for_reductions,
 )
-from ..placements import AxisPlacements
-from ..registry import EXPERTS, module_types
-from ..rng import sync_rng_states
+from ..engine.placements import AxisPlacements
+from ..engine.registry import EXPERTS, module_types
+from ..engine.rng import sync_rng_states
 from .base import (
     check_module,
     warn_if_not_megatron_fsdp,
@@ -180,15 +180,20 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         ):
             return ()
         types: list = list(module_types(EXPERTS))
+        if importlib.util.find_spec("megatron") is None:  # Megatron-Core absent: only the registered classes
+            return tuple(types)
         for module_name, name in (
             ("megatron.core.transformer.moe.experts", "TEGroupedMLP"),
             ("megatron.core.transformer.moe.shared_experts", "SharedExpertMLP"),
         ):
             try:
-                if importlib.util.find_spec("megatron") is not None:
-                    types.append(getattr(importlib.import_module(module_name), name))
-            except Exception:
-                pass
+                found = getattr(importlib.import_module(module_name), name, None)
+            except ModuleNotFoundError as err:  # a Megatron without this module; any other error is a real one
+                if err.name is None or not module_name.startswith(err.name):
+                    raise
+                continue
+            if found is not None:  # a Megatron version without this class
+                types.append(found)
         return tuple(types)
 
     def __init__(

@@ -9,7 +9,7 @@ order, so meta-device construction plus ``to_empty`` reproduces a direct build.
 feeds :func:`zigzag_split` of its rows (``context_parallel.py``).
 """
 
-from ..registry import EXPERTS, LAYER, LINEAR, register_module_type
+from ..engine.registry import EXPERTS, LAYER, LINEAR, register_module_type
 from .attention import Attention
 from .config import LAYER_KINDS, GPTConfig
 from .context_parallel import context_parallel_attention, zigzag_split, zigzag_unsplit
@@ -40,7 +40,7 @@ UNIT_MODULES = (TransformerLayer, MoETransformerLayer, MambaLayer)
 for _layer in UNIT_MODULES:
     register_module_type(LAYER, _layer)
 register_module_type(EXPERTS, Experts)
-for _linear in (Linear, ColumnParallelLinear, RowParallelLinear):  # what shardwise.fp8 may convert
+for _linear in (Linear, ColumnParallelLinear, RowParallelLinear):  # what shardwise.engine.fp8 may convert
     register_module_type(LINEAR, _linear)
 del _layer, _linear
 

@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..materialize import MetaInitializer
-from ..rng import set_torch_generator_states, torch_generator_states
+from ..engine.materialize import MetaInitializer
+from ..engine.rng import set_torch_generator_states, torch_generator_states
 from .gpt import GPT, run_layers
 from .norm_rope import rope_tables
 from .tensor_parallel import copy_to_tp_region, gather_from_tp_region, group_size

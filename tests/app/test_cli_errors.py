@@ -332,7 +332,7 @@ def _clip_refusals() -> list[str]:
         messages.append(str(e))
     after = torch.optim.AdamW(early.parameters())  # built after: steps, and is looked at once only
     after.step()
-    from shardwise.replaced import _checked
+    from shardwise.engine.replaced_params import _checked
     messages.append(f"after fully_shard ok {_checked.get(after) == 1}")
     after.add_param_group({"params": list(on_meta.param_groups[0]["params"])})  # a stale group added later
     try:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwise.buffers import gather_pieces, reduce_scatter_pieces
-from shardwise.mesh import AxisGroup
+from shardwise.engine.collectives import gather_pieces, reduce_scatter_pieces
+from shardwise.engine.mesh import AxisGroup
 
 
 class _Work:

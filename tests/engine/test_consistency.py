@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardwise.consistency import check_rank_consistency, first_difference
+from shardwise.engine.fully_shard_options import FullyShardOptions
+from shardwise.engine.rank_consistency import check_rank_consistency, first_difference
 from shardwise.megatron import (
     DistributedDataParallelConfig,
     FullyShardedDataParallelV1,
@@ -26,7 +27,7 @@ from shardwise.megatron import (
     build_process_groups,
 )
 from shardwise.megatron.process_groups import group_layout_problem
-from shardwise.mesh import build_dp_mesh, build_expert_mesh
+from shardwise.engine.mesh import build_dp_mesh, build_expert_mesh
 from shardwise.models import GPT, GPTConfig
 from shardwise.models.tensor_parallel import ColumnParallelLinear
 
@@ -53,7 +54,7 @@ def _rank() -> int:
 
 def _check(model, **kwargs):
     kwargs.setdefault("unit_modules", [Block])
-    check_rank_consistency(model, **kwargs)
+    check_rank_consistency(model, FullyShardOptions(**kwargs))
 
 
 _MESHES: dict = {}
@@ -114,7 +115,7 @@ def dtype():
 
 
 def options():
-    _check(Net(), options=dict(reshard_after_forward=_rank() == 0, prefetch=True))
+    _check(Net(), reshard_after_forward=_rank() == 0, prefetch=True)
 
 
 def tied():
@@ -164,7 +165,7 @@ def unit_modules_not_describable_on_one_rank():
 
 
 def same_everywhere():
-    _check(Net(), options=dict(reshard_after_forward=True))
+    _check(Net(), reshard_after_forward=True)
 
 
 def tp_slices_on_a_tp_mesh():
@@ -248,7 +249,8 @@ CASES = {
     unit_modules: "module 'layers.1' is a unit (unit_modules) on rank 0 but not on rank 1",
     requires_grad: "parameter 'layers.0.v.bias' has requires_grad True on rank 0 but False on rank 1",
     dtype: "parameter 'layers.0.w.weight' has dtype float32 on rank 0 but bfloat16 on rank 1",
-    options: "the fully_shard options: (('prefetch', True), ('reshard_after_forward', True)) on rank 0 but",
+    options: "the fully_shard options: (('bucket_size', None), ('gradient_reduction', 'mean'), ('graph_safe', False), "
+    "('mixed_precision', None), ('prefetch', True), ('reshard_after_forward', True)) on rank 0 but",
     tied: "parameter 'layers.1.w.weight' is a tensor of its own on rank 0 but the same tensor as "
     "'layers.0.w.weight' on rank 1",
     tp_params_without_tp_axis: "parameter '0.weight' is a tensor-parallel slice (tensor_model_parallel=True, "

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor, Shard
 
 import shardwise
+from shardwise.engine.placements import STRATEGY_PLACEMENTS
 from shardwise.checkpoint import CheckpointManager
 from shardwise.models import GPT, GPTConfig, TransformerLayer
 from shardwise.models.context_parallel import zigzag_split
@@ -140,7 +141,7 @@ def _cp_tp():
     with pytest.raises(ValueError, match="cp=3 must be a positive divisor of world size / tp = 2"):
         shardwise.build_dp_mesh(cp=3, tp=2)
     with pytest.raises(ValueError, match="placements name the context-parallel axis 'cp'"):
-        zero3 = shardwise.STRATEGY_PLACEMENTS["optim_grads_params"]
+        zero3 = STRATEGY_PLACEMENTS["optim_grads_params"]
         shardwise.fully_shard(GPT(config), mesh, placements={"dp_shard": zero3, "cp": zero3})
     sharded, reference = train_both(_gpt(config), _wrap(mesh), _sgd, _batch, STEPS, loss=_cp_loss,
                                     reference=_gpt(_config()), data_rank=0, data_ranks=1)

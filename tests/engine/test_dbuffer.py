@@ -1,4 +1,4 @@
-"""``shardwise.dbuffer``: one sharding level of a group's parameters as one flat buffer, and its transitions.
+"""``shardwise.engine.distributed_buffer``: one sharding level of a group's parameters as one flat buffer, and its transitions.
 
 Single process. Two settings:
 
@@ -26,12 +26,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import shardwise
-from shardwise.buffers import StreamSet
-from shardwise.dbuffer import BufferState, DistributedBuffer, Levels
-from shardwise.group import GradState, ModuleParams, ParamGroup, RefreshState, WeightState
-from shardwise.mesh import ShardingPlan
-from shardwise.param import ParamRef, ShardedParam
-from shardwise.placements import AxisPlacements
+from shardwise.engine.collectives import StreamSet
+from shardwise.engine.distributed_buffer import BufferState, DistributedBuffer, Levels
+from shardwise.engine.param_group import GradState, ModuleParams, ParamGroup, RefreshState, WeightState
+from shardwise.engine.mesh import ShardingPlan
+from shardwise.engine.sharded_param import ParamRef, ShardedParam
+from shardwise.engine.placements import AxisPlacements
 from tests.helpers.fake_mesh import FakeMesh
 
 CPU = torch.device("cpu")

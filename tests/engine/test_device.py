@@ -1,4 +1,4 @@
-"""The one device rule (``shardwise.device.device_for``), in one process.
+"""The one device rule (``shardwise.engine.device.device_for``), in one process.
 
 A gloo run on a CUDA host must keep everything on the CPU: the mesh, the
 meta-device materialization, the RNG tracker and ``fully_shard``'s buffers all
@@ -15,8 +15,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import shardwise
-from shardwise import materialize, mesh as mesh_module, rng
-from shardwise.device import device_for
+from shardwise.engine import materialize, mesh as mesh_module, rng
+from shardwise.engine.device import device_for
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ def _count_step_collectives(strategy, outer, micro_batches):
     A gather or reduce-scatter of a group is one coalesced launch of per-parameter
     collectives (one NCCL group call), counted once; all-reduces are flat.
     """
-    import shardwise.buffers as buffers_module
+    import shardwise.engine.collectives as buffers_module
 
     world, rank = dist.get_world_size(), dist.get_rank()
     dev = device()

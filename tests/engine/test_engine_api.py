@@ -17,8 +17,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import shardwise
-from shardwise.mesh import DENSE, EXPERT, experts_by_mark
-from shardwise.registry import EXPERTS, LAYER, module_types, register_module_type
+from shardwise.engine.model_ops import (broadcast_from_first_replica, install_grads, is_sharded, load_full_state_dict,
+                                        refresh_model_weights, sharded_state, wait_for_reductions)
+from shardwise.engine.mesh import DENSE, EXPERT, experts_by_mark
+from shardwise.engine.registry import EXPERTS, LAYER, module_types, register_module_type
 
 from tests.helpers.distributed import device, run_distributed
 from tests.helpers.tiny_model import Block, TinyConfig, TinyLM, batch
@@ -55,8 +57,8 @@ def _package_of(module: str) -> str:
 def test_scan_sees_relative_imports():
     found = {(str(p.relative_to(PACKAGE)), target) for p, _, _, target, _ in _imports()}
     assert ("megatron/v1.py", "shardwise.megatron.base") in found
-    assert ("megatron/base.py", "shardwise.engine") in found
-    assert ("checkpoint/full.py", "shardwise.engine") in found
+    assert ("megatron/base.py", "shardwise.engine.model_ops") in found
+    assert ("checkpoint/full.py", "shardwise.engine.model_ops") in found
 
 
 def test_no_underscore_name_crosses_a_package_boundary():
@@ -77,20 +79,20 @@ def test_megatron_does_not_import_models():
 
 
 def test_only_the_accessor_reads_the_engine_state_attribute():
-    from shardwise.fully_shard import _STATE_ATTR
+    from shardwise.engine.fully_shard import _STATE_ATTR
 
     readers = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if _STATE_ATTR in p.read_text()]
-    assert readers == ["fully_shard.py"], readers
+    assert readers == ["engine/fully_shard.py"], readers
 
 
 # ------------------------------------------------------------ without processes
 def test_sharded_state_names_a_model_that_is_not_wrapped():
     model = nn.Linear(2, 2)
-    assert not shardwise.is_sharded(model)
+    assert not is_sharded(model)
     with pytest.raises(ValueError, match="Linear is not sharded by shardwise.fully_shard"):
-        shardwise.sharded_state(model)
+        sharded_state(model)
     with pytest.raises(ValueError, match="Linear is not sharded"):
-        shardwise.wait_for_reductions(model)
+        wait_for_reductions(model)
 
 
 def test_models_register_their_layers_and_experts():
@@ -116,28 +118,28 @@ def _api_on_two_ranks():
     dev, config = device(), TinyConfig()
     torch.manual_seed(dist.get_rank())  # every rank initializes its own weights
     model = shardwise.fully_shard(TinyLM(config).to(dev), strategy="no_shard", unit_modules=[Block])
-    assert shardwise.is_sharded(model) and shardwise.sharded_state(model) is model.sharded_state
+    assert is_sharded(model) and sharded_state(model) is model.sharded_state
     try:
-        shardwise.broadcast_from_first_replica(model, axes=["dp_outer"])
+        broadcast_from_first_replica(model, axes=["dp_outer"])
         unknown = None
     except ValueError as exc:
         unknown = str(exc)
-    shardwise.broadcast_from_first_replica(model, axes=["dp_shard"])
+    broadcast_from_first_replica(model, axes=["dp_shard"])
     weights = {n: p.to_local().detach().cpu().clone() for n, p in model.named_parameters()}
 
     tokens, targets = (t.to(dev) for t in batch(0, 4, config))
     model(tokens, targets).backward()
-    shardwise.wait_for_reductions(model)  # nothing left in flight: returns at once
-    shardwise.install_grads(model)  # already installed: changes nothing
+    wait_for_reductions(model)  # nothing left in flight: returns at once
+    install_grads(model)  # already installed: changes nothing
     grads = all(p.grad is not None for p in model.parameters() if p.requires_grad)
-    shardwise.refresh_model_weights(model)
+    refresh_model_weights(model)
 
     with torch.no_grad():
         before = model(tokens, targets).item()
         full = shardwise.full_state_dict(model)
         for p in model.parameters():
             p.to_local().zero_()
-        shardwise.load_full_state_dict(model, full)
+        load_full_state_dict(model, full)
         after = model(tokens, targets).item()
     again = shardwise.full_state_dict(model)
     same = all(torch.equal(full[k], again[k]) for k in full)

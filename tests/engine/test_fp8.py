@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 
 import shardwise
-from shardwise.buffers import Collectives
+from shardwise.engine.model_ops import load_full_state_dict, sharded_state
+from shardwise.engine.collectives import Collectives
 from tests.helpers.distributed import run_distributed
 
 BF16 = shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
@@ -51,8 +52,8 @@ class Holder(nn.Module):
 
     def __init__(self, mark: bool):
         super().__init__()
-        from shardwise.fp8 import require_torchao
-        from shardwise.quantized import GATHER_ATTR, Fp8Tensorwise
+        from shardwise.engine.fp8 import require_torchao
+        from shardwise.engine.quantized_gather import GATHER_ATTR, Fp8Tensorwise
 
         require_torchao()
         from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole, LinearMMConfig
@@ -109,7 +110,7 @@ def _bits_case(outer: int | None) -> dict:
             g = torch.Generator().manual_seed(1)
             new = {n: torch.randn(s, generator=g) * 3.0 for n, s in SHAPES.items()}
             new["b"] = torch.zeros(SHAPES["b"])
-            shardwise.load_full_state_dict(model, new, strict=False)
+            load_full_state_dict(model, new, strict=False)
             _check_gathered(model, new)
             _check_gathered(model, new)  # no change: the scales are kept (no further all-reduce)
             counts["amax_calls"] = collectives.amax_calls
@@ -186,7 +187,7 @@ def _parity_case(all_gather: bool, outer: int | None) -> dict:
     mesh = shardwise.build_dp_mesh(outer=outer) if outer else None
     extra = dict(outer_dp_sharding_strategy="no_shard") if outer else {}
     model = shardwise.fully_shard(model, mesh, unit_modules=[TransformerLayer], mixed_precision=BF16, **extra)
-    groups = [g.name for g in shardwise.sharded_state(model).groups if g.quantized is not None]
+    groups = [g.name for g in sharded_state(model).groups if g.quantized is not None]
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens = _tokens(0)
     rows = tokens.shape[0] // world
@@ -352,7 +353,7 @@ def test_convert_to_fp8_checks_its_arguments():
         shardwise.convert_to_fp8(odd, filter_fn=lambda m, fqn: True)
     done = shardwise.convert_to_fp8(odd)  # the default filter leaves unaligned linears (and the head) in bf16
     assert done.converted == [] and "output" in done.skipped and len(done.skipped) == 8, done
-    kept = shardwise.convert_to_fp8(model, "rowwise", filter_fn=shardwise.fp8.skip_modules("output", "w2"))
+    kept = shardwise.convert_to_fp8(model, "rowwise", filter_fn=shardwise.engine.fp8.skip_modules("output", "w2"))
     assert "layers.0.mlp.w2" in kept.skipped and kept.fp8_gathered == [] and len(kept.converted) == 12, kept
 
 
@@ -428,7 +429,7 @@ def _tied_case() -> dict:
             if name != "first.weight":
                 p.data = p.data.to(torch.bfloat16)
     model = shardwise.fully_shard(model, unit_modules=[model.first], mixed_precision=BF16)
-    groups = {g.name: g.fqns for g in shardwise.sharded_state(model).groups}
+    groups = {g.name: g.fqns for g in sharded_state(model).groups}
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(3))
     mine = tokens[rank * 2:(rank + 1) * 2]

@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 from shardwise import (BackwardOptimizer, MixedPrecisionPolicy, OffloadPolicy, build_dp_mesh, capture_step,
-                       clip_grad_norm_, count_host_syncs, fully_shard, sharded_state)
+                       clip_grad_norm_, fully_shard)
+from shardwise.engine.host_syncs import count_host_syncs
+from shardwise.engine.model_ops import sharded_state
 from shardwise.models import GPT, GPTConfig, TransformerLayer
 from tests.helpers.distributed import run_distributed
 
@@ -168,7 +170,7 @@ def _refusals():
     except ValueError as e:
         errors["backward_optimizer"] = str(e)
     try:
-        from shardwise.pipeline import ShardedPipelineStage
+        from shardwise.engine.pipeline import ShardedPipelineStage
         ShardedPipelineStage(safe, 0, 1, torch.device("cpu"))
     except ValueError as e:
         errors["pipeline"] = str(e)
@@ -196,7 +198,7 @@ def test_what_cannot_be_captured_is_refused_by_name():
 
 
 def test_expert_parallel_is_refused_by_name():
-    from shardwise.graph_safe import check_graph_safe
+    from shardwise.engine.graph_safe import check_graph_safe
 
     with pytest.raises(ValueError, match="graph_safe=True with expert_mesh"):
         check_graph_safe(torch.nn.Linear(2, 2), True, None, expert_mesh=object())
@@ -246,7 +248,7 @@ class _ReplayedByHand:
 
 
 def _captured_step_bookkeeping():
-    from shardwise.cuda_graphs import CapturedStep
+    from shardwise.engine.cuda_graphs import CapturedStep
 
     model = _wrap("optim_grads_params", None, False, False, True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -284,7 +286,7 @@ def test_a_captured_step_copies_inputs_restores_grads_and_marks_weights_changed(
 
 
 def _static_grads_come_back():
-    from shardwise import install_static_grads
+    from shardwise.engine.model_ops import install_static_grads
 
     model = _wrap("optim_grads_params", None, False, False, True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

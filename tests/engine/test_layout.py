@@ -1,4 +1,4 @@
-"""The row arithmetic of ``shardwise.layout``, single process, against torch.chunk itself."""
+"""The row arithmetic of ``shardwise.engine.layout``, single process, against torch.chunk itself."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from shardwise.layout import ALIGN, LevelLayout, nested_chunks, row_numel, slot_rows
+from shardwise.engine.layout import ALIGN, LevelLayout, nested_chunks, row_numel, slot_rows
 
 SIZES = [(1,), (2,), (3,), (4,), (2, 2), (2, 3), (3, 2), (4, 2)]
 

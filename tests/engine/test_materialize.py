@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from shardwise.materialize import MetaInitializer, has_meta_tensors, materialize_meta_module
-from shardwise.megatron.mcore_fsdp_adapter import _materialize_meta_module, _materialize_owned_meta_modules
+from shardwise.engine.materialize import MetaInitializer, has_meta_tensors, materialize_meta_module, materialize_owned_meta_modules
 from shardwise.models import GPT, UNIT_MODULES, GPTConfig, TransformerLayer, init_weights
 
 CPU = torch.device("cpu")
@@ -50,7 +49,7 @@ class NoReset(nn.Module):
 def test_replacing_reset_parameters_is_honoured():
     with torch.device("meta"):
         module = Replacing()
-    _materialize_meta_module(module, CPU)
+    materialize_meta_module(module, CPU)
     assert not module.weight.is_meta
     assert torch.equal(module.weight.detach(), torch.arange(12.0).view(3, 4))
 
@@ -58,7 +57,7 @@ def test_replacing_reset_parameters_is_honoured():
 def test_in_place_reset_keeps_attributes_requires_grad_and_children_alone():
     with torch.device("meta"):
         module = InPlace()
-    _materialize_meta_module(module, CPU)
+    materialize_meta_module(module, CPU)
     assert torch.equal(module.weight.detach(), torch.full((5,), 2.0))
     assert module.weight.tensor_model_parallel is True  # TP marks survive
     assert module.frozen.requires_grad is False and torch.equal(module.frozen.detach(), torch.full((2,), -1.0))
@@ -70,7 +69,7 @@ def test_in_place_reset_keeps_attributes_requires_grad_and_children_alone():
 def test_owned_modules_are_all_materialized():
     with torch.device("meta"):
         module = nn.Sequential(InPlace(), Replacing())
-    _materialize_owned_meta_modules(module, CPU)
+    materialize_owned_meta_modules(module, CPU)
     assert not has_meta_tensors(module)
     assert torch.equal(module[1].weight.detach(), torch.arange(12.0).view(3, 4))
 
@@ -79,7 +78,7 @@ def test_meta_module_without_reset_is_a_clear_error():
     with torch.device("meta"):
         module = nn.Sequential(NoReset())
     with pytest.raises(ValueError, match=r"NoReset holds \['weight'\] on the meta device but has no reset_parameters"):
-        _materialize_owned_meta_modules(module, CPU)
+        materialize_owned_meta_modules(module, CPU)
     assert module[0].weight.is_meta  # left untouched
     with pytest.raises(ValueError, match="NoReset"):
         MetaInitializer(module, CPU).plan()  # caught before any sharding starts
@@ -90,7 +89,7 @@ def test_tied_parameters_stay_tied():
         a, b = nn.Linear(3, 3), nn.Linear(3, 3)
     b.weight = a.weight
     model = nn.Sequential(a, b)
-    _materialize_owned_meta_modules(model, CPU)
+    materialize_owned_meta_modules(model, CPU)
     assert model[0].weight is model[1].weight and not model[0].weight.is_meta
 
 

@@ -21,7 +21,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise
-from shardwise.pipeline import ShardedPipelineStage, build_schedule, pipeline_groups
+from shardwise.engine.model_ops import sharded_state
+from shardwise.engine.pipeline import ShardedPipelineStage, build_schedule, pipeline_groups
 from tests.helpers.counting import CountingCollectives
 from tests.helpers.distributed import device, run_distributed
 from tests.helpers.parity import assert_close_states, micro_batch_losses, state_of, train_clipped
@@ -220,7 +221,7 @@ def _trainable_groups():
     mesh = init_device_mesh(dev.type, (2, world // 2), mesh_dim_names=("pp", "dp_shard"))
     part = shardwise.fully_shard(stage_module(PipeLM(CONFIG), mesh["pp"].get_local_rank(), 2), mesh["dp_shard"],
                                  strategy="no_shard", unit_modules=[Block])
-    return sum(1 for g in shardwise.sharded_state(part).groups if g.requires_grad)
+    return sum(1 for g in sharded_state(part).groups if g.requires_grad)
 
 
 def test_a_stage_reduces_its_gradients_once_per_step():

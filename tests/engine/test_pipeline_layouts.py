@@ -17,7 +17,8 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 import shardwise
-from shardwise.pipeline import ShardedPipelineStage
+from shardwise.engine.model_ops import sharded_state
+from shardwise.engine.pipeline import ShardedPipelineStage
 from tests.helpers.counting import CountingCollectives
 from tests.helpers.distributed import run_distributed
 from tests.helpers.gpt_stages import MICRO_BATCHES, Pipeline, Reference
@@ -103,7 +104,7 @@ def test_zero_bubble_schedules_train_as_one_process(schedule, strategy, world):
 def _reductions_per_step():
     counting = CountingCollectives()
     pipe = Pipeline("zbv", 2, "no_shard", collectives=counting)
-    groups = sum(1 for part in pipe.parts for g in shardwise.sharded_state(part).groups if g.requires_grad)
+    groups = sum(1 for part in pipe.parts for g in sharded_state(part).groups if g.requires_grad)
     counts = []
     for step in range(2):
         counting.calls.clear()

@@ -10,8 +10,8 @@ from torch.distributed.pipelining.schedules import (
     ScheduleLoopedBFS,
 )
 
-from shardwise.pipeline import SCHEDULES
-from shardwise.pipeline_order import (
+from shardwise.engine.pipeline import SCHEDULES
+from shardwise.engine.pipeline_order import (
     PIPELINE_SCHEDULES,
     in_flight_microbatches,
     in_flight_peak,

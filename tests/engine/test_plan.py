@@ -1,4 +1,4 @@
-"""The arithmetic of ``shardwise.placements`` and ``shardwise.mesh.ShardingPlan``, single process.
+"""The arithmetic of ``shardwise.engine.placements`` and ``shardwise.engine.mesh.ShardingPlan``, single process.
 
 No process group: the plan only asks its mesh for axis names, sizes, this
 rank's coordinates and process groups, so a fake mesh stands in for a
@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-import shardwise.mesh as mesh_module
-from shardwise.construct import build_plans
-from shardwise.mesh import ShardingPlan
-from shardwise.placements import (
+import shardwise.engine.mesh as mesh_module
+from shardwise.engine.construct import build_plans
+from shardwise.engine.fully_shard_options import FullyShardOptions
+from shardwise.engine.mesh import ShardingPlan
+from shardwise.engine.placements import (
     OUTER_STRATEGY_PLACEMENTS,
     STRATEGY_PLACEMENTS,
     AxisPlacements,
@@ -210,7 +211,8 @@ def test_plan_rejects_axes_it_cannot_place(backend):
 
 # ------------------------------------------------------------ grad_scale
 def _build(mesh, gradient_reduction, expert_mesh=None, strategy=3, outer=None):
-    return build_plans(mesh, None, strategy, outer, "tp", expert_mesh, None, "ep", gradient_reduction)
+    return build_plans(FullyShardOptions(mesh=mesh, strategy=strategy, outer_dp_sharding_strategy=outer,
+                                         expert_mesh=expert_mesh, gradient_reduction=gradient_reduction))
 
 
 @pytest.mark.parametrize("outer", [None, "no_shard", "optim"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.buffers import StagingPool
+from shardwise.engine.collectives import StagingPool
 
 CPU = torch.device("cpu")
 

@@ -247,7 +247,7 @@ def test_plan_fn_puts_parameters_not_named_experts_on_the_expert_mesh():
 
 
 def _mismatched_groups():
-    from shardwise.mesh import check_mesh_ranks_and_group_ranks_are_consistent
+    from shardwise.engine.mesh import check_mesh_ranks_and_group_ranks_are_consistent
 
     errors = []
     try:

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise
 from shardwise.models import GPT, GPTConfig, TransformerLayer, pipeline_stage
-from shardwise.pipeline import ShardedPipelineStage, build_schedule, pipeline_groups
+from shardwise.engine.pipeline import ShardedPipelineStage, build_schedule, pipeline_groups
 from tests.helpers.distributed import device
 from tests.helpers.parity import micro_batch_losses, state_of
 

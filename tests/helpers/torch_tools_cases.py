@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.utils._pytree import tree_map_only
 
 import shardwise
+from shardwise.engine.model_ops import sharded_state
 from shardwise.models import GPT, GPTConfig, MoETransformerLayer, TransformerLayer
 
 from tests.helpers.distributed import device
@@ -176,7 +177,7 @@ def build(config: Config, seed: int = 0, model_seed: int | None = None) -> Setup
         offload = shardwise.OffloadPolicy(fraction=config.offload) if config.offload else None
         model = shardwise.fully_shard(model, mesh, strategy=config.strategy, outer_dp_sharding_strategy=config.outer,
                                       unit_modules=[Block], offload_policy=offload)
-        offloaded = [g.offloaded for g in shardwise.sharded_state(model).groups]
+        offloaded = [g.offloaded for g in sharded_state(model).groups]
         assert any(offloaded) == bool(config.offload) and (all(offloaded) or config.offload < 1), offloaded
         torch.manual_seed(seed)
         reference = OddLM()

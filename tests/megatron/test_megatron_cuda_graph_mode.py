@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from shardwise.host_syncs import HostSyncs
-from shardwise.engine import sharded_state
+from shardwise.engine.host_syncs import HostSyncs
+from shardwise.engine.model_ops import sharded_state
 from shardwise.megatron import FullyShardedDataParallelV1, FullyShardedDataParallelV2, ProcessGroupCollection
 from shardwise.megatron.options import GRAPH_MODE, V1, V2, UnsupportedMegatronOption
 from tests.helpers.distributed import run_distributed

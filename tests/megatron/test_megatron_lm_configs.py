@@ -39,7 +39,7 @@ from shardwise.megatron import (
     use_in_megatron,
 )
 from shardwise.models import GPT, GPTConfig
-from shardwise.placements import OUTER_STRATEGY_PLACEMENTS, STRATEGY_PLACEMENTS
+from shardwise.engine.placements import OUTER_STRATEGY_PLACEMENTS, STRATEGY_PLACEMENTS
 
 from tests.helpers import DATA
 from tests.helpers.distributed import device, run_distributed

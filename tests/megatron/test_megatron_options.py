@@ -30,7 +30,7 @@ from megatron.core.distributed import DistributedDataParallelConfig as RealDDPCo
 from megatron.core.transformer import TransformerConfig as RealTransformerConfig
 
 import shardwise
-from shardwise.engine import compute_parameters, sharded_state
+from shardwise.engine.model_ops import compute_parameters, sharded_state
 from shardwise.megatron import (
     DistributedDataParallelConfig,
     FullyShardedDataParallelV1,

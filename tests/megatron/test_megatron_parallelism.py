@@ -12,19 +12,18 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from shardwise import rng
+from shardwise.engine import rng
 from shardwise.megatron import FullyShardedDataParallelV1, annotate_tensor_parallelism, detect_parallelism_type, rank_layout
 from shardwise.megatron import build_process_groups
-from shardwise.megatron.mcore_fsdp_adapter import (
-    _AxisPlacements,
+from shardwise.engine.placements import AxisPlacements
+from shardwise.engine.rng import get_rng_state_dict, load_rng_state_dict
+from shardwise.megatron.meshes import (
     _build_expert_mesh_and_placements,
     _build_hybrid_dp_mesh,
     _check_mesh_ranks_and_group_ranks_are_consistent,
     _DATA_PARALLEL_PLACEMENTS,
     _get_dp_tp_mesh,
     _get_hsdp_tp_mesh,
-    _get_rng_state_dict,
-    _load_rng_state_dict,
 )
 from shardwise.megatron.base import _check_strategies, _placements
 from shardwise.megatron.config import DistributedDataParallelConfig, TransformerConfig
@@ -183,10 +182,10 @@ R, S, P = Replicate(), Shard(0), Partial("avg")
 def test_placement_table_is_zero_0_to_3():
     """Each strategy's (parameter, gradient, optimizer) placement on its axis: docs/engine.md's table."""
     assert _DATA_PARALLEL_PLACEMENTS == {
-        "no_shard": _AxisPlacements(parameter=R, gradient=P, optimizer=R),  # ZeRO-0 (DDP)
-        "optim": _AxisPlacements(parameter=R, gradient=P, optimizer=S),  # ZeRO-1
-        "optim_grads": _AxisPlacements(parameter=R, gradient=S, optimizer=S),  # ZeRO-2
-        "optim_grads_params": _AxisPlacements(parameter=S, gradient=S, optimizer=S),  # ZeRO-3
+        "no_shard": AxisPlacements(parameter=R, gradient=P, optimizer=R),  # ZeRO-0 (DDP)
+        "optim": AxisPlacements(parameter=R, gradient=P, optimizer=S),  # ZeRO-1
+        "optim_grads": AxisPlacements(parameter=R, gradient=S, optimizer=S),  # ZeRO-2
+        "optim_grads_params": AxisPlacements(parameter=S, gradient=S, optimizer=S),  # ZeRO-3
     }
     for row in _DATA_PARALLEL_PLACEMENTS.values():  # Shard is dim 0, Partial averages
         assert all(p.dim == 0 for p in row if isinstance(p, Shard))
@@ -211,7 +210,7 @@ def test_hybrid_placements_per_axis(strategy, outer, instances, expected):
     _check_strategies(ddp, "test")
     placements = _placements(ddp, hybrid=instances > 1)
     assert list(placements) == list(expected)  # outer axis first, as on the mesh
-    assert placements == {axis: _AxisPlacements(*p) for axis, p in expected.items()}
+    assert placements == {axis: AxisPlacements(*p) for axis, p in expected.items()}
 
 
 # ------------------------------------------------------------------ RNG
@@ -223,12 +222,12 @@ def test_rng_state_round_trip():
     tracker = rng.get_rng_tracker()
     tracker.reset()
     tracker.add("model-parallel-rng", 1234)
-    state = _get_rng_state_dict()
+    state = get_rng_state_dict()
     assert set(state) == {"random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state", "rng_tracker_states"}
     with tracker.fork("model-parallel-rng"):
         first_forked = torch.rand(2)
     first = _draw()
-    _load_rng_state_dict(state)
+    load_rng_state_dict(state)
     with tracker.fork("model-parallel-rng"):
         assert torch.equal(torch.rand(2), first_forked)
     again = _draw()

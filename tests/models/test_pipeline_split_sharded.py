@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise
 from shardwise.models import GPT, GPTConfig, StageInitializer, pipeline_stage
-from shardwise.pipeline import ShardedPipelineStage, build_schedule, pipeline_groups
+from shardwise.engine.pipeline import ShardedPipelineStage, build_schedule, pipeline_groups
 from tests.helpers.distributed import device, run_distributed
 
 CONFIG = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=16, layer_pattern="AE",

@@ -38,11 +38,12 @@ import torch.distributed as dist
 
 from ..launch import launch_local, under_launcher
 from .report import format_run, write_reports
-from ...fp8 import require_torchao
+from ...engine.fp8 import require_torchao
+from ...engine.placements import resolve_strategy
 from .fp8 import FP8_MODES
 from .graphs import GRAPH_MODES
 from .pipeline import MULTI_STAGE_SCHEDULES, format_pipeline_run, run_pipeline_benchmark
-from ...pipeline_order import PIPELINE_SCHEDULES
+from ...engine.pipeline_order import PIPELINE_SCHEDULES
 from .context_parallel import check_options as check_context_parallel_options
 from .context_parallel import format_context_parallel_run, run_context_parallel_benchmark
 from .runner import COMPILE_MODES, GRAD_COMM_DTYPES, BenchOptions, run_benchmark
@@ -145,8 +146,6 @@ def _per_size(text: str, flag: str) -> dict:
 
 def parse_options(argv) -> tuple[BenchOptions, argparse.Namespace]:
     """Flags -> options, with every check that needs no process group."""
-    import shardwise
-
     args = build_parser().parse_args(argv)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -163,7 +162,7 @@ def parse_options(argv) -> tuple[BenchOptions, argparse.Namespace]:
     if not wrappers or len(set(wrappers)) != len(wrappers):
         raise UsageError(f"--wrappers {args.wrappers}: name each wrapper once")
     try:
-        strategy = shardwise.resolve_strategy(args.strategy)
+        strategy = resolve_strategy(args.strategy)
     except ValueError:
         raise UsageError(f"--strategy {args.strategy}: unknown strategy") from None
     fp8 = [m.strip() for m in args.fp8.split(",") if m.strip()]

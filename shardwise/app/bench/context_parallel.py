@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ...device import device_for
+from ...engine.device import device_for
 from ..memory import activation_bytes, estimate_for_run
 from .pipeline import GIB, SavedBytes
 from .sizes import SIZES, model_config

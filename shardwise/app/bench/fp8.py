@@ -1,6 +1,6 @@
 """``shardwise bench --fp8``: each wrapper's model with torchao's FP8 linears, converted the same way.
 
-Every wrapper gets the same linears in FP8 (``shardwise.fp8.convert_to_fp8``:
+Every wrapper gets the same linears in FP8 (``shardwise.engine.fp8.convert_to_fp8``:
 all but the output head), before it wraps the model:
 
 - ``shardwise``: gathers bf16 weights, the FP8 linears cast them; ``shardwise-fp8ag``: with

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...device import device_for
-from ...pipeline_order import textbook_bubble
+from ...engine.device import device_for
+from ...engine.pipeline_order import textbook_bubble
 from ..config import TrainConfig
 from ..pipeline_memory import estimate_pipeline_rank
 from ..pipeline_train import build_pipeline

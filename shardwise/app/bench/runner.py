@@ -44,7 +44,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from ...device import device_for
+from ...engine.device import device_for
 from ...models import GPT
 from ..memory import DoesNotFit, check_fits, estimate_for_run, host_available_bytes, host_peak_bytes, reset_host_peak
 from .sizes import SIZES, BenchSize, ddp_bytes_estimate, model_config

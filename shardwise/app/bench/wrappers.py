@@ -65,7 +65,7 @@ def make_clip(name: str, model: nn.Module, optimizer, max_norm: float,
     params = [p for p in model.parameters() if p.requires_grad]
     if name.startswith("shardwise"):
         import shardwise
-        from shardwise.optim import takes_clip_factor
+        from shardwise.engine.optim import takes_clip_factor
 
         fold = optimizer if mode == "fold" and takes_clip_factor(optimizer) else None
         return (lambda: shardwise.clip_grad_norm_(params, max_norm, optimizer=fold)), ("fold" if fold else "in-place")

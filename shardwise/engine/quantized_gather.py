@@ -1,7 +1,7 @@
 """Quantized weight gathers: a group's weights travel as FP8 bytes, and forward reads those bytes.
 
 A parameter marked with :data:`GATHER_ATTR` (``param.shardwise_gather =
-Fp8Tensorwise(wrap)``; ``shardwise.fp8`` marks the weights of torchao's
+Fp8Tensorwise(wrap)``; ``shardwise.engine.fp8`` marks the weights of torchao's
 ``Float8Linear``) is gathered in its own group. Once per optimizer step (the
 first gather after the main weights changed) the group takes each parameter's
 largest magnitude over its fp32 main-weight piece, one all-reduce (MAX) of
@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .dbuffer import DistributedBuffer, Levels
+from .distributed_buffer import DistributedBuffer, Levels
 
 __all__ = ["GATHER_ATTR", "Fp8Tensorwise", "QuantizedGather", "gather_mark", "tensorwise_scales", "cast_to_e4m3"]
 
@@ -61,7 +61,7 @@ class Fp8Tensorwise:
 def gather_mark(param: torch.Tensor) -> Fp8Tensorwise | None:
     mark = getattr(param, GATHER_ATTR, None)
     if mark is not None and not isinstance(mark, Fp8Tensorwise):
-        raise TypeError(f"parameter attribute {GATHER_ATTR}={mark!r} is not a shardwise.quantized.Fp8Tensorwise")
+        raise TypeError(f"parameter attribute {GATHER_ATTR}={mark!r} is not a shardwise.engine.quantized_gather.Fp8Tensorwise")
     return mark
 
 

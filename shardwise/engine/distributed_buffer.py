@@ -26,7 +26,7 @@ axis and transition (one coalesced NCCL group of per-parameter collectives).
 The buffers of one group share a ``Levels``: the parameters' rows
 (``ShardedParam``), one ``LevelLayout`` per level, the axes between levels
 (the plan's optimizer axes, outermost first), the collectives, the streams and
-the device. Which buffers a group has, and when they move, is ``group``'s part.
+the device. Which buffers a group has, and when they move, is ``param_group``'s part.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from typing import Callable, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from .buffers import Collectives, InFlight, StreamSet
+from .collectives import Collectives, InFlight, StreamSet
 from .layout import LevelLayout
-from .param import ShardedParam
+from .sharded_param import ShardedParam
 
 __all__ = ["BufferState", "Levels", "DistributedBuffer"]
 

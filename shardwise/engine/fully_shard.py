@@ -3,20 +3,20 @@
 ``fully_shard`` is the recipe; its steps live in ``construct``. Units are
 built deepest first, one at a time (materializing meta parameters just
 before), so the unsharded model never has to exist all at once; the
-scheduling itself lives in ``hooks``.
+scheduling itself lives in ``sharded_state``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator, Mapping, Type, Union
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .buffers import Collectives, StreamSet
-from .consistency import check_rank_consistency
+from .collectives import Collectives, StreamSet
+from .rank_consistency import check_rank_consistency
 from .construct import (
     GroupBuilder,
     Ownership,
@@ -31,23 +31,28 @@ from .construct import (
     resolve_units,
 )
 from .device import device_for
+from .fully_shard_options import FullyShardOptions, UnitSpec
 from .graph_safe import check_graph_safe
-from .hooks import ShardedState
+from .sharded_state import ShardedState
 from .offload import OffloadPolicy, choose_offloaded
 from .placements import AxisPlacements
 from .precision import MixedPrecisionPolicy
 
 __all__ = ["fully_shard", "ShardedModule", "ShardedState"]
 
-UnitSpec = Union[Type[nn.Module], nn.Module]
 _STATE_ATTR = "_shardwise_state"
 
 
 class ShardedModule(nn.Module):
-    """Methods ``fully_shard`` adds to the class of the module it wraps."""
+    """Methods ``fully_shard`` adds to the class of the module it wraps (torch's ``FSDPModule``'s role).
+
+    ``isinstance(model, shardwise.ShardedModule)`` holds for a wrapped model; the
+    faces' per-model operations are in ``shardwise.engine.model_ops``.
+    """
 
     @property
     def sharded_state(self) -> ShardedState:
+        """The engine's state of this model (units, parameter groups, plan); for the faces and tests."""
         return getattr(self, _STATE_ATTR)
 
     @contextlib.contextmanager
@@ -65,6 +70,7 @@ class ShardedModule(nn.Module):
             state.sync_grads = previous
 
     def set_requires_gradient_sync(self, requires_sync: bool) -> None:
+        """torch's FSDPModule method: ``False`` accumulates like ``no_sync()`` until set back to ``True``."""
         self.sharded_state.sync_grads = requires_sync
 
     def unshard(self) -> None:
@@ -74,6 +80,7 @@ class ShardedModule(nn.Module):
             unit.unshard()
 
     def reshard(self) -> None:
+        """Free what ``unshard()`` gathered: each unit back to its sharded parameters."""
         for unit in self.sharded_state.all_units:
             unit.reshard()
 
@@ -135,31 +142,25 @@ def fully_shard(
     ``collectives`` (a ``shardwise.Collectives``) replaces how buffers travel
     between placements (gather, reduce-scatter, all-reduce). Parameters marked
     for an FP8 gather (``shardwise.convert_to_fp8``) form groups of their own
-    that gather e4m3 bytes (``shardwise.quantized``). ``graph_safe=True`` keeps every
+    that gather e4m3 bytes (``shardwise.engine.quantized_gather``). ``graph_safe=True`` keeps every
     engine buffer allocated at one address from step to step and the step free of host
     synchronisation, so ``shardwise.capture_step`` can capture it in a CUDA graph
     (memory: the gathered weights and the gradient buffers stay allocated; CPU offload,
-    MoE routing and expert parallelism are refused, see ``shardwise.graph_safe``).
+    MoE routing and expert parallelism are refused, see ``shardwise.engine.graph_safe``).
     Returns ``module`` itself, whose parameters are now DTensors.
     """
+    options = FullyShardOptions(
+        mesh=mesh, placements=placements, strategy=strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy,
+        unit_modules=unit_modules, mixed_precision=mixed_precision, init_fn=init_fn,
+        reshard_after_forward=reshard_after_forward, prefetch=prefetch, tp_axis=tp_axis, expert_mesh=expert_mesh,
+        expert_placements=expert_placements, ep_axis=ep_axis, gradient_reduction=gradient_reduction,
+        bucket_size=bucket_size, plan_fn=plan_fn, offload_policy=offload_policy, collectives=collectives,
+        graph_safe=graph_safe,
+    )
     policy = check_module(module, mixed_precision, _STATE_ATTR)
-    check_rank_consistency(  # one small collective; ranks that disagree fail here, never hang later
-        module, mesh=mesh, placements=placements, strategy=strategy,
-        outer_dp_sharding_strategy=outer_dp_sharding_strategy, unit_modules=unit_modules,
-        expert_mesh=expert_mesh, expert_placements=expert_placements, tp_axis=tp_axis, ep_axis=ep_axis,
-        plan_fn=plan_fn,
-        options=dict(mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
-                     prefetch=prefetch, gradient_reduction=gradient_reduction, bucket_size=bucket_size,
-                     graph_safe=graph_safe),
-    )
-    plan_fn = check_options(
-        reshard_after_forward, prefetch, gradient_reduction, tp_axis, ep_axis, offload_policy, init_fn, plan_fn,
-        collectives,
-    )
-    plan, expert_plan = build_plans(
-        mesh, placements, strategy, outer_dp_sharding_strategy, tp_axis, expert_mesh, expert_placements, ep_axis,
-        gradient_reduction,
-    )
+    check_rank_consistency(module, options)  # one small collective; ranks that disagree fail here, never hang later
+    plan_fn = check_options(options)
+    plan, expert_plan = build_plans(options)
     check_bucket_size(bucket_size)
     check_graph_safe(module, graph_safe, offload_policy, expert_mesh)
     unit_list = resolve_units(module, unit_modules)

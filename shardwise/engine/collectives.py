@@ -248,7 +248,7 @@ class Collectives:
 
     Groups call only these, so a subclass changes how the bytes travel (a reduction
     in another dtype) without touching the groups (an FP8 gather is ``gather`` of
-    uint8 slots after one ``all_reduce_max`` of the amaxes, ``quantized``); pass one to
+    uint8 slots after one ``all_reduce_max`` of the amaxes, ``quantized_gather``); pass one to
     ``fully_shard(collectives=...)``. The default is the coalesced per-parameter
     collectives above.
     """

@@ -7,7 +7,7 @@ would reduce a shardwise model's gradients after every micro-batch. A
 :class:`ShardedPipelineStage` runs every micro-batch's backward inside the
 model's ``no_sync()`` and, at the schedule's one gradient-reduction point per
 step (``perform_reduce_grad``, which every torch schedule calls after a stage's
-last backward), calls :func:`shardwise.engine.finish_grad_accumulation`: the
+last backward), calls :func:`shardwise.engine.model_ops.finish_grad_accumulation`: the
 step's one reduction per stage. Parameters are gathered per micro-batch by the
 engine's own forward and backward hooks.
 
@@ -30,14 +30,14 @@ both passes ``submod.parameters()``: here the sharded DTensors at rest, which
 are not in the graph (the forward used the gathered compute parameters the
 hooks swapped in), so the weight pass would find no weights. A shardwise
 stage gives both passes the gathered parameters instead
-(:func:`shardwise.engine.compute_parameters`, the same objects every step).
+(:func:`shardwise.engine.model_ops.compute_parameters`, the same objects every step).
 The engine reduces a unit when the backward of its inputs fires, which is in
 the input pass, before any weight gradient exists; inside
-:func:`shardwise.engine.split_backward_input` no unit reduces (each still
+:func:`shardwise.engine.model_ops.split_backward_input` no unit reduces (each still
 frees its weights: the weight pass needs saved activations only, as linears,
 embeddings and norms do; a weight gradient that reads the weight itself, such
 as weight normalization's, is not supported under these schedules), and after
-the weight pass :func:`shardwise.engine.reduce_weight_grads` reduces what it
+the weight pass :func:`shardwise.engine.model_ops.reduce_weight_grads` reduces what it
 wrote into the open window, as a whole backward's end would have. The first
 stage has no input gradient: torch runs its whole backward in the weight step.
 ``ScheduleDualPipeV`` (overlapped forward and backward) is not supported.
@@ -66,7 +66,7 @@ from torch.distributed.pipelining.schedules import (
 
 from .device import device_for
 from .graph_safe import refuse_unless_eager
-from .engine import (
+from .model_ops import (
     compute_parameters,
     finish_grad_accumulation,
     is_sharded,

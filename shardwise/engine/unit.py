@@ -11,8 +11,8 @@ from typing import Sequence
 
 import torch.nn as nn
 
-from .buffers import InFlight
-from .group import ParamGroup
+from .collectives import InFlight
+from .param_group import ParamGroup
 
 __all__ = ["Unit"]
 

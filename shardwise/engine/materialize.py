@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from .device import device_for
-from .replaced import mark_replaced
+from .replaced_params import mark_replaced
 from .rng import set_torch_generator_states, torch_generator_states
 
 __all__ = [

@@ -1,6 +1,6 @@
 """How many bytes the engine holds per GPU and per host, from parameter counts, strategy and offload.
 
-Every term is a buffer :class:`~shardwise.group.ParamGroup` builds, or a
+Every term is a buffer :class:`~shardwise.engine.param_group.ParamGroup` builds, or a
 temporary the collectives stage (``buffers.py``), at the size its *level* gives
 it (level ``j`` = a parameter split over the first ``j`` sharded axes, see
 ``design.md``). :class:`BufferSizes` mirrors ``ParamGroup.__init__`` buffer by
@@ -94,10 +94,6 @@ class MemoryEstimate:
     ranks_per_host: int = 1
     notes: tuple[str, ...] = ()
     inputs: dict = field(default_factory=dict, repr=False)  # what it was estimated from (for suggestions)
-
-    @property
-    def host_bytes_per_rank(self) -> int:
-        return self.host_bytes // max(1, self.ranks_per_host)
 
     def dominant(self, count: int = 3) -> list[tuple[str, int]]:
         """The ``count`` largest GPU terms, largest first."""

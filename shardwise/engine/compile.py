@@ -23,7 +23,7 @@ from typing import Iterable, Type, Union
 import torch
 import torch.nn as nn
 
-from .engine import is_sharded, sharded_state
+from .model_ops import is_sharded, sharded_state
 
 __all__ = ["compile_units"]
 

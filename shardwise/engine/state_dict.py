@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .engine import sharded_state
+from .model_ops import sharded_state
 
 __all__ = ["full_state_dict", "gathered"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .buffers import StreamSet
+from .collectives import StreamSet
 
 __all__ = ["step_group", "HostSteps", "BackwardSteps"]
 

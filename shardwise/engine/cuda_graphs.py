@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.nn as nn
 
-from .engine import is_sharded, sharded_state
+from .model_ops import is_sharded, sharded_state
 
 __all__ = ["capture_step", "CapturedStep"]
 

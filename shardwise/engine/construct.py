@@ -19,14 +19,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .buffers import Collectives, StreamSet
-from .group import ParamGroup, ParamRef
-from .hooks import ShardedState
+from .collectives import Collectives, StreamSet
+from .fully_shard_options import FullyShardOptions
+from .param_group import ParamGroup, ParamRef
+from .sharded_state import ShardedState
 from .mesh import EXPERT, PLAN_CHOICES, ShardingPlan, build_dp_mesh, experts_by_mark, fold_context_parallel
 from .offload import OffloadPolicy
 from .placements import normalize_placements, strategy_placements
 from .precision import MixedPrecisionPolicy
-from .quantized import gather_mark
+from .quantized_gather import gather_mark
 from .unit import Unit
 
 __all__ = [
@@ -82,18 +83,17 @@ def _check_argument_types(**arguments) -> None:
             raise TypeError(f"{name}={value!r} must be a {kind.__name__}")
 
 
-def check_options(
-    reshard_after_forward, prefetch, gradient_reduction, tp_axis, ep_axis, offload_policy, init_fn, plan_fn,
-    collectives=None,
-) -> Callable:
+def check_options(options: FullyShardOptions) -> Callable:
     """Refuse options of the wrong type; the ``plan_fn`` to use (``experts_by_mark`` by default)."""
     _check_argument_types(
-        reshard_after_forward=(reshard_after_forward, bool),
-        prefetch=(prefetch, bool),
-        gradient_reduction=(gradient_reduction, str),
-        tp_axis=(tp_axis, str),
-        ep_axis=(ep_axis, str),
+        reshard_after_forward=(options.reshard_after_forward, bool),
+        prefetch=(options.prefetch, bool),
+        gradient_reduction=(options.gradient_reduction, str),
+        tp_axis=(options.tp_axis, str),
+        ep_axis=(options.ep_axis, str),
     )
+    offload_policy, collectives = options.offload_policy, options.collectives
+    init_fn, plan_fn = options.init_fn, options.plan_fn
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
         torch_meaning = {"CPUOffloadPolicy": ": torch's CPUOffloadPolicy() is shardwise.OffloadPolicy(fraction=1.0)",
                          "OffloadPolicy": ": torch's OffloadPolicy() (no offload) is offload_policy=None"}
@@ -129,19 +129,19 @@ def check_parameters(root: nn.Module, init_fn: Callable | None) -> None:
     if meta and init_fn is None:
         raise ValueError(
             f"parameters {meta[:4]}{'...' if len(meta) > 4 else ''} are on the meta device; "
-            "pass init_fn=shardwise.MetaInitializer(model) (or shardwise.materialize_owned_meta_modules) "
+            "pass init_fn=shardwise.MetaInitializer(model) (or shardwise.engine.materialize.materialize_owned_meta_modules) "
             "to materialize them unit by unit"
         )
 
 
 # ------------------------------------------------------------------ plans
-def build_plans(
-    mesh, placements, strategy, outer_dp_sharding_strategy, tp_axis, expert_mesh, expert_placements, ep_axis,
-    gradient_reduction,
-) -> tuple[ShardingPlan, ShardingPlan | None]:
+def build_plans(options: FullyShardOptions) -> tuple[ShardingPlan, ShardingPlan | None]:
     """The dense plan (over ``mesh``, built when ``None``) and the expert plan (with an ``expert_mesh``),
     their gradients scaled for ``gradient_reduction``."""
-    mesh, placements = resolve_placements(mesh, placements, strategy, outer_dp_sharding_strategy)
+    tp_axis, ep_axis, gradient_reduction = options.tp_axis, options.ep_axis, options.gradient_reduction
+    expert_mesh, expert_placements = options.expert_mesh, options.expert_placements
+    mesh, placements = resolve_placements(options.mesh, options.placements, options.strategy,
+                                          options.outer_dp_sharding_strategy)
     names = mesh.mesh_dim_names or ()
     plan = ShardingPlan(mesh, placements, model_parallel_axes=[tp_axis] if tp_axis in names else [])
     expert_plan = _expert_plan(plan, placements, expert_mesh, expert_placements, ep_axis)

@@ -19,7 +19,7 @@ EXPERTS = "experts"
 """A module holding a MoE layer's expert weights (hooked with ``parameters(recurse=True)``)."""
 LINEAR = "linear"
 """A linear layer with ``weight`` (out x in), optional ``bias``, ``reset_parameters()`` and a ``tp`` size:
-with ``tp == 1`` it computes ``F.linear(x, weight, bias)``, so ``shardwise.fp8`` may swap in torchao's
+with ``tp == 1`` it computes ``F.linear(x, weight, bias)``, so ``shardwise.engine.fp8`` may swap in torchao's
 ``Float8Linear`` (keeping the module's own initialization)."""
 ROLES = (LAYER, EXPERTS, LINEAR)
 

@@ -16,8 +16,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from .backward_steps import BackwardSteps
-from .buffers import InFlight, StreamSet
-from .group import ParamGroup
+from .collectives import InFlight, StreamSet
+from .param_group import ParamGroup
 from .mesh import ShardingPlan
 from .unit import Unit
 
@@ -71,7 +71,7 @@ class ShardedState:
         self.callback_queued = False
         self.in_flight: list[tuple[ParamGroup, InFlight]] = []
         # id(group) -> optimizer stepped as soon as the group's grads are final (see
-        # shardwise.optim.BackwardOptimizer); empty for the usual optimizer.step() loop.
+        # shardwise.engine.optim.BackwardOptimizer); empty for the usual optimizer.step() loop.
         self.backward_optimizers: dict[int, torch.optim.Optimizer] = {}
         self.backward_steps = BackwardSteps(streams)
         self.grad_forward = False
@@ -92,7 +92,7 @@ class ShardedState:
 
     @property
     def graph_safe(self) -> bool:
-        """Whether the model was wrapped with ``graph_safe=True`` (static buffers; see ``shardwise.graph_safe``)."""
+        """Whether the model was wrapped with ``graph_safe=True`` (static buffers; see ``shardwise.engine.graph_safe``)."""
         return self.streams.graph_safe
 
     @property

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from .device import device_for
-from .engine import sharded_state
+from .model_ops import sharded_state
 from .graph_safe import refuse_unless_eager
 
 __all__ = ["clip_grad_norm_", "grad_norm", "takes_clip_factor"]
@@ -236,7 +236,7 @@ class BackwardOptimizer:
 
     The step of a group happens during backward, right after its reduction
     (on a GPU on the reduce stream, beside the backward of the units before
-    it: ``shardwise.backward_steps``), and its fp32 gradient shard is freed at
+    it: ``shardwise.engine.backward_steps``), and its fp32 gradient shard is freed at
     once, so the whole model's
     gradients never exist together (4 bytes/param/N less at peak with fp32
     grads). The math is the same as one ``optimizer.step()`` after backward for

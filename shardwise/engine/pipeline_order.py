@@ -28,7 +28,7 @@ from typing import Sequence
 
 __all__ = ["PIPELINE_SCHEDULES", "rank_order", "in_flight_peak", "in_flight_microbatches", "textbook_bubble"]
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped_bfs")  # not yet: shardwise.pipeline's zero-bubble ones
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped_bfs")  # not yet: shardwise.engine.pipeline's zero-bubble ones
 _ONE_STAGE = ("gpipe", "1f1b")
 
 

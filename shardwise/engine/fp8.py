@@ -11,7 +11,7 @@ shapes, and hold no FP8 state: checkpoints and exports are those of the
 unconverted model.
 
 With the tensorwise recipe and ``all_gather=True`` (opt-in) the weights are also
-marked for shardwise's FP8 all-gather (``shardwise.quantized``): the linear then
+marked for shardwise's FP8 all-gather (``shardwise.engine.quantized_gather``): the linear then
 receives the gathered e4m3 weight and its shared scale and does not cast it again. A weight tied to
 a module that is not an FP8 linear is not marked (it gathers in bf16; the FP8
 linear casts it). Rowwise scales each row of each matmul operand by itself, so
@@ -32,8 +32,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .engine import is_sharded
-from .quantized import GATHER_ATTR, Fp8Tensorwise
+from .model_ops import is_sharded
+from .quantized_gather import GATHER_ATTR, Fp8Tensorwise
 from .registry import LINEAR, module_types
 
 __all__ = ["RECIPES", "DEFAULT_SKIP", "INSTALL_HINT", "Fp8Conversion", "require_torchao", "skip_modules",

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .fully_shard_options import FullyShardOptions
 from .mesh import EXPERT, PLAN_CHOICES, experts_by_mark
 from .placements import describe as describe_placements
 from .placements import normalize_placements, strategy_placements
@@ -222,21 +223,7 @@ def _expert_params(module: nn.Module, expert_mesh: Optional[DeviceMesh], plan_fn
     return tuple(experts)
 
 
-def describe(
-    module: nn.Module,
-    *,
-    mesh: Optional[DeviceMesh] = None,
-    placements=None,
-    strategy=None,
-    outer_dp_sharding_strategy=None,
-    unit_modules=None,
-    expert_mesh: Optional[DeviceMesh] = None,
-    expert_placements=None,
-    tp_axis: str = "tp",
-    ep_axis: str = "ep",
-    options: Optional[Mapping[str, Any]] = None,
-    plan_fn=None,
-) -> dict:
+def describe(module: nn.Module, options: FullyShardOptions) -> dict:
     """What must agree across the ranks of a mesh, as a small picklable dict.
 
     Parameters are described as this rank holds them (TP/EP slices have the
@@ -246,18 +233,19 @@ def describe(
     with an expert mesh, the names ``plan_fn`` puts on it.
     """
     _, world = _world()
+    o = options
     return {
-        "mesh": _describe_mesh(mesh, world, f"the default 1-D dp_shard mesh over {world} ranks"),
-        "expert_mesh": _describe_mesh(expert_mesh, world, "none"),
-        "placements": _effective_placements(mesh, placements, strategy, outer_dp_sharding_strategy),
-        "given": _given_strategy(placements, strategy, outer_dp_sharding_strategy),
-        "expert_placements": "taken from the placements" if expert_placements is None
-        else _effective_placements(None, expert_placements, None, None),
-        "axes": (tp_axis, ep_axis),
-        "options": _canon(dict(options or {})),
+        "mesh": _describe_mesh(o.mesh, world, f"the default 1-D dp_shard mesh over {world} ranks"),
+        "expert_mesh": _describe_mesh(o.expert_mesh, world, "none"),
+        "placements": _effective_placements(o.mesh, o.placements, o.strategy, o.outer_dp_sharding_strategy),
+        "given": _given_strategy(o.placements, o.strategy, o.outer_dp_sharding_strategy),
+        "expert_placements": "taken from the placements" if o.expert_placements is None
+        else _effective_placements(None, o.expert_placements, None, None),
+        "axes": (o.tp_axis, o.ep_axis),
+        "options": _canon(o.must_agree()),
         "params": _describe_params(module),
-        "units": _unit_names(module, unit_modules),
-        "expert_params": _expert_params(module, expert_mesh, plan_fn),
+        "units": _unit_names(module, o.unit_modules),
+        "expert_params": _expert_params(module, o.expert_mesh, o.plan_fn),
     }
 
 
@@ -476,46 +464,27 @@ def _check_mesh_types(**meshes) -> None:
                 f"or shardwise.build_expert_mesh(ep)), got a {type(value).__name__}")
 
 
-def check_rank_consistency(
-    module: nn.Module,
-    *,
-    mesh: Optional[DeviceMesh] = None,
-    placements=None,
-    strategy=None,
-    outer_dp_sharding_strategy=None,
-    unit_modules=None,
-    expert_mesh: Optional[DeviceMesh] = None,
-    expert_placements=None,
-    tp_axis: str = "tp",
-    ep_axis: str = "ep",
-    options: Optional[Mapping[str, Any]] = None,
-    plan_fn=None,
-) -> None:
+def check_rank_consistency(module: nn.Module, options: FullyShardOptions) -> None:
     """Raise ``ValueError`` on every rank unless all ranks of each mesh wrap the same thing.
 
-    Takes ``fully_shard``'s own arguments, unresolved (``mesh=None`` is the
+    Takes ``fully_shard``'s options, unresolved (``mesh=None`` is the
     default data-parallel mesh over all ranks; ``placements`` or
-    ``strategy``/``outer_dp_sharding_strategy``; unit classes or instances);
-    ``options`` holds the other arguments that must agree (mixed precision,
-    ``reshard_after_forward``, ``prefetch``, ``gradient_reduction``,
-    ``bucket_size``); ``plan_fn`` picks the expert parameters (with an expert mesh:
-    TP slices among them are not checked against the dense mesh). A collective over the default group: every rank must call
+    ``strategy``/``outer_dp_sharding_strategy``; unit classes or instances;
+    ``FullyShardOptions.must_agree`` the rest that must agree); ``plan_fn`` picks the
+    expert parameters (with an expert mesh: TP slices among them are not checked
+    against the dense mesh). A collective over the default group: every rank must call
     it, before any parameter is sharded. Ranks are compared with the ranks of
     their own mesh (pipeline stages may wrap different models).
     """
     me, world = _world()
     description, problem = None, None
+    mesh, expert_mesh, plan_fn = options.mesh, options.expert_mesh, options.plan_fn
     try:  # never raise before the exchange: a rank that stops here would strand the others
         _check_mesh_types(mesh=mesh, expert_mesh=expert_mesh)
-        description = describe(
-            module, mesh=mesh, placements=placements, strategy=strategy,
-            outer_dp_sharding_strategy=outer_dp_sharding_strategy, unit_modules=unit_modules,
-            expert_mesh=expert_mesh, expert_placements=expert_placements, tp_axis=tp_axis,
-            ep_axis=ep_axis, options=options, plan_fn=plan_fn,
-        )
-        resolved = _resolve(mesh, placements, strategy, outer_dp_sharding_strategy)
+        description = describe(module, options)
+        resolved = _resolve(mesh, options.placements, options.strategy, options.outer_dp_sharding_strategy)
         data_axes = None if resolved is None else list(resolved)
-        problem = _local_problem(module, mesh, expert_mesh, tp_axis, ep_axis, me, world, data_axes,
+        problem = _local_problem(module, mesh, expert_mesh, options.tp_axis, options.ep_axis, me, world, data_axes,
                                  description["expert_params"])
         if problem is None and expert_mesh is not None and not description["expert_params"] and (
                 plan_fn is None or callable(plan_fn)):

@@ -1,7 +1,7 @@
 """One parameter group: its buffers and their lifecycle.
 
 A group is the parameters of one unit that share a dtype and requires_grad.
-Each buffer is a ``DistributedBuffer`` (``dbuffer``): one *level* of every
+Each buffer is a ``DistributedBuffer`` (``distributed_buffer``): one *level* of every
 parameter's sharding (see ``layout``), one slot per parameter packed into a
 flat tensor, and the transitions between levels:
 
@@ -15,7 +15,7 @@ flat tensor, and the transitions between levels:
 - ``grad_acc`` / ``main_grad``: gradients accumulated at the gradient level
   across micro-batches, and finalized at the optimizer level.
 
-A group of weights marked for an FP8 gather (``quantized``) gathers uint8
+A group of weights marked for an FP8 gather (``quantized_gather``) gathers uint8
 e4m3 bytes into ``unsharded`` instead, cast from ``main`` with scales shared
 over the axes, and its unsharded parameters wrap those bytes.
 
@@ -35,14 +35,14 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from .buffers import Collectives, InFlight, StreamSet
-from .dbuffer import BufferState, DistributedBuffer, Levels
+from .collectives import Collectives, InFlight, StreamSet
+from .distributed_buffer import BufferState, DistributedBuffer, Levels
 from .mesh import ShardingPlan
 from .offload import HostMemory
-from .param import ParamRef, ShardedParam
+from .sharded_param import ParamRef, ShardedParam
 from .precision import MixedPrecisionPolicy
-from .quantized import QuantizedGather, gather_mark
-from .replaced import mark_replaced
+from .quantized_gather import QuantizedGather, gather_mark
+from .replaced_params import mark_replaced
 
 __all__ = ["ParamRef", "ParamGroup", "ModuleParams", "WeightState", "RefreshState", "GradState"]
 
@@ -213,7 +213,7 @@ class ParamGroup:
             why = "FP8 gathers under tensor or expert parallelism are not built"
         if why:
             raise ValueError(f"FP8 weight all-gather of group {self.name} ({', '.join(self.fqns)}): {why} "
-                             "(shardwise.fp8.convert_to_fp8(..., all_gather=False) keeps the bf16 gather)")
+                             "(shardwise.engine.fp8.convert_to_fp8(..., all_gather=False) keeps the bf16 gather)")
 
     def _make_sharded_param(self, i: int) -> nn.Parameter:
         ref = self.refs[i]

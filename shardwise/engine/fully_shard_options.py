@@ -1,0 +1,59 @@
+"""``FullyShardOptions``: every ``fully_shard`` argument but the module, as one frozen object.
+
+``fully_shard`` builds it once from its keyword arguments; the construction
+steps and the rank-consistency check read it by field name, so an option is
+listed in two places only (``fully_shard``'s signature, and here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Type, Union
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+if TYPE_CHECKING:  # layer 2 types; this module sits in layer 1 beside rank_consistency, which reads it
+    from .collectives import Collectives
+    from .offload import OffloadPolicy
+    from .placements import AxisPlacements
+    from .precision import MixedPrecisionPolicy
+
+__all__ = ["FullyShardOptions", "UnitSpec"]
+
+UnitSpec = Union[Type[nn.Module], nn.Module]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FullyShardOptions:
+    """What ``fully_shard(module, mesh, **options)`` was asked, unresolved (see ``fully_shard`` for each)."""
+
+    mesh: DeviceMesh | None = None
+    placements: Mapping[str, AxisPlacements] | str | int | None = None
+    strategy: str | int | None = None
+    outer_dp_sharding_strategy: str | None = None
+    unit_modules: Iterable[UnitSpec] | UnitSpec | None = None
+    mixed_precision: MixedPrecisionPolicy | None = None
+    init_fn: Callable[[nn.Module, torch.device], None] | None = None
+    reshard_after_forward: bool = True
+    prefetch: bool = True
+    tp_axis: str = "tp"
+    expert_mesh: DeviceMesh | None = None
+    expert_placements: Mapping[str, AxisPlacements] | None = None
+    ep_axis: str = "ep"
+    gradient_reduction: str = "mean"
+    bucket_size: int | None = None
+    plan_fn: Callable[[str, nn.Parameter], str] | None = None
+    offload_policy: OffloadPolicy | None = None
+    collectives: Collectives | None = None
+    graph_safe: bool = False
+
+    def must_agree(self) -> dict[str, Any]:
+        """The options every rank of a mesh must pass alike that the consistency check does not
+        already read as meshes, placements, units or the expert plan."""
+        return {name: getattr(self, name) for name in _AGREED}
+
+
+# Options that change the collectives' schedule or sizes: a rank that differs here hangs or corrupts.
+_AGREED = ("mixed_precision", "reshard_after_forward", "prefetch", "gradient_reduction", "bucket_size", "graph_safe")
