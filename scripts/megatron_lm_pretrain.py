@@ -12,11 +12,18 @@ and a copy of it with the README's two lines put before its ``if __name__ == "__
    (resume), shardwise from Megatron's and Megatron from shardwise's (migration), and
    Megatron from its own (how far Megatron's resume is from its uninterrupted run).
 
+With ``--cuda-graphs`` it runs instead, per strategy and one at a time, Megatron's adapter and
+shardwise without graphs, then shardwise and Megatron's adapter under Megatron-LM's full-iteration
+CUDA graph (``--cuda-graph-impl full_iteration``: forward and backward of every micro-batch
+captured once and replayed; the face runs in ``megatron_fsdp_cuda_graph_mode``), no checkpoints,
+and compares their step times and the graphed losses with the eager ones.
+
 The lines Megatron-LM prints (``lm loss``, ``grad norm``, ms per iteration, TFLOP/s,
 memory) are parsed; ``--out`` gets every run's log, ``runs.json`` and ``summary.md``
 (the table of ``docs/benchmarks.md``). One GPU:
 
     python scripts/megatron_lm_pretrain.py --megatron-lm PATH --out DIR [--ckpt-dir DIR] [--nproc 2]
+    python scripts/megatron_lm_pretrain.py --megatron-lm PATH --out DIR --cuda-graphs
 
 Megatron-LM's tree must import with the installed megatron-core (its own ``megatron/core``
 or a wheel of the same release); ``shardwise`` must be importable (``PYTHONPATH``).
@@ -46,6 +53,11 @@ MODEL = (
     "--use-megatron-fsdp --use-distributed-optimizer --ckpt-format fsdp_dtensor "
     "--log-interval 1 --log-throughput --eval-iters 0 --eval-interval 100000"
 )
+# Megatron-LM's full-iteration graph: it refuses its per-step NaN check there (a host sync), and captures
+# after the warm-up steps
+GRAPHS = "--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad --cuda-graph-warmup-steps {warmup}"
+# (wrapper, graphed), run in this order in graph mode
+GRAPH_RUNS = (("megatron", False), ("shardwise", False), ("shardwise", True), ("megatron", True))
 # (who loads, whose iteration-save_at checkpoint): resume, the two migrations, Megatron's own resume
 RESUMES = (("shardwise", "shardwise"), ("shardwise", "megatron"), ("megatron", "shardwise"), ("megatron", "megatron"))
 STRATEGIES = {"zero1": "optim", "zero3": "optim_grads_params"}
@@ -76,6 +88,12 @@ def command(script: Path, strategy: str, iters: int, save: Path | None, load: Pa
     if load is not None:
         args += ["--load", str(load), "--exit-on-missing-checkpoint"]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(script), *args]
+
+
+def graph_command(script: Path, strategy: str, iters: int, nproc: int, graphed: bool, warmup: int) -> list:
+    """A run of the graph comparison: no checkpoints; Megatron-LM's full-iteration graph when ``graphed``."""
+    cmd = command(script, strategy, iters, None, None, 0, nproc)
+    return cmd + GRAPHS.format(warmup=warmup).split() if graphed else cmd
 
 
 def environment(tree: Path) -> dict:
@@ -145,13 +163,19 @@ def main() -> None:
     p.add_argument("--save-at", type=int, default=20)
     p.add_argument("--ckpt-dir", type=Path, default=None, help="where the checkpoints go (default: OUT/ckpt)")
     p.add_argument("--nproc", type=int, default=1, help="GPUs per run (data-parallel ranks; 1, 2, 4 or 8)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="the graph comparison instead (eager and full-iteration graphed runs, no checkpoints)")
+    p.add_argument("--graph-warmup", type=int, default=2, help="eager steps before Megatron-LM captures the graph")
     args = p.parse_args()
     tree, out = args.megatron_lm.resolve(), args.out.resolve()
-    ckpt = (args.ckpt_dir or out / "ckpt").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    ckpt.mkdir(parents=True, exist_ok=True)
     env = environment(tree)
     scripts = {"megatron": tree / "pretrain_gpt.py", "shardwise": with_added_line(tree, out)}
+    if args.cuda_graphs:
+        graphs_main(args, scripts, env, out)
+        return
+    ckpt = (args.ckpt_dir or out / "ckpt").resolve()
+    ckpt.mkdir(parents=True, exist_ok=True)
     runs: dict = {}
     for zero in args.strategies:
         strategy = STRATEGIES[zero]
@@ -179,6 +203,30 @@ def main() -> None:
     (out / "runs.json").write_text(json.dumps({"runs": runs, "summary": summary}, indent=1))
     (out / "summary.md").write_text(table(summary))
     print(table(summary))
+    print(json.dumps(summary, indent=1))
+
+
+def graphs_main(args, scripts: dict, env: dict, out: Path) -> None:
+    """Eager against full-iteration graphed runs, one at a time, timed after the capture."""
+    skip = max(5, args.graph_warmup + 2)  # the warm-up steps and the capture are not timed
+    runs, summary = {}, {}
+    for zero in args.strategies:
+        for impl, graphed in GRAPH_RUNS:
+            name = f"{zero}_{impl}_{'graphs' if graphed else 'eager'}"
+            cmd = graph_command(scripts[impl], STRATEGIES[zero], args.iters, args.nproc, graphed, args.graph_warmup)
+            runs[name] = finish(name, *launch(name, cmd, env, out), out)
+            print(name, "rc", runs[name]["rc"], timing(runs[name], skip=skip), flush=True)
+        times = {name[len(zero) + 1:]: timing(runs[name], skip=skip) for name in runs if name.startswith(zero + "_")}
+        baseline = times["megatron_eager"]["ms_median"]
+        summary[zero] = {
+            "times": times,
+            "rc": {name: runs[name]["rc"] for name in runs if name.startswith(zero + "_")},
+            "speedup_vs_megatron_eager": {k: baseline / t["ms_median"] for k, t in times.items()
+                                          if baseline and t["ms_median"]},
+            "shardwise_graphs_vs_eager_1..N": differences(runs[f"{zero}_shardwise_graphs"],
+                                                          runs[f"{zero}_shardwise_eager"], 1, args.iters),
+        }
+    (out / "runs.json").write_text(json.dumps({"runs": runs, "summary": summary}, indent=1))
     print(json.dumps(summary, indent=1))
 
 

@@ -34,6 +34,7 @@ from ..engine.placements import AxisPlacements
 from ..engine.precision import MixedPrecisionPolicy
 from ..engine.registry import LAYER, module_types
 from .config import OUTER_SHARDING_STRATEGIES, DistributedDataParallelConfig, TransformerConfig
+from .megatron_lm_run import GRAPH_MODE_ACCUMULATION, SWIGLU_FSDP_DTENSOR, check_megatron_lm_run
 from .options import UnsupportedMegatronOption
 from .meshes import _DATA_PARALLEL_PLACEMENTS, EP_AXIS, INNER_AXIS, OUTER_AXIS, TP_AXIS
 from .buffer_view import ParamAndGradBufferView
@@ -306,15 +307,7 @@ def refuse_swiglu_checkpoint(config: Any) -> None:
     Megatron-FSDP's uneven-DTensor metadata; shardwise's parameters carry neither.
     """
     if getattr(config, "gated_linear_unit", False):
-        raise UnsupportedMegatronOption(
-            "TransformerConfig.gated_linear_unit=True (--swiglu) with Megatron-LM's --ckpt-format fsdp_dtensor "
-            "checkpoints is not supported by shardwise: checkpointing.py's handle_swiglu_in_state_dict splits "
-            "each linear_fc1 into _w/_v halves by reading Megatron-FSDP's parameter attributes "
-            "megatron_fsdp_slice and megatron_fsdp_dist_index, which shardwise's parameters do not have. "
-            "Instead: train the SwiGLU model without Megatron-LM's --save/--load (checkpoint with "
-            "torch.distributed.checkpoint on the chunk's state_dict()), or run it on Megatron-FSDP itself "
-            "(without use_in_megatron())."
-        )
+        raise UnsupportedMegatronOption(SWIGLU_FSDP_DTENSOR)
 
 
 class _ShardedDataParallel(_BaseDataParallel):
@@ -355,6 +348,7 @@ class _ShardedDataParallel(_BaseDataParallel):
         :meth:`zero_grad_buffer` and :class:`ParamAndGradBufferView` for what changes around it."""
         self.graph_mode = graph_mode
         module = self.sharded_model
+        check_megatron_lm_run(graph_mode, getattr(self, "config", None))
         initializer = None
         if has_meta_tensors(module):
             if not init_on_meta:
@@ -401,6 +395,8 @@ class _ShardedDataParallel(_BaseDataParallel):
         Wrap every micro-batch but the last; the last backward (outside) reduces
         what was accumulated on every axis and installs ``.grad``.
         """
+        if getattr(self, "graph_mode", False):
+            raise UnsupportedMegatronOption("no_sync(): " + GRAPH_MODE_ACCUMULATION)
         return self.sharded_model.no_sync()
 
     # ------------------------------------------------------------------- grads

@@ -59,3 +59,14 @@ def test_differences_count_equal_prints_and_miss_nothing():
     assert diff["loss_equal_as_printed"] == 1 and diff["grad_norm_equal_as_printed"] == 2
     assert diff["loss_max_abs"] == pytest.approx(1e-6)
     assert pretrain.differences(a, b, 20, 22) == {"loss": None, "grad_norm": None}  # iteration 22 missing
+
+
+def test_the_graph_comparison_adds_megatron_lms_full_iteration_flags_only_to_graphed_runs(tmp_path):
+    script = tmp_path / "pretrain_gpt.py"
+    eager = pretrain.graph_command(script, "optim", 30, 1, graphed=False, warmup=2)
+    graphed = pretrain.graph_command(script, "optim", 30, 1, graphed=True, warmup=2)
+    assert graphed[:len(eager)] == eager and "--cuda-graph-impl" not in eager
+    extra = graphed[len(eager):]
+    assert extra == ["--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad",
+                     "--cuda-graph-warmup-steps", "2"]
+    assert "--save" not in graphed and "--load" not in graphed  # timed runs write no checkpoints
