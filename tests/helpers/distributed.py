@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import time
 import traceback
 from datetime import timedelta
 
@@ -24,8 +23,6 @@ TASK_TIMEOUT_S = float(os.environ.get("SHARDWISE_TEST_TIMEOUT", "240"))
 # SHARDWISE_TEST_BACKEND=nccl runs the same tests on GPUs (one process per GPU).
 BACKEND = os.environ.get("SHARDWISE_TEST_BACKEND", "gloo")
 _POOLS: dict[int, "_WorkerPool"] = {}
-# In a worker: the process groups that outlive a cleanup (see destroy_groups_made_since_mark).
-_MARKED_GROUPS: set = set()
 
 
 def _worker_main(rank: int, world_size: int, port: int, tasks, results) -> None:
@@ -43,7 +40,6 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results) -> None:
     dist.init_process_group(
         BACKEND, rank=rank, world_size=world_size, timeout=timedelta(seconds=TASK_TIMEOUT_S / 2)
     )
-    mark_groups()
     while True:
         task = tasks.get()
         if task is None:
@@ -106,67 +102,6 @@ class _WorkerPool:
             if p.is_alive():
                 p.kill()
                 p.join()
-
-
-def mark_groups() -> None:
-    """In a worker: remember the process groups alive now; a later cleanup keeps them."""
-    from torch.distributed import distributed_c10d
-
-    _MARKED_GROUPS.clear()
-    _MARKED_GROUPS.update(distributed_c10d._world.pg_map)
-
-
-def destroy_groups_made_since_mark(max_threads: int, settle_s: float = 10.0) -> int:
-    """In a worker: destroy every process group made since :func:`mark_groups`; the worker's thread count after
-    (waited for, up to ``settle_s``, to fall to ``max_threads``).
-
-    Megatron-Core's ``destroy_model_parallel`` drops its dozens of groups (gloo copies included) without
-    destroying them, so their threads would live as long as the worker. Destroying them by hand (and
-    forgetting them in shardwise's group cache, so the next test makes fresh ones on every rank alike)
-    lets the pool outlive a Megatron test file instead of paying a fresh start of every worker.
-    """
-    import gc
-    import sys
-
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
-
-    made = [pg for pg in list(distributed_c10d._world.pg_map) if pg not in _MARKED_GROUPS]
-    for pg in made:
-        dist.destroy_process_group(pg)
-    cached = getattr(sys.modules.get("shardwise.megatron.process_groups"), "_GROUP_CACHE", {})
-    for key in [key for key, pg in cached.items() if any(pg is m for m in made)]:
-        del cached[key]
-    del made  # the last references: the groups' threads end with them
-    try:  # DTensor's sharding-propagation cache keeps meshes, and they their groups
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-        _clear_sharding_prop_cache()
-    except ImportError:
-        pass
-    gc.collect()
-    mark_groups()
-    # a shut-down group's threads end a moment later: wait for them (a bounded while)
-    deadline = time.monotonic() + settle_s
-    while _thread_count() > max_threads and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return _thread_count()
-
-
-def _thread_count() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
-def live_pools() -> list[int]:
-    """World sizes of the pools whose workers are all alive."""
-    return [n for n, pool in _POOLS.items() if all(p.is_alive() for p in pool.procs)]
-
-
-def close_pool(world_size: int) -> None:
-    """Stop the pool of this world size (the next test of that size starts a fresh one)."""
-    pool = _POOLS.pop(world_size, None)
-    if pool is not None:
-        pool.close()
 
 
 def device() -> "torch.device":
