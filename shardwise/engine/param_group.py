@@ -458,6 +458,12 @@ class ParamGroup:
             param.grad = None
             if self.grad_attr != "grad":
                 setattr(param, self.grad_attr, None)
+        self._drop_accumulation()
+        self._host_ready = None
+        self._host_kept = None
+
+    def _drop_accumulation(self) -> None:
+        """Forget the unsharded parameters' gradients and the step's accumulation buffers."""
         for param in self.unsharded_params:
             param.grad = None
             for alias in self.grad_aliases:
@@ -465,8 +471,6 @@ class ParamGroup:
         self._grad_acc = None
         self._main_grad = None
         self.grad_state = GradState.IDLE
-        self._host_ready = None
-        self._host_kept = None
 
     @torch.no_grad()
     def zero_grads_in_place(self) -> None:
@@ -477,13 +481,7 @@ class ParamGroup:
         after a replay must be the very tensors the captured step wrote: they stay installed for good.
         Also ends any ``no_sync`` accumulation left open, as :meth:`discard_grads` does.
         """
-        for param in self.unsharded_params:
-            param.grad = None
-            for alias in self.grad_aliases:
-                setattr(param, alias, None)
-        self._grad_acc = None
-        self._main_grad = None
-        self.grad_state = GradState.IDLE
+        self._drop_accumulation()
         flat = self._static_grads.get("main_grad")
         handed = [getattr(p, self.grad_attr, None) for p in self.sharded_params]
         handed = [g._local_tensor if hasattr(g, "_local_tensor") else g for g in handed if g is not None]
