@@ -342,7 +342,8 @@ class ParamGroup:
         if self.offloaded:  # the host grads the user kept are added to at install time
             self._host_kept = None if all(cleared) or existing is None else (existing, cleared)
             existing = None
-        if all(cleared) or existing is None:
+        if all(cleared) or existing is None or self.hands_out_copies:
+            # (grads handed out as cast copies hold the earlier windows' sum themselves: install adds to them)
             self._main_grad = self._fresh_grads("main_grad", m)  # the first reduction overwrites it
             self._main_grad_ref = weakref.ref(self._main_grad.flat)
         else:  # the kept grads, accumulated onto (those the user cleared restart from zero)
@@ -516,27 +517,49 @@ class ParamGroup:
         self.mark_weights_stale()
 
     def install_static_grads(self) -> None:
-        """Graph-safe mode: ``.grad`` views of the kept gradient buffer (after a replay, which runs no Python)."""
-        flat = self._static_grads.get("main_grad")
+        """Graph-safe mode: ``grad_attr`` views of the kept gradient buffer, or of the kept cast copies (after a
+        replay, which runs no Python)."""
+        flat = self._static_grads.get("grad_copy" if self.hands_out_copies else "main_grad")
         if flat is None or not self.requires_grad:
             return
         for param, grad in zip(self.sharded_params, DistributedBuffer(self.levels, self.opt_level, flat).dtensors()):
-            param.grad = grad
+            setattr(param, self.grad_attr, grad)
+
+    @property
+    def hands_out_copies(self) -> bool:
+        """Whether ``.grad`` is a copy of the main grads cast to the main weights' dtype (``.grad`` must have its
+        parameter's dtype), not a view of the main-grad buffer: then the copies, not the buffer, carry what earlier
+        windows accumulated, and every window starts the buffer afresh."""
+        return self.grad_attr == "grad" and self.main_grad_dtype != self.main_dtype
 
     def _hand_out(self, grads) -> None:
         """Set each sharded parameter's ``grad_attr`` to its main grad.
 
         ``.grad`` must have its parameter's dtype: main grads of another dtype are
-        handed out as a cast copy (the grads a user kept across steps are added to).
+        handed out as a cast copy (the grads a user kept across steps are added to);
+        graph-safe mode casts into a kept buffer, so the copies too keep their addresses.
         """
-        cast = self.grad_attr == "grad" and self.main_grad_dtype != self.main_dtype
-        for param, grad in zip(self.sharded_params, grads):
-            if not cast:
+        if not self.hands_out_copies:
+            for param, grad in zip(self.sharded_params, grads):
                 setattr(param, self.grad_attr, grad)
-            elif param.grad is None:
+            return
+        copies = self._static_grad_copies() if self.static else None
+        for i, (param, grad) in enumerate(zip(self.sharded_params, grads)):
+            if param.grad is not None:
+                param.grad.add_(grad.to(self.main_dtype))
+            elif copies is None:
                 param.grad = grad.to(self.main_dtype)
             else:
-                param.grad.add_(grad.to(self.main_dtype))
+                copies[i].to_local().copy_(grad.to_local())
+                param.grad = copies[i]
+
+    def _static_grad_copies(self) -> list:
+        """Graph-safe mode's cast ``.grad`` copies: DTensor views of one buffer of the main weights' dtype, made once."""
+        flat = self._static_grads.get("grad_copy")
+        if flat is None:
+            flat = self._static_grads["grad_copy"] = torch.empty(self.layouts[self.opt_level].total,
+                                                                 dtype=self.main_dtype, device=self.device)
+        return DistributedBuffer(self.levels, self.opt_level, flat).dtensors()
 
     def _install_host_grads(self) -> None:
         if self._host_ready is not None:

@@ -34,7 +34,7 @@ from ..engine.placements import AxisPlacements
 from ..engine.precision import MixedPrecisionPolicy
 from ..engine.registry import LAYER, module_types
 from .config import OUTER_SHARDING_STRATEGIES, DistributedDataParallelConfig, TransformerConfig
-from .megatron_lm_run import GRAPH_MODE_ACCUMULATION, SWIGLU_FSDP_DTENSOR, check_megatron_lm_run
+from .megatron_lm_run import SWIGLU_FSDP_DTENSOR, check_megatron_lm_run
 from .options import UnsupportedMegatronOption
 from .meshes import _DATA_PARALLEL_PLACEMENTS, EP_AXIS, INNER_AXIS, OUTER_AXIS, TP_AXIS
 from .buffer_view import ParamAndGradBufferView
@@ -348,7 +348,7 @@ class _ShardedDataParallel(_BaseDataParallel):
         :meth:`zero_grad_buffer` and :class:`ParamAndGradBufferView` for what changes around it."""
         self.graph_mode = graph_mode
         module = self.sharded_model
-        check_megatron_lm_run(graph_mode, getattr(self, "config", None))
+        check_megatron_lm_run(getattr(self, "config", None))
         initializer = None
         if has_meta_tensors(module):
             if not init_on_meta:
@@ -395,8 +395,6 @@ class _ShardedDataParallel(_BaseDataParallel):
         Wrap every micro-batch but the last; the last backward (outside) reduces
         what was accumulated on every axis and installs ``.grad``.
         """
-        if getattr(self, "graph_mode", False):
-            raise UnsupportedMegatronOption("no_sync(): " + GRAPH_MODE_ACCUMULATION)
         return self.sharded_model.no_sync()
 
     # ------------------------------------------------------------------- grads

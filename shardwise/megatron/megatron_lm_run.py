@@ -14,15 +14,7 @@ from typing import Any, Optional
 
 from .options import UnsupportedMegatronOption
 
-__all__ = ["megatron_lm_args", "check_megatron_lm_run", "GRAPH_MODE_ACCUMULATION", "SWIGLU_FSDP_DTENSOR"]
-
-GRAPH_MODE_ACCUMULATION = (
-    "megatron_fsdp_cuda_graph_mode=True (--cuda-graph-impl full_iteration) with more than one micro-batch per "
-    "step is not built: under Megatron-LM's pretrain_gpt.py on an H200 graph mode gave wrong gradients with "
-    "gradient accumulation (docs/performance.md, 'CUDA graphs'); one micro-batch per step is bit-equal to the "
-    "eager run. Instead: one micro-batch per step (--global-batch-size = --micro-batch-size x the data-parallel "
-    "size), or CUDA graphs off (--cuda-graph-impl none)"
-)
+__all__ = ["megatron_lm_args", "check_megatron_lm_run", "SWIGLU_FSDP_DTENSOR"]
 
 SWIGLU_FSDP_DTENSOR = (
     "TransformerConfig.gated_linear_unit=True (--swiglu) with Megatron-LM's --ckpt-format fsdp_dtensor "
@@ -41,25 +33,11 @@ def megatron_lm_args() -> Optional[Any]:
     return getattr(global_vars, "_GLOBAL_ARGS", None) if global_vars is not None else None
 
 
-def micro_batches_per_step(args: Any) -> Optional[int]:
-    """Micro-batches each data-parallel rank runs per step under Megatron-LM's flags (``None`` if unknown)."""
-    try:
-        return int(args.global_batch_size) // (int(args.micro_batch_size) * int(args.data_parallel_size))
-    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
-        return None
-
-
-def check_megatron_lm_run(graph_mode: bool, config: Any) -> None:
+def check_megatron_lm_run(config: Any) -> None:
     """Refuse, at wrap time, what the Megatron-LM run's flags ask for and the face cannot do."""
     args = megatron_lm_args()
     if args is None:
         return
-    micro = micro_batches_per_step(args)
-    if graph_mode and micro is not None and micro > 1:
-        raise UnsupportedMegatronOption(
-            f"--global-batch-size {args.global_batch_size} over --micro-batch-size {args.micro_batch_size} x "
-            f"data-parallel size {args.data_parallel_size} = {micro} micro-batches per step: "
-            + GRAPH_MODE_ACCUMULATION)
     checkpoints = getattr(args, "save", None) or getattr(args, "load", None)
     if (getattr(config, "gated_linear_unit", False) and getattr(args, "ckpt_format", None) == "fsdp_dtensor"
             and checkpoints):

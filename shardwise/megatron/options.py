@@ -208,9 +208,8 @@ OPTIONS: tuple[Option, ...] = (
         "buffers keep their addresses, no host syncs in forward, backward and finish_grad_sync; "
         "zero_grad_buffer zeroes the gradients in place (.grad stays installed for the optimizer after a "
         "replay); the optimizer step only marks the compute weights changed, the next forward rebuilds "
-        "them in place; one micro-batch per step: no_sync() is refused (gradient accumulation gave wrong "
-        "gradients on GPU under Megatron-LM), and under Megatron-LM's flags more than one micro-batch is refused "
-        "at wrap time; what cannot be captured is refused by name (the graph-mode table below)"),
+        "them in place; gradient accumulation works as in eager mode (no_sync, or every micro-batch syncing "
+        "and adding to the installed .grad); what cannot be captured is refused by name (the graph-mode table below)"),
         releases="0.19"),
     Option(DDP, "megatron_fsdp_enable_fine_grained_param_gather", "--megatron-fsdp-enable-fine-grained-param-gather",
            refused("per-submodule parameter gathers are not built; shardwise gathers per unit",

@@ -29,7 +29,6 @@ from .context_parallel import check_context_parallel
 from .grads import check_grads_finite, wire_megatron_grads
 from .meshes import _build_dense_mesh, _build_expert_mesh_and_placements, _check_model_groups
 from .parallelism import annotate_tensor_parallelism, mark_tensor_parallel
-from .megatron_lm_run import GRAPH_MODE_ACCUMULATION
 from .options import V2, UnsupportedMegatronOption, check_options, graph_mode
 from .process_groups import ProcessGroupCollection, group_size
 
@@ -163,10 +162,8 @@ class FullyShardedDataParallelV2(_ShardedDataParallel):
         which backward that is. Without it every backward finalizes that axis and
         the next micro-batch starts over, so only the last micro-batch's gradient
         would reach the optimizer. Megatron's schedules wrap every micro-batch but
-        the last in ``no_sync_func``. Refused in CUDA-graph mode (one micro-batch per step there).
+        the last in ``no_sync_func``.
         """
-        if self.graph_mode:
-            raise UnsupportedMegatronOption("no_sync(): " + GRAPH_MODE_ACCUMULATION)
         with self.sharded_model.no_sync():
             yield
 

@@ -300,3 +300,53 @@ def _static_grads_come_back():
 
 def test_install_static_grads_points_grad_at_the_kept_buffers_again():
     assert run_distributed(_static_grads_come_back, 2) == [True, True]
+
+
+# Main grads of another dtype than the main weights (Megatron-Core 0.19's default under Megatron-LM: fp32 main
+# weights, bf16 main grads) are handed out as cast ``.grad`` copies. Megatron-LM's schedule without
+# --overlap-grad-reduce syncs every micro-batch (no no_sync), so each backward adds its reduced grads to those
+# copies; graph-safe mode keeps the main-grad buffer alive, which must not make a window add onto an earlier
+# window's sum (the second micro-batch then counted the first twice: grad norm 6.03 against 3.87 on an H200).
+CAST_GRADS = MixedPrecisionPolicy(param_dtype=torch.bfloat16, main_grads_dtype=torch.bfloat16)
+
+
+def _accumulate_by_syncing(strategy, graph_safe, in_place_zero, micros=(0, 1)):
+    """Three steps of a syncing backward per micro-batch in ``micros``; ``.grad`` after each backward."""
+    from shardwise.engine.model_ops import zero_grads_in_place
+
+    torch.manual_seed(0)
+    model = fully_shard(GPT(_config(False)), strategy=strategy, unit_modules=[TransformerLayer],
+                        mixed_precision=CAST_GRADS, graph_safe=graph_safe)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    seen, addresses = [], []
+    for step in range(3):
+        if in_place_zero:
+            zero_grads_in_place(model)  # the Megatron face's zero_grad_buffer in graph mode
+        else:
+            opt.zero_grad(set_to_none=True)
+        for micro in micros:
+            tokens, targets = _batch(step, micro)
+            (model(tokens, targets) / 2).backward()
+            seen.append({n: p.grad.full_tensor().clone() for n, p in model.named_parameters()})
+        addresses.append(sorted(p.grad.to_local().data_ptr() for p in model.parameters()))
+        opt.step()
+    return seen, addresses
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_cast_grads_accumulate_once_per_micro_batch_in_graph_safe_mode(strategy):
+    # The reference counts each micro-batch once: after the second backward .grad is the first's .grad plus
+    # what the second alone gives (fp32 .grad, each added as the same cast: bit for bit). One step only: the
+    # later steps' weights differ once the optimizer has stepped on other grads.
+    normal = run_distributed(_accumulate_by_syncing, 2, strategy, False, False)
+    second_alone = run_distributed(_accumulate_by_syncing, 2, strategy, False, False, (1,))
+    for (seen, _), (alone, _) in zip(normal, second_alone):
+        first, both, second = seen[0], seen[1], alone[0]
+        assert all(torch.equal(both[n], first[n] + second[n]) for n in both)
+    for in_place_zero in (False, True):
+        safe = run_distributed(_accumulate_by_syncing, 2, strategy, True, in_place_zero)
+        for (n_seen, _), (s_seen, s_addr) in zip(normal, safe):
+            for n_grads, s_grads in zip(n_seen, s_seen, strict=True):
+                assert all(torch.equal(s_grads[n], n_grads[n]) for n in n_grads), in_place_zero
+            if in_place_zero:  # the copies are kept buffers too: a replay writes where the optimizer reads
+                assert all(a == s_addr[0] for a in s_addr[1:]), ".grad copies moved between steps"
