@@ -275,10 +275,6 @@ class ParamGroup:
 
     # ------------------------------------------------------- unshard / free
     @property
-    def is_unsharded(self) -> bool:
-        return self.weight_state is WeightState.UNSHARDED
-
-    @property
     def storage_bytes_unsharded(self) -> int:
         return self._unsharded.storage_bytes()
 
@@ -591,10 +587,6 @@ class ParamGroup:
         if self.quantized is not None:  # new amaxes and scales at the next gather
             self.quantized.stale = True
 
-    @property
-    def weights_stale(self) -> bool:
-        return self.refresh_state is RefreshState.STALE
-
     def _main_version(self) -> tuple[int, int]:
         """Version counters that any in-place update of the main weights moves, and our refresh does not.
 
@@ -658,16 +650,6 @@ class ParamGroup:
             "main_grad": 0 if main_grad is None else main_grad.untyped_storage().nbytes(),
             "grad_acc": 0 if self.grad_acc is None or self.grad_acc is main_grad else self.grad_acc.untyped_storage().nbytes(),
         }
-
-    def storage_addresses(self) -> dict[str, int]:
-        """Where each device buffer's storage is now (0: none), by buffer; graph-safe mode keeps them fixed."""
-        def address(t: torch.Tensor | None) -> int:
-            return 0 if t is None or t.untyped_storage().nbytes() == 0 else t.untyped_storage().data_ptr()
-        out = {"model_shard": address(self.model_shard), "main": address(self.main),
-               "unsharded": address(self.unsharded)}
-        for kind, flat in self._static_grads.items():
-            out[kind] = address(flat)
-        return out
 
     def host_bytes(self) -> dict[str, int]:
         """Bytes of host memory an offloaded group holds right now (main weights and grads)."""

@@ -362,7 +362,7 @@ def test_a_group_is_made_of_buffers_and_states(gloo_mesh):
     assert group.weight_state is WeightState.SHARDED and group.storage_bytes_unsharded == 0
     group.finish_unshard()
     group.use_unsharded()
-    assert group.is_unsharded and module.weight is group.unsharded_params[0]
+    assert group.weight_state is WeightState.UNSHARDED and module.weight is group.unsharded_params[0]
     assert torch.equal(module.weight.detach(), weight.to(torch.bfloat16))
     assert group.storage_bytes_unsharded == group.layouts[0].total * 2
     # two micro-batches: the first reduction overwrites the fresh buffer, the second adds
@@ -372,7 +372,7 @@ def test_a_group_is_made_of_buffers_and_states(gloo_mesh):
         group.reduce_grads(finalize).wait()
         assert group.grad_state is (GradState.REDUCED if finalize else GradState.ACCUMULATING)
     group.install_grads()
-    assert group.grad_state is GradState.IDLE and group.refresh_state is RefreshState.STALE and group.weights_stale
+    assert group.grad_state is GradState.IDLE and group.refresh_state is RefreshState.STALE
     grad = group.sharded_params[0].grad
     assert torch.equal(grad.full_tensor(), torch.full((5, 6), 3.0)) and torch.count_nonzero(group.sharded_params[1].grad.to_local()) == 0
     assert group.resident_bytes()["main_grad"] == group.layouts[2].total * 4

@@ -19,8 +19,10 @@ from shardwise import (BackwardOptimizer, MixedPrecisionPolicy, OffloadPolicy, b
                        clip_grad_norm_, fully_shard)
 from shardwise.engine.host_syncs import count_host_syncs
 from shardwise.engine.model_ops import sharded_state
+from shardwise.engine.param_group import RefreshState
 from shardwise.models import GPT, GPTConfig, TransformerLayer
 from tests.helpers.distributed import run_distributed
+from tests.helpers.graph_safe import engine_addresses
 
 STEPS = 4
 CASES = [  # (strategy, outer (HSDP), grad_accum, activation checkpointing, clip, bf16)
@@ -53,15 +55,6 @@ def _batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _addresses(model) -> dict:
-    """Every engine buffer's storage address, and the staging pool's buffers."""
-    state = sharded_state(model)
-    out = {f"{g.name}.{kind}": ptr for g in state.groups for kind, ptr in g.storage_addresses().items()}
-    pool = state.streams.pool
-    out["pool"] = sorted(b.data_ptr() for b in pool.buffers()) if hasattr(pool, "buffers") else None
-    return out
-
-
 def _step(model, opt, step, accum, clip):
     losses = []
     for micro in range(accum):
@@ -88,7 +81,7 @@ def _train(strategy, outer, accum, checkpointing, clip, bf16, graph_safe):
         opt.zero_grad()
         losses.append(torch.stack(step_losses).sum().item() if norm is None else
                       (torch.stack(step_losses).sum().item(), norm.item()))
-        addresses.append(_addresses(model))
+        addresses.append(engine_addresses(model))
     weights = {k: v.full_tensor() for k, v in model.state_dict().items()}
     return losses, weights, addresses, grad_addresses, syncs
 
@@ -125,7 +118,7 @@ def _normal_mode_moves_buffers():
     seen = []
     for step in range(2):
         _step(model, opt, step, 1, False)
-        seen.append(_addresses(model))
+        seen.append(engine_addresses(model))
         opt.step()
         opt.zero_grad()
     return seen
@@ -223,7 +216,7 @@ def _fp8_gather_case():
             opt.step()
             opt.zero_grad()
             losses.append(torch.stack(step_losses).sum().item())
-            addresses.append(_addresses(model))
+            addresses.append(engine_addresses(model))
         out.append((losses, addresses))
     return out
 
@@ -270,7 +263,7 @@ def _captured_step_bookkeeping():
     opt.zero_grad(set_to_none=True)  # dropped after the replay ...
     captured(*new)
     restored = all(p.grad is g for p, g in grads)  # ... and put back by the next one
-    stale = all(g.weights_stale for g in sharded_state(model).groups)
+    stale = all(g.refresh_state is RefreshState.STALE for g in sharded_state(model).groups)
     try:
         captured(new[0][:, :4], new[1])
         shape_refused = None

@@ -36,9 +36,11 @@ from torch.distributed.tensor import DTensor
 
 from shardwise.engine.host_syncs import HostSyncs
 from shardwise.engine.model_ops import sharded_state
+from shardwise.engine.param_group import RefreshState
 from shardwise.megatron import FullyShardedDataParallelV1, FullyShardedDataParallelV2, ProcessGroupCollection
 from shardwise.megatron.options import GRAPH_MODE, V1, V2, UnsupportedMegatronOption
 from tests.helpers.distributed import run_distributed
+from tests.helpers.graph_safe import engine_addresses
 from tests.helpers.megatron_cpu import megatron_on_the_cpu
 from tests.helpers.tiny_model import TinyConfig, TinyLM
 
@@ -146,14 +148,6 @@ def _captured_region(chunk, step: int, accumulation: str) -> torch.Tensor:
     return torch.stack(losses)
 
 
-def _addresses(chunk) -> dict:
-    state = sharded_state(chunk.sharded_model)
-    out = {f"{g.name}.{kind}": ptr for g in state.groups for kind, ptr in g.storage_addresses().items()}
-    pool = state.streams.pool
-    out["pool"] = sorted(b.data_ptr() for b in pool.buffers()) if hasattr(pool, "buffers") else None
-    return out
-
-
 def _grads(chunk) -> list:
     return [p.grad for p in chunk.parameters() if p.requires_grad]
 
@@ -180,9 +174,9 @@ def _train(version: int, strategy: str, graph: bool, gather_in_start_param_sync:
             seen["grad_ids"].append([id(g) for g in grads])
             ok, _, _ = optimizer.step()  # copy_main_weights_to_model_weights, then start_param_sync
             assert ok
-            seen["stale"].append(all(g.weights_stale for g in groups))
+            seen["stale"].append(all(g.refresh_state is RefreshState.STALE for g in groups))
             seen["losses"].append(losses.tolist())
-            seen["addresses"].append(_addresses(chunk))
+            seen["addresses"].append(engine_addresses(chunk.sharded_model))
         seen["weights"] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
                            for k, v in chunk.sharded_model.state_dict().items() if torch.is_tensor(v)}
         seen["graph_safe"] = sharded_state(chunk.sharded_model).graph_safe
