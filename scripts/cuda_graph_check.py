@@ -43,6 +43,12 @@ CASES = [  # name, strategy, HSDP, activation checkpointing, grad accumulation, 
     ("zero3", "optim_grads_params", False, False, 1, False),
     ("hsdp-ckpt-acc2-clip", "optim_grads_params", True, True, 2, True),
 ]
+# bf16 main grads next to fp32 main weights (Megatron-Core 0.19's default under Megatron-LM), so .grad is a cast
+# copy, with every micro-batch syncing and adding to it (Megatron-LM's schedule without --overlap-grad-reduce)
+CAST_GRAD_CASES = [
+    ("zero1-acc2-sync-bf16grads", "optim", False, False, 2, False),
+    ("zero3-acc2-sync-clip-bf16grads", "optim_grads_params", False, False, 2, True),
+]
 
 
 def _init() -> torch.device:
@@ -67,7 +73,7 @@ def _release() -> None:
 
 
 def _build(config: GPTConfig, strategy: str, hsdp: bool, fp8: str, fp8_gather: bool, compile_: bool, seed: int,
-           graph_safe: bool = True):
+           graph_safe: bool = True, cast_grads: bool = False):
     torch.manual_seed(seed)
     with torch.device(DEVICE):
         model = GPT(config)
@@ -78,15 +84,18 @@ def _build(config: GPTConfig, strategy: str, hsdp: bool, fp8: str, fp8_gather: b
     model = shardwise.fully_shard(
         model, mesh=mesh, strategy=strategy, outer_dp_sharding_strategy="no_shard" if hsdp else None,
         unit_modules=layer_types + [model.embed, model.output],
-        mixed_precision=shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16), graph_safe=graph_safe)
+        mixed_precision=shardwise.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, **({"main_grads_dtype": torch.bfloat16} if cast_grads else {})),
+        graph_safe=graph_safe)
     if compile_:
         shardwise.compile_units(model, modules=layer_types, backend="inductor")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
     return model, optimizer
 
 
-def _step_fn(model, optimizer, accum: int, clip: bool):
-    """One whole step: every micro-batch, (clipping,) the optimizer; returns (summed loss, grad norm)."""
+def _step_fn(model, optimizer, accum: int, clip: bool, sync_each: bool = False):
+    """One whole step: every micro-batch (``no_sync`` but the last, or each syncing), (clipping,) the optimizer;
+    returns (summed loss, grad norm)."""
     params = list(model.parameters())
 
     def step(tokens: torch.Tensor):
@@ -94,7 +103,7 @@ def _step_fn(model, optimizer, accum: int, clip: bool):
         loss_sum = torch.zeros((), device=tokens.device)
         for micro in range(accum):
             last = micro == accum - 1
-            with contextlib.nullcontext() if last else model.no_sync():
+            with contextlib.nullcontext() if last or sync_each else model.no_sync():
                 loss = model(tokens[micro, :, :-1], tokens[micro, :, 1:]) / accum
                 loss.backward()
             loss_sum += loss.detach().float()
@@ -135,15 +144,15 @@ def _ms_per_step(fn, steps: int) -> float:
     return start.elapsed_time(end) / steps
 
 
-def check_case(name, strategy, hsdp, ckpt, accum, clip, args, fp8="", fp8_gather=False) -> dict:
+def check_case(name, strategy, hsdp, ckpt, accum, clip, args, fp8="", fp8_gather=False, cast_grads=False) -> dict:
     config = GPTConfig(**SMALL, activation_checkpointing=ckpt)
     batches = _batches(args.steps, accum, args.micro_batch, args.seq, config.vocab_size)
     runs = {}
     for mode in ("normal", "eager", "graphed"):  # normal: graph_safe=False, eager: graph_safe=True
         _release()
         model, optimizer = _build(config, strategy, hsdp, fp8, fp8_gather, args.compile, seed=0,
-                                  graph_safe=mode != "normal")
-        step = _step_fn(model, optimizer, accum, clip)
+                                  graph_safe=mode != "normal", cast_grads=cast_grads)
+        step = _step_fn(model, optimizer, accum, clip, sync_each=cast_grads)
         t0 = time.perf_counter()
         if mode != "graphed":
             outs = [tuple(t.clone() for t in step(b)) for b in batches]
@@ -165,7 +174,7 @@ def check_case(name, strategy, hsdp, ckpt, accum, clip, args, fp8="", fp8_gather
     normal, eager, graphed = runs["normal"], runs["eager"], runs["graphed"]
     result = {
         "case": name, "strategy": strategy, "hsdp": hsdp, "activation_checkpointing": ckpt, "grad_accum": accum,
-        "clip": clip, "fp8": fp8 or None, "fp8_all_gather": fp8_gather, "compiled": args.compile,
+        "clip": clip, "bf16_main_grads_syncing_micro_batches": cast_grads, "fp8": fp8 or None, "fp8_all_gather": fp8_gather, "compiled": args.compile,
         "losses_eager": eager["losses"], "losses_graphed": graphed["losses"],
         "max_abs_diff_loss": max(abs(a - b) for a, b in zip(eager["losses"], graphed["losses"])),
         "max_abs_diff_norm": max(abs(a - b) for a, b in zip(eager["norms"], graphed["norms"])),
@@ -210,16 +219,19 @@ def bench(args) -> list[dict]:
     batches = _make_batches(config.vocab_size, micro_batch, seq, args.bench_steps + 4, 0, 0, device)
     compile_kwargs = {"backend": "inductor", "fullgraph": True, "dynamic": False}
     results = []
-    for wrapper, graph_safe, graphs in (("shardwise", False, False), ("shardwise", True, False),
-                                        ("shardwise", True, True), ("none", False, False), ("none", False, True)):
+    runs = [("shardwise", False, False, False), ("shardwise", True, False, False), ("shardwise", True, True, False),
+            ("none", False, False, False), ("none", False, True, False)]
+    if args.bf16_main:  # the ceiling's recipe under shardwise too: bf16 main weights, grads and AdamW state
+        runs += [("shardwise", False, False, True), ("shardwise", True, True, True)]
+    for wrapper, graph_safe, graphs, bf16_main in runs:
         _release()
         row = {"size": "0.9b", "wrapper": wrapper, "graph_safe": graph_safe, "cuda_graphs": graphs,
-               "seq_len": seq, "micro_batch": micro_batch, "compiled": True}
+               "bf16_main": bf16_main, "seq_len": seq, "micro_batch": micro_batch, "compiled": True}
         try:
             torch.manual_seed(0)
             with torch.device(device):
                 model = GPT(config)
-            extra = {"graph_safe": graph_safe} if wrapper == "shardwise" else {}
+            extra = {"graph_safe": graph_safe, "bf16_main": bf16_main} if wrapper == "shardwise" else {}
             model, optimizer = WRAPPERS[wrapper](model, device, compile=compile_kwargs, **extra)
             if graphs:
                 step, _ = graphed_step(model, optimizer, None, batches[0])
@@ -266,22 +278,25 @@ def main() -> int:
     p.add_argument("--cases", default="", help="comma list of case names (default: all)")
     p.add_argument("--bench", action="store_true", help="the 0.9b benchmark instead of the check")
     p.add_argument("--bench-steps", type=int, default=10)
+    p.add_argument("--bf16-main", action="store_true",
+                   help="with --bench: shardwise with bf16 main weights too (the ceiling's numerical recipe)")
     args = p.parse_args()
     _init()
     out = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "results": []}
     if args.bench:
         out["results"] = bench(args)
     else:
-        todo = [(c, "", False) for c in CASES]
+        todo = [(c, "", False, False) for c in CASES] + [(c, "", False, True) for c in CAST_GRAD_CASES]
         if args.fp8:
-            todo += [(CASES[2], "tensorwise", False), (CASES[2], "tensorwise", True), (CASES[1], "tensorwise", False)]
+            todo += [(CASES[2], "tensorwise", False, False), (CASES[2], "tensorwise", True, False),
+                     (CASES[1], "tensorwise", False, False)]
         chosen = set(filter(None, args.cases.split(",")))
-        for case, fp8, gather in todo:
+        for case, fp8, gather, cast_grads in todo:
             if chosen and case[0] not in chosen:
                 continue
             label = case[0] + (f"-fp8-{fp8}{'-gather' if gather else ''}" if fp8 else "")
             try:
-                row = check_case(label, *case[1:], args, fp8=fp8, fp8_gather=gather)
+                row = check_case(label, *case[1:], args, fp8=fp8, fp8_gather=gather, cast_grads=cast_grads)
                 row["status"] = "ok"
             except Exception as e:  # noqa: BLE001 - recorded; the other cases still run
                 traceback.print_exc()

@@ -98,12 +98,14 @@ def compile_layers(model: nn.Module, compile: dict) -> list[nn.Module]:
 # ------------------------------------------------------------------ shardwise
 def wrap_shardwise(model: nn.Module, device: torch.device, strategy: str = "optim_grads_params",
                    compile: dict | None = None, offload: float = 0.0, grad_comm_dtype: torch.dtype | None = None,
-                   graph_safe: bool = False):
+                   graph_safe: bool = False, bf16_main: bool = False):
     """shardwise.fully_shard: each layer, the embedding and the output head are units.
 
     ``offload``: the share of the parameters whose main weights and optimizer state live on the host.
     ``grad_comm_dtype``: the dtype gradients travel in (``None``: fp32, like the other wrappers); they are
     accumulated in fp32 either way. ``graph_safe``: for a step captured in a CUDA graph (``bench/graphs.py``).
+    ``bf16_main``: main weights, gradients and so AdamW state in bf16, the ceiling's numerical recipe (the
+    wrapper's own cost against :func:`wrap_none`, without fp32 main weights' extra work).
     """
     import shardwise
 
@@ -111,7 +113,9 @@ def wrap_shardwise(model: nn.Module, device: torch.device, strategy: str = "opti
     units = unit_types + [m for m in (model.embed, model.output) if m is not None]
     model = shardwise.fully_shard(
         model, strategy=strategy, unit_modules=units,
-        mixed_precision=shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16, grad_comm_dtype=grad_comm_dtype),
+        mixed_precision=shardwise.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, grad_comm_dtype=grad_comm_dtype,
+            **({"main_params_dtype": torch.bfloat16, "main_grads_dtype": torch.bfloat16} if bf16_main else {})),
         offload_policy=shardwise.OffloadPolicy(fraction=offload) if offload else None, graph_safe=graph_safe)
     if compile is not None:  # the layers, as for the other wrappers (not the embedding or head)
         shardwise.compile_units(model, modules=unit_types, **compile)
