@@ -145,8 +145,9 @@ def fully_shard(
     that gather e4m3 bytes (``shardwise.engine.quantized_gather``). ``graph_safe=True`` keeps every
     engine buffer allocated at one address from step to step and the step free of host
     synchronisation, so ``shardwise.capture_step`` can capture it in a CUDA graph
-    (memory: the gathered weights and the gradient buffers stay allocated; CPU offload,
-    MoE routing and expert parallelism are refused, see ``shardwise.engine.graph_safe``).
+    (memory: the gathered weights and the gradient buffers stay allocated, so units keep their weights from
+    forward to backward as with ``reshard_after_forward=False``; CPU offload, MoE routing and expert
+    parallelism are refused, see ``shardwise.engine.graph_safe``).
     Returns ``module`` itself, whose parameters are now DTensors.
     """
     options = FullyShardOptions(
@@ -175,7 +176,9 @@ def fully_shard(
         offloaded=choose_offloaded(offload_policy, ownership.sizes()),
         pin_memory=offload_policy is None or offload_policy.pin_memory, collectives=collectives,
     )
-    units, root_unit = build_units(module, unit_list, builder.build_groups, reshard_after_forward)
+    # Graph-safe mode holds every gathered buffer at rest anyway: a reshard after forward would free nothing and
+    # only make backward gather the same weights again.
+    units, root_unit = build_units(module, unit_list, builder.build_groups, reshard_after_forward and not graph_safe)
     move_buffers(module, device)
     state = ShardedState(root_unit, units, plan, streams, prefetch)
     setattr(module, _STATE_ATTR, state)

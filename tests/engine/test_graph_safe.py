@@ -343,3 +343,32 @@ def test_cast_grads_accumulate_once_per_micro_batch_in_graph_safe_mode(strategy)
                 assert all(torch.equal(s_grads[n], n_grads[n]) for n in n_grads), in_place_zero
             if in_place_zero:  # the copies are kept buffers too: a replay writes where the optimizer reads
                 assert all(a == s_addr[0] for a in s_addr[1:]), ".grad copies moved between steps"
+
+
+def _gathers_per_step(graph_safe: bool, checkpointing: bool) -> list[int]:
+    from tests.helpers.counting import CountingCollectives
+
+    counting = CountingCollectives()
+    torch.manual_seed(0)
+    model = fully_shard(GPT(_config(checkpointing)), strategy="optim_grads_params", unit_modules=[TransformerLayer],
+                        graph_safe=graph_safe, collectives=counting)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    counts = []
+    for step in range(3):
+        before = counting.calls["gather"]
+        _step(model, opt, step, 2, False)
+        counts.append(counting.calls["gather"] - before)
+        opt.step()
+        opt.zero_grad()
+    return counts
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ckpt"])
+def test_graph_safe_units_keep_their_weights_from_forward_to_backward(checkpointing):
+    # The gathered buffers stay allocated in graph-safe mode, so resharding after forward would free nothing:
+    # each micro-batch gathers a layer once (its forward; backward and a checkpointed recompute reuse it),
+    # where the normal mode gathers it again for backward. The root (embedding, head) stays gathered in both.
+    normal = run_distributed(_gathers_per_step, 2, False, checkpointing)[0]
+    safe = run_distributed(_gathers_per_step, 2, True, checkpointing)[0]
+    layers, micro_batches = _config(checkpointing).n_layers, 2
+    assert all(n - s == layers * micro_batches for n, s in zip(normal, safe, strict=True)), (normal, safe)
