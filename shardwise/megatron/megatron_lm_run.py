@@ -2,9 +2,9 @@
 
 Megatron-LM (``pretrain_gpt.py`` and the other training scripts) parses its command line before it
 builds the model, into ``megatron.training.global_vars``. When that module is loaded, the face reads
-the flags there and refuses, at wrap time, a run that would otherwise fail or go wrong later: at the
-first checkpoint, or in the first step. Nothing is imported: a plain Megatron-Core user has no such
-module, and then only the later checks (at the first save, the first ``no_sync``) apply.
+the flags there and refuses, at wrap time, a run that would otherwise fail later, at its first
+checkpoint. Nothing is imported: a plain Megatron-Core user has no such module, and then only the
+later check (at the first save or load) applies.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from .context_parallel import check_context_parallel
 from .grads import check_grads_finite, wire_megatron_grads
 from .meshes import _build_dense_mesh, _build_expert_mesh_and_placements, _check_model_groups
 from .parallelism import annotate_tensor_parallelism, mark_tensor_parallel
-from .options import V2, UnsupportedMegatronOption, check_options, graph_mode
+from .options import V2, check_options, graph_mode
 from .process_groups import ProcessGroupCollection, group_size
 
 __all__ = ["FullyShardedDataParallelV2"]

@@ -31,7 +31,6 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from shardwise.engine.host_syncs import HostSyncs
