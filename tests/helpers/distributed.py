@@ -1,8 +1,9 @@
 """Run a test body on N gloo processes, reusing a pool of live workers.
 
-Spawning and importing torch costs seconds per process on a 2-core CI
+Starting a process and importing torch costs seconds on a 2-core CI
 machine, so each world size keeps one pool of processes with the gloo group
-already initialized; a test sends a module-level function and gets back what
+already initialized (and the processes fork from a server that imported
+torch, shardwise and Megatron-Core once); a test sends a module-level function and gets back what
 every rank returned. A failure on any rank (or a timeout, which means some
 rank hung in a collective) tears the pool down so the next test starts
 clean.
@@ -52,9 +53,30 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results) -> None:
     dist.destroy_process_group()
 
 
+# Workers are forked from one server process (multiprocessing's forkserver) that imported these once: a
+# spawned worker is a fresh interpreter importing torch and Megatron-Core, seconds per worker on 2 cores
+# (a pool of four importing Megatron-Core took ~13 s to start), and the Megatron files start fresh pools
+# per file (tests/megatron/conftest.py). The server imports no more than the pytest process itself has
+# imported by then (collection imports every test module); a module missing here is skipped by the
+# server and imported by the worker as before. CUDA wants spawned processes: the NCCL runs keep "spawn".
+_PRELOAD = [
+    "torch", "torch.distributed", "shardwise", "shardwise.models", "shardwise.megatron", "shardwise.app.train",
+    "megatron.core", "megatron.core.distributed", "megatron.core.optimizer", "megatron.core.transformer",
+    "megatron.core.models.gpt",
+]
+
+
+def _context():
+    if BACKEND == "nccl":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 class _WorkerPool:
     def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world_size = world_size
         self.results = ctx.Queue()
         self.task_queues = [ctx.Queue() for _ in range(world_size)]
@@ -127,7 +149,7 @@ def run_distributed(fn, world_size: int, *args, **kwargs) -> list:
 
 
 @atexit.register
-def _close_pools() -> None:
+def _close_pools(graceful: bool = True) -> None:
     for pool in _POOLS.values():
-        pool.close()
+        pool.close(graceful)
     _POOLS.clear()
