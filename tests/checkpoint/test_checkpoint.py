@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import shardwise
 from shardwise.app.launch import free_port
@@ -23,7 +22,7 @@ from shardwise.checkpoint import (
 )
 from shardwise.app.data import TokenLoader
 
-from tests.helpers.distributed import device, run_distributed
+from tests.helpers.distributed import device, process_context, run_distributed
 from tests.helpers.tiny_model import Block, TinyConfig, TinyLM, batch
 
 
@@ -231,7 +230,7 @@ def _load_after_failure(path: str):
 def test_rank_killed_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     port = free_port()
     procs = [ctx.Process(target=_dying_worker, args=(r, 2, port, str(ckpt), str(out))) for r in range(2)]
     for p in procs:

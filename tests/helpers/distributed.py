@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import time
 import traceback
 from datetime import timedelta
 
@@ -24,6 +25,9 @@ TASK_TIMEOUT_S = float(os.environ.get("SHARDWISE_TEST_TIMEOUT", "240"))
 # SHARDWISE_TEST_BACKEND=nccl runs the same tests on GPUs (one process per GPU).
 BACKEND = os.environ.get("SHARDWISE_TEST_BACKEND", "gloo")
 _POOLS: dict[int, "_WorkerPool"] = {}
+# How often a test waiting for its ranks checks that none of them died (one that cannot unpickle the task,
+# or that exits, would otherwise cost the whole TASK_TIMEOUT_S).
+_POLL_S = 2.0
 
 
 def _worker_main(rank: int, world_size: int, port: int, tasks, results) -> None:
@@ -42,7 +46,11 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results) -> None:
         BACKEND, rank=rank, world_size=world_size, timeout=timedelta(seconds=TASK_TIMEOUT_S / 2)
     )
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get()
+        except Exception:  # the task did not unpickle (its module changed since?): say so, wait for the next
+            results.put((rank, False, traceback.format_exc()))
+            continue
         if task is None:
             break
         fn, args, kwargs = task
@@ -66,7 +74,9 @@ _PRELOAD = [
 ]
 
 
-def _context():
+def process_context():
+    """The multiprocessing context the pools start their workers with (tests starting processes of their
+    own use it too)."""
     if BACKEND == "nccl":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -76,7 +86,7 @@ def _context():
 
 class _WorkerPool:
     def __init__(self, world_size: int):
-        ctx = _context()
+        ctx = process_context()
         self.world_size = world_size
         self.results = ctx.Queue()
         self.task_queues = [ctx.Queue() for _ in range(world_size)]
@@ -98,15 +108,22 @@ class _WorkerPool:
         outcomes = {}
         import queue
 
-        try:
-            while len(outcomes) < self.world_size:
-                rank, ok, value = self.results.get(timeout=TASK_TIMEOUT_S)
-                outcomes[rank] = (ok, value)
-                if not ok:
-                    break  # other ranks may now be stuck in a collective
-        except queue.Empty:
-            missing = sorted(set(range(self.world_size)) - set(outcomes))
-            raise TimeoutError(f"ranks {missing} did not finish {fn.__name__} in {TASK_TIMEOUT_S}s")
+        deadline = time.monotonic() + TASK_TIMEOUT_S
+        while len(outcomes) < self.world_size:
+            try:  # wake up now and then to notice a worker that died (the others would wait for it)
+                rank, ok, value = self.results.get(timeout=min(_POLL_S, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - set(outcomes))
+                dead = {r: self.procs[r].exitcode for r in missing if self.procs[r].exitcode is not None}
+                if dead:
+                    raise RuntimeError(f"ranks {sorted(dead)} exited (exit codes {list(dead.values())}) during "
+                                       f"{fn.__name__}; ranks {missing} did not finish it")
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"ranks {missing} did not finish {fn.__name__} in {TASK_TIMEOUT_S}s")
+                continue
+            outcomes[rank] = (ok, value)
+            if not ok:
+                break  # other ranks may now be stuck in a collective
         failures = {r: v for r, (ok, v) in outcomes.items() if not ok}
         if failures:
             raise AssertionError(
