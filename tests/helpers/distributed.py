@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import queue
 import time
 import traceback
 from datetime import timedelta
@@ -26,11 +27,22 @@ TASK_TIMEOUT_S = float(os.environ.get("SHARDWISE_TEST_TIMEOUT", "240"))
 BACKEND = os.environ.get("SHARDWISE_TEST_BACKEND", "gloo")
 _POOLS: dict[int, "_WorkerPool"] = {}
 # How often a test waiting for its ranks checks that none of them died (one that cannot unpickle the task,
-# or that exits, would otherwise cost the whole TASK_TIMEOUT_S).
+# or that exits, would otherwise cost the whole TASK_TIMEOUT_S), and an idle worker that the test process
+# is still there (a killed pytest used to leave its workers behind, hundreds of gloo threads each).
 _POLL_S = 2.0
 
 
-def _worker_main(rank: int, world_size: int, port: int, tasks, results) -> None:
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _worker_main(rank: int, world_size: int, port: int, tasks, results, owner: int) -> None:
     import torch
     import torch.distributed as dist
 
@@ -47,7 +59,13 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results) -> None:
     )
     while True:
         try:
-            task = tasks.get()
+            task = tasks.get(timeout=_POLL_S)
+        except queue.Empty:
+            if not _alive(owner):  # the test process was killed: leave, gloo threads and all
+                os._exit(0)
+            continue
+        except (EOFError, OSError):
+            raise  # the test process is gone: so is this worker
         except Exception:  # the task did not unpickle (its module changed since?): say so, wait for the next
             results.put((rank, False, traceback.format_exc()))
             continue
@@ -94,7 +112,7 @@ class _WorkerPool:
         self.procs = [
             ctx.Process(
                 target=_worker_main,
-                args=(rank, world_size, port, self.task_queues[rank], self.results),
+                args=(rank, world_size, port, self.task_queues[rank], self.results, os.getpid()),
                 daemon=True,
             )
             for rank in range(world_size)
@@ -106,8 +124,6 @@ class _WorkerPool:
         for q in self.task_queues:
             q.put((fn, args, kwargs))
         outcomes = {}
-        import queue
-
         deadline = time.monotonic() + TASK_TIMEOUT_S
         while len(outcomes) < self.world_size:
             try:  # wake up now and then to notice a worker that died (the others would wait for it)
