@@ -18,7 +18,7 @@ are mirrored; unknown extra attributes of a passed-in object are ignored.
 from __future__ import annotations
 
 import re
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any, Literal, Optional, Tuple
 
 import torch
@@ -213,8 +213,3 @@ def as_transformer_config(config: Any) -> TransformerConfig:
 def as_ddp_config(ddp_config: Any) -> DistributedDataParallelConfig:
     """``ddp_config`` itself when it is ours; else a copy of the fields it has."""
     return _copy_fields(DistributedDataParallelConfig, ddp_config)
-
-
-def mirrored_fields(cls) -> dict[str, tuple[str, Any]]:
-    """``{field: (annotation, default)}`` of one mirror class, for the checks against Megatron's source."""
-    return {f.name: (str(f.type), None if f.default is MISSING else f.default) for f in fields(cls)}

@@ -41,12 +41,13 @@ from shardwise.megatron import (
     as_transformer_config,
     use_in_megatron,
 )
-from shardwise.megatron.config import _declared_kind, mirrored_fields
+from shardwise.megatron.config import _declared_kind
 from shardwise.megatron.options import DDP, OPTIONS, TC, V2, Verdict
 from shardwise.models import GPT, GPTConfig
 
 from tests.helpers import DATA
 from tests.helpers.distributed import device, run_distributed
+from tests.helpers.megatron_mirrors import mirrored_fields
 from tests.helpers.parity import compare, megatron_hooks, train_both
 
 RECORD = json.loads((DATA / "megatron_core_fields.json").read_text())

@@ -23,9 +23,9 @@ import sys
 import pytest
 
 from shardwise.megatron import DistributedDataParallelConfig, TransformerConfig
-from shardwise.megatron.config import mirrored_fields
 
 from tests.helpers import DATA, REPO
+from tests.helpers.megatron_mirrors import mirrored_fields
 
 SCRIPT = REPO / "scripts" / "megatron_lm_check.py"
 RECORD = json.loads((DATA / "megatron_lm_configs.json").read_text())
