@@ -539,13 +539,14 @@ class ParamGroup:
             for param, grad in zip(self.sharded_params, grads):
                 setattr(param, self.grad_attr, grad)
             return
-        copies = self._static_grad_copies() if self.static else None
+        copies = None  # graph-safe mode's kept copies, made only where some .grad was dropped
         for i, (param, grad) in enumerate(zip(self.sharded_params, grads)):
             if param.grad is not None:
                 param.grad.add_(grad.to(self.main_dtype))
-            elif copies is None:
+            elif not self.static:
                 param.grad = grad.to(self.main_dtype)
             else:
+                copies = copies or self._static_grad_copies()
                 copies[i].to_local().copy_(grad.to_local())
                 param.grad = copies[i]
 
