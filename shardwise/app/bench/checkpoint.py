@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..launch import launch_local
+from ...engine.teardown import destroy_process_groups
 from ..memory import host_peak_bytes, host_resident_bytes, reset_host_peak
 
 MIB = 2**20
@@ -118,7 +119,8 @@ def _worker(args) -> None:
     replicated = "no_shard" in (args.strategy, args.load_strategy)  # replicas would count twice
     same = None if replicated else bool(torch.allclose(saved_sum, loaded_sum, rtol=1e-9))
     report("load", seconds, strategy=args.load_strategy, checksum_equal=same)
-    dist.destroy_process_group()
+    del model, optimizer
+    destroy_process_groups()  # every group's threads joined now, not raced by the interpreter's exit
 
 _EXPORT = r"""
 import json, sys, time

@@ -40,6 +40,7 @@ from ..launch import launch_local, under_launcher
 from .report import format_run, write_reports
 from ...engine.fp8 import require_torchao
 from ...engine.placements import resolve_strategy
+from ...engine.teardown import destroy_process_groups
 from .fp8 import FP8_MODES
 from .graphs import GRAPH_MODES
 from .pipeline import MULTI_STAGE_SCHEDULES, format_pipeline_run, run_pipeline_benchmark
@@ -287,8 +288,8 @@ def worker(opts: BenchOptions, out: str, command: str = "") -> list[dict]:
             print("\n" + table + f"\nwrote {out}/bench.json, bench.md, bench.png", flush=True)
         return runs
     finally:
-        if owns_group:
-            dist.destroy_process_group()
+        if owns_group:  # every group's threads joined now, not raced by the interpreter's exit (a SIGABRT)
+            destroy_process_groups()
 
 
 def _pipeline_worker(opts: BenchOptions, out: str, meta: dict) -> list[dict]:
