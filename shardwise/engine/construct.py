@@ -23,7 +23,7 @@ from .collectives import Collectives, StreamSet
 from .fully_shard_options import FullyShardOptions
 from .param_group import ParamGroup, ParamRef
 from .sharded_state import ShardedState
-from .mesh import EXPERT, PLAN_CHOICES, ShardingPlan, build_dp_mesh, experts_by_mark, fold_context_parallel
+from .mesh import DENSE, EXPERT, EXPERT_CHOICES, PLAN_CHOICES, ShardingPlan, build_dp_mesh, experts_by_mark, fold_context_parallel
 from .offload import OffloadPolicy
 from .placements import normalize_placements, strategy_placements
 from .precision import MixedPrecisionPolicy
@@ -289,10 +289,13 @@ def _place_model_parallel(
 ) -> ShardingPlan:
     """Choose the plan a parameter is sharded by (``plan_fn``, with an expert plan) and record its
     model-parallel dimensions."""
-    is_expert = expert_plan is not None and _plan_choice(plan_fn, ref.fqn, ref.param) == EXPERT
+    choice = _plan_choice(plan_fn, ref.fqn, ref.param) if expert_plan is not None else DENSE
+    is_expert = choice in EXPERT_CHOICES
     target = expert_plan if is_expert else plan
-    if target is expert_plan:
+    if choice == EXPERT:
         ref.model_parallel_dims[ep_axis] = 0  # experts are stacked along dim 0
+    elif is_expert:
+        ref.local_axes.append(ep_axis)  # this EP rank's own tensor: its DTensor spans its expert-dp ranks only
     if getattr(ref.param, "tensor_model_parallel", False):
         if tp_axis in target.model_parallel:
             dim = int(getattr(ref.param, "partition_dim", 0))

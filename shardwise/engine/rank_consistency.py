@@ -42,7 +42,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .fully_shard_options import FullyShardOptions
-from .mesh import EXPERT, PLAN_CHOICES, experts_by_mark
+from .mesh import EXPERT_CHOICES, PLAN_CHOICES, experts_by_mark
 from .placements import describe as describe_placements
 from .placements import normalize_placements, strategy_placements
 
@@ -218,7 +218,7 @@ def _expert_params(module: nn.Module, expert_mesh: Optional[DeviceMesh], plan_fn
         choice = plan_fn(name, param)
         if not isinstance(choice, str) or choice not in PLAN_CHOICES:
             raise ValueError(f"plan_fn returned {choice!r} for parameter {name!r}; it must return one of {list(PLAN_CHOICES)}")
-        if choice == EXPERT:
+        if choice in EXPERT_CHOICES:
             experts.append(name)
     return tuple(experts)
 

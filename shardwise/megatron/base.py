@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from ..engine.model_ops import ShardedState, load_full_state_dict, sharded_state, zero_grads_in_place
 from ..engine.fully_shard import fully_shard
 from ..engine.materialize import MetaInitializer, has_meta_tensors
-from ..engine.mesh import DENSE, EXPERT, default_device_type
+from ..engine.mesh import DENSE, EXPERT, LOCAL_EXPERT, default_device_type
 from ..engine.placements import AxisPlacements
 from ..engine.precision import MixedPrecisionPolicy
 from ..engine.registry import LAYER, module_types
@@ -42,7 +42,8 @@ from .grads import grads_of
 from .main_dtypes import mixed_precision_for
 from .process_groups import group_size
 
-__all__ = ["MegatronFSDPLevel", "_BaseDataParallel", "_ShardedDataParallel", "expert_plan_fn", "is_expert_param", "logger"]
+__all__ = ["MegatronFSDPLevel", "_BaseDataParallel", "_ShardedDataParallel", "expert_plan_fn", "is_expert_param",
+           "local_expert_fqns", "logger", "plan_fn_for"]
 
 # Megatron-Core marks the parameters Megatron-FSDP manages with this attribute; its optimizer
 # (grad-norm, zero counting) then reads their gradients' local shards and reduces the norm over
@@ -159,6 +160,35 @@ def is_expert_param(fqn: str, param: Optional[torch.Tensor] = None) -> bool:
 def expert_plan_fn(fqn: str, param: torch.Tensor) -> str:
     """The ``plan_fn`` the face hands ``fully_shard``: expert weights on the expert mesh, the rest dense."""
     return EXPERT if is_expert_param(fqn, param) else DENSE
+
+
+def local_expert_fqns(module: nn.Module) -> frozenset[str]:
+    """The parameters of Megatron-Core's expert modules (``...mlp.experts``: ``SequentialMLP``'s
+    ``local_experts.<i>.*``, ``TEGroupedMLP``'s ``weight<i>``), named as in ``module``.
+
+    There each expert is a tensor of its own, and ``local_experts.<i>`` is a different expert on
+    each expert-parallel rank (Megatron-LM's ``handle_experts_in_state_dict`` renames it to
+    ``i + ep_rank x local experts`` when it saves), so it is handed out as Megatron-FSDP hands it
+    out: one tensor sharded over the expert-data-parallel ranks only (:data:`LOCAL_EXPERT`).
+    Other expert modules (shardwise's MoE) stack every EP rank's experts along dim 0.
+    """
+    found = set()
+    for name, sub in module.named_modules():
+        if name.rsplit(".", 1)[-1] == "experts" and type(sub).__module__.startswith("megatron.core."):
+            found.update(f"{name}.{n}" for n, _ in sub.named_parameters(remove_duplicate=False))
+    return frozenset(found)
+
+
+def plan_fn_for(module: nn.Module):
+    """The ``plan_fn`` the face hands ``fully_shard`` for ``module``: :func:`expert_plan_fn`, with
+    Megatron-Core's experts (:func:`local_expert_fqns`) each EP rank's own tensors."""
+    local = local_expert_fqns(module)
+
+    def plan_fn(fqn: str, param: torch.Tensor) -> str:
+        choice = expert_plan_fn(fqn, param)
+        return LOCAL_EXPERT if choice == EXPERT and fqn in local else choice
+
+    return plan_fn
 
 
 def _has_expert_params(module: nn.Module) -> bool:
@@ -374,7 +404,7 @@ class _ShardedDataParallel(_BaseDataParallel):
             ep_axis=EP_AXIS,
             gradient_reduction=gradient_reduction,
             bucket_size=bucket_size,
-            plan_fn=expert_plan_fn,
+            plan_fn=plan_fn_for(module),
             graph_safe=graph_mode,
         )
         if initializer is not None:
