@@ -401,10 +401,13 @@ def _ep_problem(module: nn.Module, mesh, expert_mesh, tp_axis: str, ep_axis: str
             if mesh is not None and tp_axis in (mesh.mesh_dim_names or ()):
                 dense_dp //= mesh.size(list(mesh.mesh_dim_names).index(tp_axis))
             expert_dp = len(expert) // len(ep_row)
-            if dense_dp % expert_dp:
+            if tp_axis in enames:  # expert tensor parallelism: its TP axis is no data parallelism
+                expert_dp //= expert_mesh.size(enames.index(tp_axis))
+            # (more expert than dense data parallelism is right where expert TP is smaller than TP)
+            if dense_dp % expert_dp and expert_dp % dense_dp:
                 return (
                     f"the expert mesh's data-parallel size {expert_dp} does not divide the dense data-parallel "
-                    f"size {dense_dp}"
+                    f"size {dense_dp}, nor the other way round"
                 )
     for prefix, sub in module.named_modules():
         where = f"module {prefix or '<root>'!r}"

@@ -235,21 +235,26 @@ def _model_parallel_sizes(cfg: TransformerConfig, pg) -> _ModelParallelSizes:
 def _unbuilt_model_parallelism(sizes: _ModelParallelSizes, module: nn.Module) -> Optional[tuple[str, int, str]]:
     """``(field, value, why)`` for a tensor/expert-parallel combination the engine cannot shard yet.
 
-    Built: TP alone; EP alone; TP with EP when the experts are whole on each EP
-    rank (``expert_tensor_parallel_size=1``: the dense layers split over ``tp``,
-    the experts over ``ep``, as Megatron runs MoE models); with one EP rank,
-    experts next to TP of the same expert-TP size.
+    Built: TP alone; EP alone; Megatron-Core's expert layers (:func:`local_expert_fqns`) at any expert
+    TP size, with or without EP (their expert mesh has a ``tp`` axis over ``expt_tp``, as
+    Megatron-FSDP's ``[expt_dp, expt_tp]``); other experts (shardwise's MoE, whose experts are
+    stacked and not split by TP) whole on each EP rank (``expert_tensor_parallel_size=1``) next to
+    TP, or, with one EP rank, next to TP of the same expert-TP size.
     """
-    experts = _has_expert_params(module)
-    if experts and sizes.ep > 1 and sizes.expert_tp > 1:
+    experts = [n for n, p in module.named_parameters() if is_expert_param(n, p)]
+    if not experts or set(experts) <= local_expert_fqns(module):
+        return None
+    if sizes.ep > 1 and sizes.expert_tp > 1:
         hint = (f"; next to tensor_model_parallel_size={sizes.tp}, set expert_tensor_parallel_size=1 (whole "
-                "experts on each expert-parallel rank)" if sizes.tp > 1 else "")
+                "experts on each expert-parallel rank)" if sizes.tp > 1 else "; set expert_tensor_parallel_size=1")
         return ("expert_tensor_parallel_size", sizes.expert_tp,
-                "expert tensor parallelism (TP inside the expert mesh) with expert parallelism is not built yet" + hint)
-    if experts and sizes.tp > 1 and sizes.ep == 1 and sizes.expert_tp != sizes.tp:
+                f"expert tensor parallelism (TP inside the expert mesh) of {experts[0]!r} (not a Megatron-Core "
+                "expert layer's: its experts are stacked, not split by TP) is not built yet" + hint)
+    if sizes.tp > 1 and sizes.ep == 1 and sizes.expert_tp != sizes.tp:
         return ("expert_tensor_parallel_size", sizes.expert_tp,
-                f"experts next to tensor_model_parallel_size={sizes.tp} are only built with the same "
-                "expert tensor-parallel size (experts split like the dense layers, over the same TP group)")
+                f"experts other than Megatron-Core's next to tensor_model_parallel_size={sizes.tp} are only built with "
+                f"the same expert tensor-parallel size (experts split like the dense layers, over the same TP group); "
+                f"set expert_tensor_parallel_size={sizes.tp}")
     return None
 
 
