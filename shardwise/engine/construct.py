@@ -308,9 +308,10 @@ def _place_model_parallel(
                 held = "of an unknown TP group (no tp_group on its module)" if ranks is None else f"over {ranks} ranks"
                 raise ValueError(
                     f"parameter {ref.fqn!r} is an expert's tensor-parallel slice (tensor_model_parallel=True, "
-                    f"{held}), but the expert mesh has no tensor-parallel axis {tp_axis!r}: give expert_mesh a "
-                    f"{tp_axis!r} axis over the experts' TP group (expert tensor parallelism), or keep each expert "
-                    "whole on its expert-parallel rank (expert TP 1)"
+                    f"{held}), but the expert mesh has no tensor-parallel axis {tp_axis!r}: expert tensor "
+                    "parallelism without one is not built yet; give expert_mesh a "
+                    f"{tp_axis!r} axis over the experts' TP group, or keep each expert whole on its "
+                    "expert-parallel rank (expert TP 1)"
                 )
     return target
 

@@ -134,8 +134,10 @@ def fully_shard(
     freed one at a time; the root owns every other parameter. ``init_fn(module,
     device)`` materializes meta parameters one unit at a time before sharding.
     With an ``expert_mesh``, ``plan_fn(fqn, param)`` returns ``"expert"`` for a
-    parameter sharded over it (its ``ep_axis`` split along dim 0) and ``"dense"``
-    for one sharded over ``mesh``; by default a parameter marked
+    parameter sharded over it (its ``ep_axis`` split along dim 0), ``"local_expert"`` for
+    one sharded over it that is each EP rank's own tensor (its DTensors leave ``ep_axis``
+    out), and ``"dense"`` for one sharded over ``mesh``; a ``tp_axis`` on ``expert_mesh``
+    is expert tensor parallelism; by default a parameter marked
     ``allreduce=False`` (Megatron's mark for experts) is an expert.
     ``offload_policy`` keeps the main weights, optimizer state and finished
     grads of some or all units in host memory (the optimizer steps on the CPU).
