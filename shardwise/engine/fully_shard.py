@@ -19,24 +19,19 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .collectives import Collectives, StreamSet
-from .construct import (
-    GroupBuilder,
-    Ownership,
+from .arguments import (
     build_plans,
-    build_units,
     check_bucket_size,
     check_call,
     check_modules,
     check_options,
     check_parameters,
-    adopt_units,
-    move_buffers,
-    register_hooks,
-    taken_modules,
-    unit_settings,
     resolve_offload,
     resolve_policy,
     resolve_units,
+)
+from .construct import (
+    GroupBuilder, Ownership, adopt_units, build_units, move_buffers, register_hooks, taken_modules, unit_settings,
 )
 from .device import device_for
 from .fully_shard_options import FullyShardOptions, UnitSpec
