@@ -11,11 +11,11 @@ import torch
 
 from shardwise.app import cli
 from shardwise.app.data import TokenLoader, load_tokens, stdlib_corpus
-from shardwise.app.lr import lr_at
 from shardwise.app.train import ConfigError, main, resolve_config
 
 from tests.helpers import REPO
 from tests.helpers.distributed import run_distributed
+from tests.helpers.schedules import lr_at
 from tests.helpers.train_runs import train_records
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from shardwise.app.bench.cpu_adam import APIS, VARIANTS, main, transformer_shapes
+from benchmarks.cpu_adam import APIS, VARIANTS, main, transformer_shapes
 
 
 def test_shapes_add_up():
