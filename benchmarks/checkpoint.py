@@ -26,6 +26,7 @@ import torch.distributed as dist
 from shardwise import destroy_process_groups
 from shardwise.app.launch import launch_local
 from shardwise.app.memory import host_peak_bytes, host_resident_bytes, reset_host_peak
+from shardwise.engine.model_ops import parameter_groups
 
 MIB = 2**20
 
@@ -49,7 +50,7 @@ def _build(args, strategy: str, device: torch.device):
 
 def _checksum(model, optimizer) -> torch.Tensor:
     """Sums over every main weight and optimizer value (identical whatever the sharding)."""
-    params = [p for group in model.sharded_state.groups for p in group.sharded_params]
+    params = [p for group, _ in parameter_groups(model) for p in group]
     total = torch.zeros(3, dtype=torch.float64, device=params[0].to_local().device)
     for param in params:
         state = optimizer.state.get(param, {})

@@ -1,15 +1,8 @@
-"""The engine's public API for the faces (issue 16, item 2), and the import rules that keep the faces on it.
-
-- no underscore name is imported across a package boundary inside ``shardwise/``;
-- ``shardwise.megatron`` does not import ``shardwise.models`` (unit types come from the registry);
-- only ``sharded_state`` reads the engine's state attribute;
-- the API functions do what the faces rely on (2 gloo processes).
-"""
+"""``shardwise.engine.model_ops``, the faces' door to a wrapped model: each function does what the faces rely on
+(2 gloo processes), and the registry and default ``plan_fn`` the faces read. ``tests/test_layering.py`` holds
+the faces to this door."""
 
 from __future__ import annotations
-
-import ast
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,72 +10,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import shardwise
-from shardwise.engine.model_ops import (broadcast_from_first_replica, install_grads, is_sharded, load_full_state_dict,
-                                        refresh_model_weights, sharded_state, wait_for_reductions)
+from shardwise.engine.model_ops import (add_grad_alias, broadcast_from_first_replica, compute_parameters, install_grads,
+                                        is_sharded, load_full_state_dict, parameter_groups, refresh_model_weights,
+                                        set_grad_attribute, sharded_state, sharding_plan, wait_for_reductions)
 from shardwise.engine.mesh import DENSE, EXPERT, experts_by_mark
 from shardwise.engine.registry import EXPERTS, LAYER, module_types, register_module_type
 
 from tests.helpers.distributed import device, run_distributed
 from tests.helpers.tiny_model import Block, TinyConfig, TinyLM, batch
-
-PACKAGE = Path(shardwise.__file__).parent
-
-
-def _imports():
-    """``(file, line, importing package, imported module, names)`` for every ``from ... import`` of shardwise."""
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = ("shardwise",) + path.relative_to(PACKAGE).with_suffix("").parts
-        package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package[: len(package) - (node.level - 1)]
-                    target = ".".join(base + ((node.module,) if node.module else ()))
-                else:
-                    target = node.module or ""
-                if target == "shardwise" or target.startswith("shardwise."):
-                    yield path, node.lineno, ".".join(package), target, [a.name for a in node.names]
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    if alias.name.startswith("shardwise"):
-                        yield path, node.lineno, ".".join(package), alias.name, []
-
-
-def _package_of(module: str) -> str:
-    """The package a module name lives in (a package is its own)."""
-    path = PACKAGE.parent / module.replace(".", "/")
-    return module if path.is_dir() else module.rsplit(".", 1)[0]
-
-
-def test_scan_sees_relative_imports():
-    found = {(str(p.relative_to(PACKAGE)), target) for p, _, _, target, _ in _imports()}
-    assert ("megatron/v1.py", "shardwise.megatron.base") in found
-    assert ("megatron/base.py", "shardwise.engine.model_ops") in found
-    assert ("checkpoint/full.py", "shardwise.engine.model_ops") in found
-
-
-def test_no_underscore_name_crosses_a_package_boundary():
-    crossing = []
-    for path, line, package, target, names in _imports():
-        if _package_of(target) == package:
-            continue
-        private = [n for n in names if n.startswith("_")]
-        if private or any(part.startswith("_") and part != "__init__" for part in target.split(".")):
-            crossing.append(f"{path.relative_to(PACKAGE.parent)}:{line}: from {target} import {', '.join(names)}")
-    assert not crossing, "\n".join(crossing)
-
-
-def test_megatron_does_not_import_models():
-    found = [f"{p.relative_to(PACKAGE.parent)}:{line}: {target}" for p, line, package, target, _ in _imports()
-             if package.startswith("shardwise.megatron") and (target == "shardwise.models" or target.startswith("shardwise.models."))]
-    assert not found, found
-
-
-def test_only_the_accessor_reads_the_engine_state_attribute():
-    from shardwise.engine.fully_shard import _STATE_ATTR
-
-    readers = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if _STATE_ATTR in p.read_text()]
-    assert readers == ["engine/fully_shard.py"], readers
 
 
 # ------------------------------------------------------------ without processes
@@ -143,11 +78,44 @@ def _api_on_two_ranks():
         after = model(tokens, targets).item()
     again = shardwise.full_state_dict(model)
     same = all(torch.equal(full[k], again[k]) for k in full)
-    return unknown, weights, grads, before, after, same
+
+    plan = sharding_plan(model)
+    described = (plan is sharded_state(model).plan, list(plan.placements), plan.mesh.mesh_dim_names)
+    groups = parameter_groups(model)
+    listed = [id(p) for params, _ in groups for p in params]
+    once = sorted(listed) == sorted(id(p) for p in model.parameters()) and {d for _, d in groups} == {torch.float32}
+
+    model.zero_grad_buffer()
+    model(tokens, targets).backward()
+    plain = {n: p.grad.to_local().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad_buffer()
+    set_grad_attribute(model, "decoupled_grad")
+    add_grad_alias(model, "main_grad")
+    for param in compute_parameters(model):
+        param.main_grad = torch.zeros(1)  # what Megatron's fused wgrad kernels keep: dropped with .grad
+    model(tokens, targets).backward()
+    decoupled = {n: p.decoupled_grad.to_local() for n, p in model.named_parameters()
+                 if getattr(p, "decoupled_grad", None) is not None}
+    moved = (all(p.grad is None for p in model.parameters()), decoupled.keys() == plain.keys(),
+             all(torch.equal(plain[n], decoupled[n]) for n in plain),
+             all(getattr(p, "main_grad", None) is None for p in compute_parameters(model)))
+    return unknown, weights, grads, before, after, same, described, once, moved
 
 
-def test_engine_api_on_two_ranks():
-    (unknown, weights, grads, before, after, same), (_, weights1, *_) = run_distributed(_api_on_two_ranks, 2)
+def test_model_ops_on_two_ranks():
+    results = run_distributed(_api_on_two_ranks, 2)
+    (unknown, weights, grads, before, after, same, described, once, moved), (_, weights1, *_) = results
     assert "axes ['dp_outer'] are not data-parallel axes" in unknown and "dp_shard" in unknown
     assert all(torch.equal(weights[n], weights1[n]) for n in weights)  # rank 1 now holds rank 0's weights
     assert grads and same and before == after
+    assert described == (True, ["dp_shard"], ("dp_shard",)) and once
+    assert moved == (True, True, True, True)  # fp32 grads: the decoupled ones are the plain ones, bit for bit
+
+
+def test_grad_attribute_names_are_checked_first():
+    with pytest.raises(ValueError, match="set_grad_attribute: name='decoupled grad' is not an attribute name"):
+        set_grad_attribute(nn.Linear(2, 2), "decoupled grad")
+    with pytest.raises(ValueError, match="add_grad_alias: name='grad' is not an attribute name other than 'grad'"):
+        add_grad_alias(nn.Linear(2, 2), "grad")
+    with pytest.raises(ValueError, match="Linear is not sharded"):
+        add_grad_alias(nn.Linear(2, 2), "main_grad")
