@@ -26,6 +26,7 @@ def _env():
     return env
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_metrics_and_plot(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "shardwise", "train", "--preset", "tiny", "--steps", "4", "--nproc", "2",
@@ -57,6 +58,7 @@ def test_smoke_run_writes_metrics_and_plot(tmp_path):
     assert f"(of which {summary['startup_time_s']:.1f}s start-up before the first step" in proc.stdout
 
 
+@pytest.mark.slow
 def test_bad_data_path_fails_in_the_parent(tmp_path):
     cmd = [sys.executable, "-m", "shardwise", "train", "--data", str(tmp_path / "missing.txt")]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)

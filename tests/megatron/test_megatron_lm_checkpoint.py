@@ -222,6 +222,7 @@ def test_state_dict_keys_are_megatron_adapters_for_every_strategy():
     assert run_distributed(_keys, 2, CASES) == [CASES] * 2
 
 
+@pytest.mark.slow
 def test_state_dict_keys_are_megatron_adapters_under_hsdp():
     assert run_distributed(_keys, 4, HSDP) == [HSDP] * 4
 
@@ -317,6 +318,7 @@ def test_fsdp_dtensor_checkpoint_loads_at_another_data_parallel_size(version, st
 TREES = [p for p in os.environ.get("MEGATRON_LM", "").split(os.pathsep) if p]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not TREES, reason="MEGATRON_LM (a Megatron-LM tree, e.g. core_r0.16.0) not set; the keys "
                                       "and DCP round trips above cover megatron-core's side")
 @pytest.mark.parametrize("tree", TREES or ["unset"])
