@@ -1,4 +1,4 @@
-"""How fast torch's AdamW steps on the CPU (issue 13 item 2): elements/s per variant, plain tensors and DTensors.
+"""How fast torch's AdamW steps on the CPU: elements/s per variant, plain tensors and DTensors.
 
     python -m benchmarks.cpu_adam                                  # ~50M fp32 elements, torch's threads
     python -m benchmarks.cpu_adam --threads 1,2 --out runs/cpu_adam

@@ -1,4 +1,4 @@
-"""``shardwise bench --cp N`` (issue 37 item 2): refusals by flag and value before any process starts, and a
+"""``shardwise bench --cp N``: refusals by flag and value before any process starts, and a
 CP run on gloo that trains and reports its activations next to the estimate."""
 
 from __future__ import annotations

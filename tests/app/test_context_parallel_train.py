@@ -1,4 +1,4 @@
-"""``shardwise train --cp N`` (issue 37): refusals at start, the activation estimate, and a CP run that trains
+"""``shardwise train --cp N``: refusals at start, the activation estimate, and a CP run that trains
 as the data-parallel run over the same data ranks does."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The CPU AdamW benchmark (issue 13 item 2) on a tiny size: every variant measured, and they agree."""
+"""The CPU AdamW benchmark on a tiny size: every variant measured, and they agree."""
 
 from __future__ import annotations
 

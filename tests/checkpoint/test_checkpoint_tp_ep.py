@@ -1,4 +1,4 @@
-"""Issue 5 acceptance 3 with issue 6: checkpoints saved under TP x DP, EP x DP or TP x EP x DP load without them.
+"""Checkpoints saved under TP x DP, EP x DP or TP x EP x DP load without them.
 
 The checkpoint describes every tensor globally (data-parallel rows plus the
 tensor- or expert-parallel offset), so it loads into any other layout.

@@ -1,4 +1,4 @@
-"""Issue 37: FSDP with context parallelism (4 gloo processes).
+"""FSDP with context parallelism (4 gloo processes).
 
 The GPT's attention is split over ``cp`` (zig-zag chunks, ``models/context_parallel.py``)
 and ``fully_shard`` shards its parameters over ``dp_shard`` x ``cp`` folded into one

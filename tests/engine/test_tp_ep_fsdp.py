@@ -1,4 +1,4 @@
-"""Issue 5: FSDP composed with tensor parallel and expert parallel (4 gloo processes).
+"""FSDP composed with tensor parallel and expert parallel (4 gloo processes).
 
 Every rank trains the single-process TP=1/EP=1 reference on the whole global
 batch itself and compares losses and the gathered global state

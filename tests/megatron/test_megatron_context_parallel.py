@@ -1,4 +1,4 @@
-"""Issue 37 item 3: the Megatron face under context parallelism (4 gloo processes).
+"""The Megatron face under context parallelism (4 gloo processes).
 
 The groups are Megatron-Core's own (``parallel_state.initialize_model_parallel(context_parallel_size=2)``
 on gloo, then its ``ProcessGroupCollection.use_mpu_process_groups()``): ``dp_cp`` is every rank of a
