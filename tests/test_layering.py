@@ -6,12 +6,14 @@
   private (what counts as one: :func:`door_violations`);
 - no underscore name is imported across a package boundary; ``megatron/`` does not import ``models/``.
 
-Each rule is also run on a small bad source, so a scan that stopped seeing what it looks for fails.
+The door scan and the circle check also run on bad cases written here, so a scan that stopped seeing what it
+looks for fails.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 from collections import defaultdict
 from pathlib import Path
@@ -20,11 +22,13 @@ import shardwise
 from shardwise.engine import model_ops
 
 from tests.helpers import REPO
-from tests.helpers.imports import PACKAGE, Import, all_imports, imports_in, imports_of, is_package, source_files
+from tests.helpers.imports import (PACKAGE, Import, all_imports, enclosing_functions, imports_in, imports_of, is_package,
+                                   source_files)
 
 ENGINE = "shardwise.engine"
 
-# docs/design.md's layers; a module imports only from its own layer or lower ones.
+# docs/design.md's layers; a module imports only from its own layer or lower ones (an import under
+# ``if TYPE_CHECKING:`` counts: the module depends on what it names).
 ENGINE_LAYERS = {
     1: "placements layout mesh precision offload replaced_params teardown registry graph_safe device",
     2: "collectives backward_steps memory_estimate fully_shard_options rank_consistency",
@@ -66,10 +70,11 @@ def _public(module: str) -> set[str]:
     return set(getattr(importlib.import_module(module), "__all__", ()))
 
 
+@functools.lru_cache(maxsize=None)
 def _surface() -> dict[str, set[str]]:
     """``{module: names a face may import from it}``."""
     top = set(shardwise.__all__)
-    names = {f"{ENGINE}.{m}": _public(f"{ENGINE}.{m}") | top for m in SURFACE_MODULES}
+    names = {f"{ENGINE}.{m}": _public(f"{ENGINE}.{m}") for m in SURFACE_MODULES}
     names[ENGINE] = set()  # the package itself: its modules are imported by name
     names["shardwise"] = top
     for name in top:  # a public name may come from its own module too
@@ -98,18 +103,19 @@ def _is_state_call(node: ast.AST) -> bool:
 def _state_reads(tree: ast.AST) -> list[tuple[int, str]]:
     """Attribute reads of engine state: a name in :data:`STATE_ATTRS`, or any attribute of a value that
     ``sharded_state(...)`` returned (directly, or through a name bound to it in the same function)."""
+    around = enclosing_functions(tree)
+    nodes = list(ast.walk(tree))
+    bound = {(id(around[id(n)]), t.id) for n in nodes if isinstance(n, ast.Assign) and _is_state_call(n.value)
+             for t in n.targets if isinstance(t, ast.Name)}
     found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr in STATE_ATTRS and not _dotted(node).endswith(
-                "model_ops.sharded_state"):
+    for node in nodes:
+        if not isinstance(node, ast.Attribute):
+            continue
+        if node.attr in STATE_ATTRS and not _dotted(node).endswith("model_ops.sharded_state"):
             found.append((node.lineno, f".{node.attr}"))
-        if isinstance(node, ast.Attribute) and _is_state_call(node.value):
+        if _is_state_call(node.value) or (isinstance(node.value, ast.Name)
+                                          and (id(around[id(node)]), node.value.id) in bound):
             found.append((node.lineno, f"sharded_state(...).{node.attr}"))
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            bound = {t.id for n in ast.walk(node) if isinstance(n, ast.Assign) and _is_state_call(n.value)
-                     for t in n.targets if isinstance(t, ast.Name)}
-            found += [(n.lineno, f"sharded_state(...).{n.attr}") for n in ast.walk(node)
-                      if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in bound]
     return sorted(set(found))
 
 
@@ -117,14 +123,13 @@ def door_violations(path: Path, source: str | None = None) -> list[str]:
     """What one face file reads from the engine beyond its surface. A private read is:
 
     1. ``from shardwise.engine.<m> import name`` where ``name`` is not in :func:`_surface` (so any name of a
-       module outside :data:`SURFACE_MODULES`, e.g. ``param_group.ParamGroup``, ``sharded_state.ShardedState``'s
-       module, ``construct``, ``unit``; any name outside a surface module's ``__all__``; any underscore name);
+       module outside :data:`SURFACE_MODULES`: ``param_group.ParamGroup``, anything of ``sharded_state``,
+       ``construct``, ``unit``, ...; any name outside a surface module's ``__all__``; any underscore name);
     2. ``import shardwise.engine.<m>`` or an attribute chain ``shardwise.engine.<m>.x`` of a module outside it;
     3. reading or writing an attribute named in :data:`STATE_ATTRS` (``.groups``, ``.grad_attr``, ...);
     4. reading any attribute of what ``model_ops.sharded_state(model)`` returned: the state is opaque to a face.
     """
-    text = path.read_text() if source is None else source
-    tree = ast.parse(text, str(path))
+    tree = ast.parse(path.read_text() if source is None else source, str(path))
     surface = _surface()
     where = path.relative_to(REPO) if path.is_absolute() else path
     found = []

@@ -8,6 +8,7 @@ whether it runs when the module loads (``lazy``: inside a function, run when tha
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ def is_package(module: str) -> bool:
     return (REPO / module.replace(".", "/") / "__init__.py").is_file()
 
 
+@functools.lru_cache(maxsize=None)
 def _is_module(module: str) -> bool:
     base = REPO / module.replace(".", "/")
     return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
@@ -47,30 +49,38 @@ def source_files(*roots: Path) -> list[Path]:
     return sorted(p for root in roots for p in root.rglob("*.py"))
 
 
-def _lazy_imports(tree: ast.AST) -> set[int]:
-    """The ids of the import statements that sit inside a function."""
-    lazy = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            lazy.update(id(n) for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom)))
-    return lazy
+FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
 
-def imports_of(path: Path, prefix: str = "shardwise") -> list[Import]:
-    """The imports in ``path`` of modules named ``prefix`` or under it."""
+def enclosing_functions(tree: ast.AST) -> dict[int, ast.AST | None]:
+    """``{id(node): the innermost function around it, or None}`` for every node, in one walk."""
+    around: dict[int, ast.AST | None] = {id(tree): None}
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        inner = node if isinstance(node, FUNCTIONS) else around[id(node)]
+        for child in ast.iter_child_nodes(node):
+            around[id(child)] = inner
+            stack.append(child)
+    return around
+
+
+@functools.lru_cache(maxsize=None)
+def imports_of(path: Path, prefix: str = "shardwise") -> tuple[Import, ...]:
+    """The imports in ``path`` of modules named ``prefix`` or under it (read once per session)."""
     importer = module_name(path)
     package = importer if path.name == "__init__.py" else importer.rpartition(".")[0]
-    return imports_in(ast.parse(path.read_text(), str(path)), path, importer, package, prefix)
+    return tuple(imports_in(ast.parse(path.read_text(), str(path)), path, importer, package, prefix))
 
 
 def imports_in(tree: ast.AST, path: Path, importer: str, package: str, prefix: str = "shardwise") -> list[Import]:
     """The imports in a parsed module ``importer`` (in ``package``) of modules named ``prefix`` or under it."""
-    lazy_ids = _lazy_imports(tree)
+    around = enclosing_functions(tree)
     found = []
 
     def add(node, target, names):
         if target == prefix or target.startswith(prefix + "."):
-            found.append(Import(path, node.lineno, importer, target, tuple(names), id(node) in lazy_ids))
+            found.append(Import(path, node.lineno, importer, target, tuple(names), around[id(node)] is not None))
 
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
