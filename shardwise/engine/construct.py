@@ -34,8 +34,13 @@ from .precision import MixedPrecisionPolicy, from_torch_policy
 from .quantized_gather import gather_mark
 from .replaced_params import is_replaced
 from .unit import Unit, UnitSettings
+from .sharded_module import STATE_ATTR
 
 __all__ = [
+    "check_call",
+    "adopt_units",
+    "taken_modules",
+    "unit_settings",
     "check_modules",
     "resolve_policy",
     "resolve_offload",
@@ -55,7 +60,19 @@ _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # ------------------------------------------------------------------ checks
-def check_modules(modules: list[nn.Module], state_attr: str) -> list:
+def check_call(module, dp_mesh_dims, unit_modules) -> list[nn.Module]:
+    """The modules of this call (one, or FSDP2's list); what ``fully_shard`` refuses before looking at them."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            "fully_shard(dp_mesh_dims=...) (a full SPMD mesh with DTensor parameters) is not built: pass the "
+            "data-parallel sub-mesh, mesh=spmd_mesh[dims], and the model's own parameters")
+    if len(modules) > 1 and unit_modules is not None:
+        raise ValueError("unit_modules= takes one module, not a list: call fully_shard on each unit instead")
+    return modules
+
+
+def check_modules(modules: list[nn.Module], state_attr: str = STATE_ATTR) -> list:
     """Refuse what ``fully_shard`` cannot take: a non-module, the same module twice, a module already a unit,
     a subtree already adopted by an ancestor's call (FSDP2 is applied bottom-up). The states of the units
     inside the modules (earlier calls on submodules), which this call adopts."""
@@ -408,7 +425,7 @@ class Ownership:
             if self.holder_owner[key] is not owner:
                 continue
             p = holder._parameters[attr]
-            if is_replaced(p):
+            if is_replaced(p, "fully_shard"):
                 raise ValueError(
                     f"parameter {fqn!r} is tied to a parameter that an earlier fully_shard call already sharded "
                     "(in another unit): put the modules that share it in one call, fully_shard([a, b])")
@@ -491,9 +508,16 @@ class GroupBuilder:
         return group
 
 
+def unit_settings(options: FullyShardOptions) -> Callable[[], UnitSettings]:
+    """A fresh ``UnitSettings`` per unit of this call, from its options."""
+    # Graph-safe mode holds every gathered buffer at rest anyway: a reshard after forward would free nothing
+    # and only make backward gather the same weights again.
+    reshard = False if options.graph_safe else options.reshard_after_forward
+    return lambda: UnitSettings(reshard_after_forward=reshard, policy=options.mixed_precision)
+
+
 def build_units(
-    roots: list[nn.Module], unit_modules: list[nn.Module], build_groups: Callable, settings: Callable[[], UnitSettings],
-    root_settings: UnitSettings,
+    roots: list[nn.Module], unit_modules: list[nn.Module], build_groups: Callable, settings: Callable[[], UnitSettings]
 ) -> tuple[list[Unit], Unit]:
     """The units of ``unit_modules`` (in that order) and this call's own unit (``roots``), built deepest first,
     so an outer unit (and this call's own, last) only sees what inner ones left."""
@@ -501,10 +525,34 @@ def build_units(
     depth = {id(m): n.count(".") + 1 for n, m in roots[0].named_modules()}
     built = {}
     for u in sorted(unit_modules, key=lambda m: -depth[id(m)]):
-        unit_settings = settings()
-        built[id(u)] = Unit(names[id(u)], u, build_groups(u), unit_settings.reshard_after_forward, unit_settings)
+        unit_settings_ = settings()
+        built[id(u)] = Unit(names[id(u)], u, build_groups(u), unit_settings_.reshard_after_forward, unit_settings_)
     units = [built[id(u)] for u in unit_modules]
-    return units, Unit("", roots, build_groups(roots[0]), root_settings.reshard_after_forward, root_settings)
+    own = settings()
+    return units, Unit("", roots, build_groups(roots[0]), own.reshard_after_forward, own)
+
+
+def taken_modules(adopted: list) -> set[int]:
+    """The modules of the units earlier calls made (``adopted`` states): no parameter of theirs is this call's."""
+    return {id(m) for state in adopted for unit in state.all_units for m in unit.modules}
+
+
+def adopt_units(root: nn.Module, adopted: list, new_units: list[Unit]) -> list[Unit]:
+    """Every unit of the model this call's ``root`` now heads: the adopted states' (their root hooks removed)
+    and this call's, in ``root``'s module order, each named (and its groups labelled) by its path from ``root``."""
+    for state in adopted:
+        for handle in state.hook_handles:
+            handle.remove()
+    units = [u for state in adopted for u in state.all_units] + new_units
+    names, order = {}, {}
+    for i, (name, m) in enumerate(root.named_modules()):
+        names[id(m)], order[id(m)] = name, i
+    for unit in units:
+        unit.name = names.get(id(unit.module)) or unit.name
+        for group in unit.groups:  # built when the unit was its own root: label it by its place in the model
+            if group.name.startswith("<root>["):
+                group.name = unit.name + group.name[len("<root>"):]
+    return sorted(units, key=lambda u: order.get(id(u.module), len(order)))
 
 
 def _check_shard_placement(ref: ParamRef, placement) -> None:
@@ -513,7 +561,7 @@ def _check_shard_placement(ref: ParamRef, placement) -> None:
         return
     if isinstance(placement, Shard):
         raise NotImplementedError(
-            f"shard_placement_fn returned {placement} for parameter {ref.fqn!r}: shardwise shards dim 0 only "
+            f"shard_placement_fn returned {placement!r} for parameter {ref.fqn!r}: shardwise shards dim 0 only "
             "(Shard(0)); a Shard(dim > 0) layout is not built. Return None or Shard(0), or store the parameter "
             "with the split dimension first")
     raise NotImplementedError(

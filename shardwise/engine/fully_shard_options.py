@@ -51,6 +51,7 @@ class FullyShardOptions:
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None
     ignored_params: frozenset | None = None
     sync_module_states: bool = False
+    check_module_states: bool = True
 
     def must_agree(self) -> dict[str, Any]:
         """The options every rank of a mesh must pass alike that the consistency check does not

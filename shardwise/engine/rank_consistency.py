@@ -237,7 +237,8 @@ def describe(module: nn.Module, options: FullyShardOptions) -> dict:
         "units": _unit_names(module, o.unit_modules),
         "expert_params": _expert_params(module, o.expert_mesh, o.plan_fn),
         # Under TP, replicated parameters may differ across the TP group until the build syncs them.
-        "values": () if o.sync_module_states or o.tp_axis in ((o.mesh and o.mesh.mesh_dim_names) or ())
+        "values": () if o.sync_module_states or not o.check_module_states
+        or o.tp_axis in ((o.mesh and o.mesh.mesh_dim_names) or ())
         else _checksums(module, o.expert_mesh, o.plan_fn),
     }
 
