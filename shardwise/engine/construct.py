@@ -27,7 +27,8 @@ from .collectives import Collectives, StreamSet
 from .fully_shard_options import FullyShardOptions
 from .param_group import SHARDED_MARK, ParamGroup, ParamRef
 from .sharded_state import ShardedState
-from .mesh import EXPERT, PLAN_CHOICES, ShardingPlan, build_dp_mesh, experts_by_mark, fold_context_parallel, named_mesh
+from .mesh import (DENSE, EXPERT, EXPERT_CHOICES, PLAN_CHOICES, ShardingPlan, build_dp_mesh, experts_by_mark,
+                   fold_context_parallel, named_mesh)
 from .offload import OffloadPolicy
 from .placements import normalize_placements, resolve_axis_placements
 from .precision import MixedPrecisionPolicy, from_torch_policy
@@ -204,7 +205,7 @@ def build_plans(options: FullyShardOptions) -> tuple[ShardingPlan, ShardingPlan 
                                           options.outer_dp_sharding_strategy, (tp_axis, ep_axis))
     names = mesh.mesh_dim_names or ()
     plan = ShardingPlan(mesh, placements, model_parallel_axes=[tp_axis] if tp_axis in names else [])
-    expert_plan = _expert_plan(plan, placements, expert_mesh, expert_placements, ep_axis)
+    expert_plan = _expert_plan(plan, placements, expert_mesh, expert_placements, ep_axis, tp_axis)
     if gradient_reduction not in ("mean", "sum"):
         raise ValueError(f"gradient_reduction={gradient_reduction!r} must be 'mean' or 'sum'")
     if gradient_reduction == "sum":  # e.g. per-token losses normalized after the reduction
@@ -304,22 +305,24 @@ def _owners(roots: list[nn.Module], units: list[nn.Module], taken: set[int], ign
     return holder_owner, holder_obj
 
 
-def _expert_plan(plan, placements, expert_mesh, expert_placements, ep_axis) -> ShardingPlan | None:
+def _expert_plan(plan, placements, expert_mesh, expert_placements, ep_axis, tp_axis="tp") -> ShardingPlan | None:
+    """The expert plan; a ``tp_axis`` on the expert mesh is expert tensor parallelism (its own group)."""
     if expert_mesh is None:
         return None
     names = expert_mesh.mesh_dim_names or ()
     if ep_axis not in names:
         raise ValueError(f"expert_mesh axes {list(names)} have no expert-parallel axis ep_axis={ep_axis!r}")
+    model_parallel = [ep_axis] + ([tp_axis] if tp_axis in names else [])
     if expert_placements is None:
-        missing = [n for n in names if n != ep_axis and n not in placements]
+        missing = [n for n in names if n not in model_parallel and n not in placements]
         if missing:
             raise ValueError(
                 f"expert_mesh axes {missing} have no placements; pass expert_placements= for them"
             )
-        expert_placements = {n: placements[n] for n in names if n != ep_axis}
+        expert_placements = {n: placements[n] for n in names if n not in model_parallel}
     else:
         expert_placements = normalize_placements(expert_placements)
-    expert = ShardingPlan(expert_mesh, expert_placements, model_parallel_axes=[ep_axis])
+    expert = ShardingPlan(expert_mesh, expert_placements, model_parallel_axes=model_parallel)
     # Every expert replica sees only its expert-data-parallel peers' tokens through the
     # all-to-all; averaging over them and scaling by edp/dp averages over the global batch.
     expert.grad_scale = expert.dp_size / plan.dp_size
@@ -339,10 +342,13 @@ def _place_model_parallel(
 ) -> ShardingPlan:
     """Choose the plan a parameter is sharded by (``plan_fn``, with an expert plan) and record its
     model-parallel dimensions."""
-    is_expert = expert_plan is not None and _plan_choice(plan_fn, ref.fqn, ref.param) == EXPERT
+    choice = _plan_choice(plan_fn, ref.fqn, ref.param) if expert_plan is not None else DENSE
+    is_expert = choice in EXPERT_CHOICES
     target = expert_plan if is_expert else plan
-    if target is expert_plan:
+    if choice == EXPERT:
         ref.model_parallel_dims[ep_axis] = 0  # experts are stacked along dim 0
+    elif is_expert:
+        ref.local_axes.append(ep_axis)  # this EP rank's own tensor: its DTensor spans its expert-dp ranks only
     if getattr(ref.param, "tensor_model_parallel", False):
         if tp_axis in target.model_parallel:
             dim = int(getattr(ref.param, "partition_dim", 0))
@@ -353,8 +359,10 @@ def _place_model_parallel(
                 held = "of an unknown TP group (no tp_group on its module)" if ranks is None else f"over {ranks} ranks"
                 raise ValueError(
                     f"parameter {ref.fqn!r} is an expert's tensor-parallel slice (tensor_model_parallel=True, "
-                    f"{held}), but expert tensor parallelism (TP inside the expert mesh) is not built yet: keep "
-                    "each expert whole on its expert-parallel rank (expert TP 1)"
+                    f"{held}), but the expert mesh has no tensor-parallel axis {tp_axis!r}: expert tensor "
+                    "parallelism without one is not built yet; give expert_mesh a "
+                    f"{tp_axis!r} axis over the experts' TP group, or keep each expert whole on its "
+                    "expert-parallel rank (expert TP 1)"
                 )
     return target
 

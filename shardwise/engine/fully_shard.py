@@ -97,7 +97,8 @@ def fully_shard(
     ``optim`` HFSDP); ``unit_modules`` (classes or instances made units in this call, deepest first);
     ``init_fn(module, device)`` (materialize meta parameters unit by unit before sharding); ``prefetch``;
     ``tp_axis``; ``expert_mesh`` / ``expert_placements`` / ``ep_axis`` / ``plan_fn(fqn, param)`` ->
-    ``"dense"`` | ``"expert"``; ``gradient_reduction`` (``"mean"`` or ``"sum"``); ``bucket_size`` (split
+    ``"dense"`` | ``"expert"`` (split along dim 0 over ``ep_axis``) | ``"local_expert"`` (each EP rank's own
+    tensor: its DTensor leaves ``ep_axis`` out; a ``tp_axis`` on ``expert_mesh`` is expert TP); ``gradient_reduction`` (``"mean"`` or ``"sum"``); ``bucket_size`` (split
     what the root owns); ``collectives`` (replace how buffers travel); ``graph_safe`` (static buffers for
     ``shardwise.capture_step``); ``sync_module_states`` (every rank takes the first rank's weights; without
     it, weights that differ across data-parallel ranks are refused, unless ``check_module_states=False``: a
