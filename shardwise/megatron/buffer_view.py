@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..engine.model_ops import refresh_model_weights, sharded_state
+from ..engine.model_ops import parameter_groups, refresh_model_weights
 
 __all__ = ["ParamAndGradBufferView", "ParameterGroupView"]
 
@@ -41,10 +41,7 @@ class ParamAndGradBufferView:
 
     @property
     def parameter_groups(self) -> list[ParameterGroupView]:
-        return [
-            ParameterGroupView(tuple(group.sharded_params), group.compute_dtype)
-            for group in sharded_state(self._module).groups
-        ]
+        return [ParameterGroupView(params, dtype) for params, dtype in parameter_groups(self._module)]
 
     def copy_main_weights_to_model_weights(self) -> None:
         """Rebuild the compute weights from the main weights the optimizer just stepped.

@@ -17,12 +17,12 @@ import torch.distributed as dist
 
 from shardwise import (BackwardOptimizer, MixedPrecisionPolicy, OffloadPolicy, build_dp_mesh, capture_step,
                        clip_grad_norm_, fully_shard)
-from shardwise.engine.host_syncs import count_host_syncs
 from shardwise.engine.model_ops import sharded_state
 from shardwise.engine.param_group import RefreshState
 from shardwise.models import GPT, GPTConfig, TransformerLayer
 from tests.helpers.distributed import run_distributed
 from tests.helpers.graph_safe import engine_addresses
+from tests.helpers.host_syncs import count_host_syncs
 
 STEPS = 4
 CASES = [  # (strategy, outer (HSDP), grad_accum, activation checkpointing, clip, bf16)

@@ -9,6 +9,7 @@ same DTensor. The stacked ``"expert"`` answer keeps its ``(ep, dp_shard)`` DTens
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -61,5 +62,6 @@ def _local_experts() -> dict:
     return peers
 
 
+@pytest.mark.slow
 def test_local_expert_dtensors_are_true_in_torchs_terms():
     assert run_distributed(_local_experts, 4) == [[0, 2], [1, 3], [0, 2], [1, 3]]

@@ -140,12 +140,14 @@ def test_v2_matches_unwrapped_model(strategy):
     assert units == ["TransformerLayer", "MoETransformerLayer", "MambaLayer"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("outer", ["no_shard", "optim"])  # HSDP, HFSDP
 def test_hybrid_on_four_processes_matches_unwrapped_model(version, outer):
     run_distributed(_train_parity, 4, version, "optim_grads_params", outer, 2)
 
 
+@pytest.mark.slow
 def test_v1_zero3_on_four_processes():
     run_distributed(_train_parity, 4, 1, "optim_grads_params", "no_shard", 1, 2)
 

@@ -33,13 +33,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from shardwise.engine.host_syncs import HostSyncs
 from shardwise.engine.model_ops import sharded_state
 from shardwise.engine.param_group import RefreshState
 from shardwise.megatron import FullyShardedDataParallelV1, FullyShardedDataParallelV2, ProcessGroupCollection
 from shardwise.megatron.options import GRAPH_MODE, V1, V2, UnsupportedMegatronOption
 from tests.helpers.distributed import run_distributed
 from tests.helpers.graph_safe import engine_addresses
+from tests.helpers.host_syncs import HostSyncs
 from tests.helpers.megatron_cpu import megatron_on_the_cpu
 from tests.helpers.tiny_model import TinyConfig, TinyLM
 

@@ -210,6 +210,7 @@ def reference():
     return run_distributed(_reference, 1)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version,tp,ep,etp,mesh,shape", CASES)
 def test_expert_tensor_parallel_trains_like_one_process_and_checkpoints(version, tp, ep, etp, mesh, shape, reference,
                                                                        tmp_path):

@@ -17,7 +17,7 @@ Megatron's adapter loads into shardwise's chunk (and back) only if every key agr
   ``state_dict`` methods, ``unwrap_model``, ``DistributedOptimizer._param_name``.
   And a save at one data-parallel size loads at another bit for bit (parameters
   and Megatron's optimizer state), through ``dcp.save`` / ``dcp.load`` with those keys.
-- with ``MEGATRON_LM`` (a Megatron-LM tree; its requirements ``six`` and ``triton`` importable):
+- with ``SHARDWISE_MEGATRON_LM`` (a Megatron-LM tree; its requirements ``six`` and ``triton`` importable):
   Megatron-LM's own ``save_checkpoint`` and ``load_checkpoint`` (``scripts/megatron_lm_checkpoint.py``),
   saved on 2 gloo processes, loaded on 2 and on 1, bit for bit.
 """
@@ -222,6 +222,7 @@ def test_state_dict_keys_are_megatron_adapters_for_every_strategy():
     assert run_distributed(_keys, 2, CASES) == [CASES] * 2
 
 
+@pytest.mark.slow
 def test_state_dict_keys_are_megatron_adapters_under_hsdp():
     assert run_distributed(_keys, 4, HSDP) == [HSDP] * 4
 
@@ -314,10 +315,11 @@ def test_fsdp_dtensor_checkpoint_loads_at_another_data_parallel_size(version, st
 
 
 # ------------------------------------------------------------------ Megatron-LM's own save/load
-TREES = [p for p in os.environ.get("MEGATRON_LM", "").split(os.pathsep) if p]
+TREES = [p for p in os.environ.get("SHARDWISE_MEGATRON_LM", "").split(os.pathsep) if p]
 
 
-@pytest.mark.skipif(not TREES, reason="MEGATRON_LM (a Megatron-LM tree, e.g. core_r0.16.0) not set; the keys "
+@pytest.mark.slow
+@pytest.mark.skipif(not TREES, reason="SHARDWISE_MEGATRON_LM (a Megatron-LM tree, e.g. core_r0.16.0) not set; the keys "
                                       "and DCP round trips above cover megatron-core's side")
 @pytest.mark.parametrize("tree", TREES or ["unset"])
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim"])

@@ -164,6 +164,7 @@ def _presentation(ep: int) -> dict:
                 "optimizer": sorted(state["optimizer"]["state"])}
 
 
+@pytest.mark.slow
 def test_local_experts_reach_megatron_lm_as_megatron_fsdp_presents_them():
     ranks = run_distributed(_presentation, 4, 2)
     for rank, seen in enumerate(ranks):
@@ -228,6 +229,7 @@ def _assert_bit_equal(loaded: dict, saved: dict, rank: int) -> None:
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(saved["optimizer"][key][name])), (rank, key, name)
 
 
+@pytest.mark.slow
 def test_ep2_checkpoint_loads_bit_equal_at_ep2_ep1_and_ep4(tmp_path):
     saved_by_rank = run_distributed(_save, 4, str(tmp_path), 2)
     saved = {"model": {}, "optimizer": {}}
