@@ -32,8 +32,8 @@ ENGINE = "shardwise.engine"
 ENGINE_LAYERS = {
     1: "placements layout mesh precision offload replaced_params teardown registry graph_safe device torch_fsdp_state",
     2: "collectives backward_steps memory_estimate fully_shard_options rank_consistency",
-    3: "sharded_param distributed_buffer quantized_gather param_group param_adoption unit",
-    4: "fully_shard construct sharded_state sharded_module model_ops compile cuda_graphs",
+    3: "sharded_param distributed_buffer quantized_gather grad_window param_group param_adoption unit",
+    4: "fully_shard arguments construct sharded_state sharded_module model_ops compile cuda_graphs",
     5: "fp8 optim pipeline state_dict materialize rng",
 }
 PACKAGE_LAYERS = {"shardwise": 5, "shardwise.engine": 5, "shardwise.models": 6, "shardwise.checkpoint": 7,

@@ -14,15 +14,10 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import TYPE_CHECKING
-
 import torch
 
 from .collectives import InFlight
 from .distributed_buffer import BufferState, DistributedBuffer
-
-if TYPE_CHECKING:
-    from .param_group import ParamGroup
 
 __all__ = ["GradState", "GradWindow"]
 
@@ -50,7 +45,7 @@ class GradWindow:
     user kept, added to at install).
     """
 
-    def __init__(self, group: "ParamGroup"):
+    def __init__(self, group):  # its ParamGroup (which imports this module)
         self.group = group
         self.state = GradState.IDLE
         self.grad_acc: DistributedBuffer | None = None

@@ -46,7 +46,7 @@ def _memory_at_rest_and_during(strategy):
     opt.step()
     report = {"groups": []}
     for g in state.groups:
-        main_grad = g._main_grad_ref() if g._main_grad_ref is not None else None
+        main_grad = g.window.kept_main_grad()
         report["groups"].append(
             dict(
                 opt_total=g.layouts[-1].total,
@@ -123,7 +123,7 @@ def _buffers_held_after_step(strategy: str, offload: bool):
     opt.zero_grad()
     # Buffers a reduction read (ZeRO-1's accumulation buffer, an offloaded group's device grads)
     # belong to its in-flight record only: once that is waited on, nothing may keep them.
-    return sum(len(g._released) for g in model.sharded_state.groups)
+    return sum(len(g.window.released) for g in model.sharded_state.groups)
 
 
 @pytest.mark.parametrize("strategy,offload", [("optim", False), ("optim_grads_params", True)])
