@@ -30,10 +30,10 @@ ENGINE = "shardwise.engine"
 # docs/design.md's layers; a module imports only from its own layer or lower ones (an import under
 # ``if TYPE_CHECKING:`` counts: the module depends on what it names).
 ENGINE_LAYERS = {
-    1: "placements layout mesh precision offload replaced_params teardown registry graph_safe device torch_fsdp_state",
+    1: "placements layout mesh precision offload replaced_params teardown registry graph_safe device",
     2: "collectives backward_steps memory_estimate fully_shard_options rank_consistency",
     3: "sharded_param distributed_buffer quantized_gather grad_window param_group param_adoption unit",
-    4: "fully_shard arguments construct sharded_state sharded_module model_ops compile cuda_graphs",
+    4: "fully_shard arguments construct sharded_state sharded_module torch_fsdp_state model_ops compile cuda_graphs",
     5: "fp8 optim pipeline state_dict materialize rng",
 }
 PACKAGE_LAYERS = {"shardwise": 5, "shardwise.engine": 5, "shardwise.models": 6, "shardwise.checkpoint": 7,
