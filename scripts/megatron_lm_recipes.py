@@ -10,7 +10,8 @@ with the reason), every rank runs, with ``use_in_megatron()`` (the one added lin
    ``argument_utils`` builds, as ``pretrain_gpt.py`` does; 0.16: ``pretrain_gpt.py``'s
    model provider) and ``training.train`` for :data:`ITERATIONS` iterations, which saves
    through ``checkpointing.save_checkpoint`` at the last one;
-3. a fresh ``setup_model_and_optimizer`` with ``--load``: Megatron-LM's
+3. a fresh ``setup_model_and_optimizer`` with ``--load`` (and another ``--seed``, so that
+   nothing equals the trained run's by being initialized alike): Megatron-LM's
    ``load_checkpoint``; every parameter and optimizer-state tensor must equal the trained
    run's bit for bit, at the saved iteration.
 
@@ -84,6 +85,12 @@ CI_TP2_Z3 = (
     "--megatron-fsdp-grad-comm-dtype fp32 --attention-softmax-in-fp32 --use-checkpoint-opt_param-scheduler "
     "--use-mcore-models --ckpt-format fsdp_dtensor --bf16"
 )
+# the CI case's ENV_VARS (core_r0.16.0's --deterministic-mode asserts NCCL_ALGO)
+RECIPE_ENV = {"ci_gpt3_tp2_zp_z3_resume_fsdp_dtensor": {
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}}
+# core_r0.16.0's own copy of that CI case is the same without these (0.19's flags)
+CI_TP2_Z3_019_ONLY = ("--megatron-fsdp-main-params-dtype fp32 --megatron-fsdp-main-grads-dtype fp32 "
+                      "--megatron-fsdp-grad-comm-dtype fp32")
 RECIPES = {
     "llama3_8b_zero3": f"{LLAMA3_8B} --data-parallel-sharding-strategy optim_grads_params",
     "llama3_8b_zero2": f"{LLAMA3_8B} --data-parallel-sharding-strategy optim_grads",
@@ -215,7 +222,10 @@ def run_recipe(name: str, folder: Path) -> list[str]:
     from megatron_lm_checkpoint import differences, full_state
     from shardwise.megatron import FullyShardedDataParallelV1, FullyShardedDataParallelV2
 
-    flags = f"{SCALE} {RECIPES[name]} --save {folder / name}"
+    recipe = RECIPES[name]
+    if check.megatron_lm_version().startswith("0.16"):
+        recipe = recipe.replace(CI_TP2_Z3_019_ONLY, "")
+    flags = f"{SCALE} {recipe} --save {folder / name}"
     if not torch.cuda.is_available():
         flags += f" {CPU_FLAGS}"
     setup(flags)
@@ -229,7 +239,7 @@ def run_recipe(name: str, folder: Path) -> list[str]:
         expected = full_state(model, optimizer)
     finally:
         teardown()
-    setup(f"{flags} --load {folder / name}")
+    setup(f"{flags} --load {folder / name} --seed 4321")  # another initialization: nothing equal by chance
     try:
         model, optimizer, scheduler = setup_model_and_optimizer()
         if get_args().iteration != ITERATIONS:
@@ -265,10 +275,19 @@ def main() -> None:
         names = use_in_megatron()  # the one added line
         try:
             for name in opts.recipes:
+                env = RECIPE_ENV.get(name, {})
+                saved_env = {key: os.environ.get(key) for key in env}
+                os.environ.update(env)
                 try:
                     results[name] = run_recipe(name, folder)
-                except Exception as error:  # one recipe's failure is its result; the others still run
+                except (Exception, SystemExit) as error:  # one recipe's failure is its result (argparse exits)
                     results[name] = [f"{type(error).__name__}: {error}", traceback.format_exc()[-3000:]]
+                finally:
+                    for key, value in saved_env.items():
+                        if value is None:
+                            os.environ.pop(key, None)
+                        else:
+                            os.environ[key] = value
         finally:
             names.restore()
     gathered = [None] * dist.get_world_size()
