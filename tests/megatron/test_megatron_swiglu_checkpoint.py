@@ -9,7 +9,7 @@ state, and the raw state is then handed to ``optimizer.load_state_dict`` and the
 ``load_state_dict``. Here that exact sequence, with the installed Megatron-Core's functions
 (nothing of them replaced), on gloo:
 
-- ZeRO-1/2/3 (V1 and V2), HSDP, HFSDP and TP2: saved after two steps, loaded into a
+- ZeRO-0/1/2/3 (V1 and V2), HSDP, HFSDP and TP2: saved after two steps, loaded into a
   chunk built from another seed, every parameter and optimizer-state tensor bit-equal;
 - the checkpoint's keys and shapes are Megatron-FSDP's: ``linear_fc1.weight_w`` /
   ``_v`` of the global ``[ffn, hidden]`` shape each, the ``w`` half holding every TP rank's
