@@ -34,7 +34,7 @@ from ..engine.placements import AxisPlacements
 from ..engine.precision import MixedPrecisionPolicy
 from ..engine.registry import LAYER, module_types
 from .config import OUTER_SHARDING_STRATEGIES, DistributedDataParallelConfig, TransformerConfig
-from .megatron_lm_run import SWIGLU_FSDP_DTENSOR, check_megatron_lm_run
+from .dist_index import attach_checkpoint_attributes, tensor_parallel_attributes
 from .options import UnsupportedMegatronOption
 from .meshes import _DATA_PARALLEL_PLACEMENTS, EP_AXIS, INNER_AXIS, OUTER_AXIS, TP_AXIS
 from .buffer_view import ParamAndGradBufferView
@@ -325,24 +325,11 @@ class MegatronFSDPLevel(nn.Module):
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
         """What Megatron-LM saves of an unwrapped chunk: this level's state dict (``module.<model key>``).
 
-        Refused for gated linear units: see :func:`refuse_swiglu_checkpoint`.
+        Under ``--swiglu`` Megatron-LM's ``handle_swiglu_in_state_dict`` then cuts each
+        ``linear_fc1`` into ``_w`` / ``_v`` halves from the parameters' Megatron-FSDP
+        attributes (:mod:`shardwise.megatron.dist_index`).
         """
-        refuse_swiglu_checkpoint(self.config)
         return self.state_dict(prefix=prefix, keep_vars=keep_vars)
-
-
-def refuse_swiglu_checkpoint(config: Any) -> None:
-    """Refuse Megatron-LM's ``fsdp_dtensor`` save/load of a ``--swiglu`` model, by name, before it fails obscurely.
-
-    Megatron-LM builds its ``fsdp_dtensor`` state (save and load alike) from this
-    level's ``state_dict_for_save_checkpoint``, then, under ``--swiglu``, its
-    ``handle_swiglu_in_state_dict`` cuts every ``linear_fc1`` weight/bias into
-    ``_w``/``_v`` halves from Megatron-FSDP's own parameter attributes
-    (``megatron_fsdp_slice``, ``megatron_fsdp_dist_index``) and rebuilds them with
-    Megatron-FSDP's uneven-DTensor metadata; shardwise's parameters carry neither.
-    """
-    if getattr(config, "gated_linear_unit", False):
-        raise UnsupportedMegatronOption(SWIGLU_FSDP_DTENSOR)
 
 
 class _ShardedDataParallel(_BaseDataParallel):
@@ -383,7 +370,6 @@ class _ShardedDataParallel(_BaseDataParallel):
         :meth:`zero_grad_buffer` and :class:`ParamAndGradBufferView` for what changes around it."""
         self.graph_mode = graph_mode
         module = self.sharded_model
-        check_megatron_lm_run(getattr(self, "config", None))
         initializer = None
         if has_meta_tensors(module):
             if not init_on_meta:
@@ -395,6 +381,7 @@ class _ShardedDataParallel(_BaseDataParallel):
             device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
             initializer = MetaInitializer(module, device)
             initializer.plan()
+        tp_attributes = tensor_parallel_attributes(module)
         fully_shard(
             module,
             mesh,
@@ -417,6 +404,7 @@ class _ShardedDataParallel(_BaseDataParallel):
             initializer.finish()
         for param in module.parameters():
             setattr(param, FSDP_PARAM_ATTR, True)
+        attach_checkpoint_attributes(module, tp_attributes)
         self.param_and_grad_buffer = ParamAndGradBufferView(module, rebuild_now=not graph_mode)
 
     @property

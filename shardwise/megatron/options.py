@@ -260,8 +260,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(TC, "perform_initialization", "", ignored("read by Megatron's layers when they are built"),
            when=FALSE),
     Option(TC, "gated_linear_unit", "--swiglu", ignored("the layout of the fc1 weight; sharded like any other "
-                                                       "(Megatron-LM's fsdp_dtensor save/load of it is refused at the "
-                                                       "first save: base.refuse_swiglu_checkpoint)")),
+                                                       "(Megatron-LM's fsdp_dtensor checkpoints split it into _w/_v "
+                                                       "halves from the parameters' megatron_fsdp_slice and "
+                                                       "megatron_fsdp_dist_index: megatron/dist_index.py)")),
     Option(TC, "gradient_accumulation_fusion", "on by default; --no-gradient-accumulation-fusion", implemented(
         "the compute weights get __fsdp_param__ and get_main_grad() (their .grad): Megatron's linear layers "
         "write the fused weight gradient there and the engine reduces it")),

@@ -227,31 +227,6 @@ def test_state_dict_keys_are_megatron_adapters_under_hsdp():
     assert run_distributed(_keys, 4, HSDP) == [HSDP] * 4
 
 
-# ------------------------------------------------------------------ --swiglu: refused by name
-def _swiglu_checkpoint(version: int) -> tuple:
-    """(the refusal of the level's save state, what Megatron-Core's own SwiGLU split raises without it)."""
-    from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_swiglu_in_state_dict
-
-    from shardwise.megatron.options import UnsupportedMegatronOption
-
-    with _World():
-        config = _config(gated_linear_unit=True)
-        level = _shardwise_chunk(config, _ddp_config("optim_grads_params", 1, version), _model(config, seed=1)).module
-        with pytest.raises(UnsupportedMegatronOption) as refusal:
-            level.state_dict_for_save_checkpoint()
-        # the refusal's reason, checked on the installed megatron-core: its split needs Megatron-FSDP's attributes
-        with pytest.raises(AttributeError) as missing:
-            handle_swiglu_in_state_dict(level, level.state_dict(), None)
-    return str(refusal.value), str(missing.value)
-
-
-@pytest.mark.parametrize("version", [1, 2])
-def test_swiglu_fsdp_dtensor_checkpoint_is_refused_by_name(version):
-    for refusal, missing in run_distributed(_swiglu_checkpoint, 1, version):  # per rank: one is enough
-        assert "--swiglu" in refusal and "fsdp_dtensor" in refusal and "Instead" in refusal
-        assert "megatron_fsdp_slice" in missing
-
-
 # ------------------------------------------------------------------ save at one DP size, load at another
 def _save(folder: str, version: int, strategy: str) -> dict:
     import torch.distributed.checkpoint as dcp
