@@ -360,8 +360,7 @@ class ParamGroup:
             return self.levels.empty(level, self.main_grad_dtype)
         flat = self._static_grads.get(kind)
         if flat is None:
-            flat = self._static_grads[kind] = torch.empty(self.layouts[level].total, dtype=self.main_grad_dtype,
-                                                          device=self.device)
+            flat = self._static_grads[kind] = self.levels.new(self.layouts[level].total, self.main_grad_dtype)
         return DistributedBuffer(self.levels, level, flat, BufferState.EMPTY)
 
     def _flat_grads(self, staged: list) -> DistributedBuffer:
@@ -554,8 +553,8 @@ class ParamGroup:
         """Graph-safe mode's cast ``.grad`` copies: DTensor views of one buffer of the main weights' dtype, made once."""
         flat = self._static_grads.get("grad_copy")
         if flat is None:
-            flat = self._static_grads["grad_copy"] = torch.empty(self.layouts[self.opt_level].total,
-                                                                 dtype=self.main_dtype, device=self.device)
+            flat = self._static_grads["grad_copy"] = self.levels.new(self.layouts[self.opt_level].total,
+                                                                     self.main_dtype)
         return DistributedBuffer(self.levels, self.opt_level, flat).dtensors()
 
     def _install_host_grads(self) -> None:
