@@ -132,8 +132,9 @@ _EP_OVERLAP = refused(
     "Megatron's EP-overlap schedule (pipeline_parallel/combined_1f1b.py, 0.19) calls each layer's submodules "
     "itself, interleaving one micro-batch's forward with another's backward, and finds the data-parallel "
     "wrapper by class (find_megatron_fsdp: isinstance MegatronFSDP) to call its per-layer release hooks and "
-    "_replace_param_with_raw_if_needed; a shardwise chunk is not that class, so the schedule would run without "
-    "them (not built)", "drop --overlap-moe-expert-parallel-comm and --delay-wgrad-compute")
+    "_replace_param_with_raw_if_needed; on a shardwise chunk find_megatron_fsdp returns None (measured with "
+    "megatron-core 0.19.2), so the schedule would run without them (not built)",
+    "drop --overlap-moe-expert-parallel-comm and --delay-wgrad-compute")
 _DELAY_WGRAD = refused(
     "Megatron-Core allows it only with overlap_moe_expert_parallel_comm (TransformerConfig asserts so), "
     "which is refused", "drop --delay-wgrad-compute")

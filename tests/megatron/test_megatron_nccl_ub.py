@@ -14,7 +14,9 @@
   fake in place of the NCCL pool), and ``NcclUserBuffers`` / the face's
   ``user_buffers`` / ``register_manually`` against a fake NCCL backend (its pool from the
   backend's ``mem_allocator``, registered with exactly the data-parallel groups, now or
-  when asked, once). On a GPU: the command in docs/megatron.md ("NCCL user buffers").
+  when asked, once). On GPUs the first test registers the real pool and trains bit for bit too:
+  ``SHARDWISE_TEST_BACKEND=nccl python -m pytest -q tests/megatron/test_megatron_nccl_ub.py -k bit_for_bit``
+  (two GPUs); its speed: docs/megatron.md, "NCCL user buffers".
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import shardwise
 from shardwise.engine.collectives import Collectives
 from shardwise.engine.model_ops import sharded_state
 
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import device, run_distributed
 from tests.helpers.megatron_cpu import megatron_on_the_cpu
 from tests.helpers.tiny_model import Block, TinyConfig, TinyLM, batch
 
@@ -98,15 +100,15 @@ def _run(version: int, strategy: str, options: dict, bias: bool = True) -> dict:
             optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1,
                                                                clip_grad=0.0, bf16=True, use_distributed_optimizer=True),
                                                [chunk])
-            position_ids = torch.arange(SEQ).unsqueeze(0)
-            mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
+            position_ids = torch.arange(SEQ, device=device()).unsqueeze(0)
+            mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool, device=device()).triu(1)
             losses = []
             for step in range(STEPS):
                 chunk.zero_grad_buffer()
                 optimizer.zero_grad()
                 for micro in range(MICRO):
                     generator = torch.Generator().manual_seed(1000 * step + 10 * micro + dist.get_rank())
-                    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
+                    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=generator).to(device())
                     with chunk.no_sync() if micro < MICRO - 1 else contextlib.nullcontext():
                         loss = chunk(tokens, position_ids, mask, labels=tokens).float().mean()
                         loss.backward()
@@ -118,8 +120,10 @@ def _run(version: int, strategy: str, options: dict, bias: bool = True) -> dict:
                     chunk.param_and_grad_buffer.manual_buffer_registration()
             weights = {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
                        for k, v in chunk.sharded_model.state_dict().items() if torch.is_tensor(v)}
-            return dict(losses=losses, weights=weights, wrap_lines=wrap_lines,
-                        units=len(sharded_state(chunk.sharded_model).units))
+            pool = chunk.param_and_grad_buffer._user_buffers  # the NCCL pool (None on gloo)
+            return dict(losses=losses, weights=weights, wrap_lines=wrap_lines, backend=dist.get_backend(),
+                        units=len(sharded_state(chunk.sharded_model).units),
+                        registered=None if pool is None else pool.registered)
         finally:
             logging.getLogger(ADAPTER_LOGGER).removeHandler(lines)
             names.restore()
@@ -156,8 +160,12 @@ def test_nccl_ub_and_fine_grained_gathers_train_bit_for_bit_on_gloo(version, str
         for variant in ("nccl_ub", "nccl_ub_auto", "fine"):
             _same(off, runs[variant], f"rank {rank} {variant}")
         said = [line for line in runs["nccl_ub"]["wrap_lines"] if "no effect" in line]
-        assert len(said) == 1 and "nccl_ub=True (fsdp_manual_registration=True) has no effect on the gloo backend" \
-            in said[0], runs["nccl_ub"]["wrap_lines"]
+        if off["backend"] == "nccl":  # SHARDWISE_TEST_BACKEND=nccl on GPUs: the pool, registered with NCCL
+            assert said == [] and runs["nccl_ub"]["registered"] is runs["nccl_ub_auto"]["registered"] is True
+        else:
+            assert len(said) == 1 and "nccl_ub=True (fsdp_manual_registration=True) has no effect on the gloo " \
+                "backend" in said[0], runs["nccl_ub"]["wrap_lines"]
+            assert runs["nccl_ub"]["registered"] is None
         assert not any("no effect" in line for line in off["wrap_lines"])
         if strategy == "optim_grads_params":  # two layers: per layer, or per submodule holding parameters:
             # input_layernorm, linear_qkv, pre_mlp_layernorm, linear_fc1, and the layer for linear_proj and
