@@ -73,6 +73,9 @@ CASES = {
     "zero1_overlap": f"--data-parallel-sharding-strategy optim {OVERLAP} --use-cpu-initialization",
     "zero0": "--data-parallel-sharding-strategy no_shard",
     "hsdp_overlap": f"{ZERO3} --num-distributed-optimizer-instances 2 {OVERLAP}",
+    # NCCL user buffers, as every published Megatron-FSDP configuration has them (0.19 turns on
+    # --fsdp-manual-registration and --fsdp-double-buffer with --use-nccl-ub itself; 0.16 needs the first)
+    "zero3_nccl_ub": f"{ZERO3} {OVERLAP} --use-nccl-ub --fsdp-manual-registration --fsdp-double-buffer",
 }
 
 
