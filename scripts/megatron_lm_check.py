@@ -5,7 +5,7 @@ Every rank imports ``pretrain_gpt.py`` from the Megatron-LM tree given by
 after those imports, where docs/megatron.md puts the one added line. Then, for each
 command line of :data:`CASES` (a tiny GPT, mock data, Megatron-FSDP with every
 sharding strategy, with and without ``--use-cpu-initialization``, with
-``--overlap-grad-reduce --overlap-param-gather``, HSDP), Megatron-LM's own:
+``--overlap-grad-reduce --overlap-param-gather``, HSDP, NCCL user buffers), Megatron-LM's own:
 
 1. ``parse_args`` + ``validate_args`` + ``set_global_variables`` on ``pretrain_gpt.py``'s
    command line, ``_initialize_distributed`` (model-parallel groups from the arguments)
