@@ -262,7 +262,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(TC, "expert_model_parallel_size", "--expert-model-parallel-size", implemented(
         "experts over an (expert_dp, ep) mesh; must match pg_collection.ep")),
     Option(TC, "expert_tensor_parallel_size", "--expert-tensor-parallel-size", implemented(
-        "with EP: 1 (whole experts); expert TP inside the expert mesh is refused by name")),
+        "Megatron-Core's expert layers: any size, over an (expert_dp, ep, tp) mesh with tp over expt_tp "
+        "(Megatron-FSDP's [expt_dp, expt_tp]); shardwise's stacked experts: 1 with EP, else refused by name")),
     Option(TC, "num_moe_experts", "--num-experts", implemented("experts are the parameters under '.experts.'")),
     Option(TC, "pipeline_model_parallel_size", "--pipeline-model-parallel-size", implemented(
         "one wrapper per stage's chunk, sharded over that stage's dp_cp; must match pg_collection.pp"),

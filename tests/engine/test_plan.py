@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import shardwise.engine.mesh as mesh_module
-from shardwise.engine.construct import build_plans
+from shardwise.engine.arguments import build_plans
 from shardwise.engine.fully_shard_options import FullyShardOptions
 from shardwise.engine.mesh import ShardingPlan
 from shardwise.engine.placements import (
