@@ -43,9 +43,9 @@ from ..engine.placements import AxisPlacements
 from ..engine.rng import get_rng_state_dict, load_rng_state_dict
 from .base import _BaseDataParallel, logger  # noqa: F401  (the page's module logger)
 from .config import DistributedDataParallelConfig, TransformerConfig
+from . import meshes
 from .meshes import (  # noqa: F401  (the page documents these names in this module)
     _DATA_PARALLEL_PLACEMENTS,
-    _build_expert_mesh_and_placements,
     _build_hybrid_dp_mesh,
     _check_mesh_ranks_and_group_ranks_are_consistent,
     _get_dp_tp_mesh,
@@ -59,6 +59,12 @@ __all__ = ["FullyShardedDataParallel"]
 
 # How one mesh axis places each of MFSDP's three buffers (parameter, gradient, optimizer): the engine's.
 _AxisPlacements = AxisPlacements
+
+
+def _build_expert_mesh_and_placements(config, ddp_config, pg_collection, device_type: str):
+    """Build the expert-DP mesh and placements, or return neither when EP is disabled (``meshes``'s, with no
+    model to look for expert parameters in)."""
+    return meshes._build_expert_mesh_and_placements(config, ddp_config, pg_collection, device_type)
 
 
 # ------------------------------------------------------------------ meta init and RNG
