@@ -105,7 +105,16 @@ RECIPES = {
                        "--num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim",
     "recommended": RECOMMENDED,
     "ci_gpt3_tp2_zp_z3_resume_fsdp_dtensor": CI_TP2_Z3,
+    # the flags every published Megatron-FSDP configuration carries (NCCL user buffers: on gloo, accepted with
+    # one INFO line and no effect; the numbers must not move)
+    "recommended_nccl_ub": f"{RECOMMENDED} --use-nccl-ub --fsdp-manual-registration",
+    "recommended_nccl_ub_fine_grained": f"{RECOMMENDED} --use-nccl-ub --fsdp-manual-registration "
+                                        "--megatron-fsdp-enable-fine-grained-param-gather",
+    "llama3_8b_zero3_nccl_ub": f"{LLAMA3_8B} --data-parallel-sharding-strategy optim_grads_params "
+                               "--use-nccl-ub --fsdp-manual-registration",
 }
+# recipes whose flags Megatron-LM core_r0.16 does not have
+SINCE_019 = {"recommended_nccl_ub_fine_grained"}
 # published flags left out, and why (docs/megatron.md, "Published recipes")
 DROPPED = {
     "--attention-backend fused": "Transformer Engine's fused attention (the local layers have none)",
@@ -113,7 +122,6 @@ DROPPED = {
     "--cross-entropy-loss-fusion": "a fused CUDA kernel",
     "--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max --fp8-param-gather":
         "FP8 is Transformer Engine's",
-    "--use-nccl-ub --fsdp-manual-registration": "NCCL user buffers: accepted once that work lands on main",
     "--transformer-impl transformer_engine": "the local layers instead",
     "--sequence-parallel (at TP 2; at TP 1 Megatron-LM turns it off itself)":
         "Megatron's local norms refuse sequence parallelism (Transformer Engine's only)",
@@ -256,7 +264,8 @@ def main() -> None:
     source.add_argument("--megatron-lm", type=Path, help="a Megatron-LM tree (core_r0.16 .. core_r0.19)")
     source.add_argument("--wheel", type=Path, help="the unpacked megatron-core wheel (0.19: with megatron/training)")
     parser.add_argument("--folder", type=Path, required=True, help="where the checkpoints go")
-    parser.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=list(RECIPES))
+    parser.add_argument("--recipes", nargs="*", default=None, choices=list(RECIPES),
+                        help="default: every recipe the tree's Megatron-LM has the flags of")
     opts = parser.parse_args()
     tree = (opts.megatron_lm or opts.wheel).resolve()
     folder = opts.folder.resolve()
@@ -267,6 +276,9 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if opts.recipes is None:
+        old = check.megatron_lm_version().startswith("0.16")
+        opts.recipes = [name for name in RECIPES if not (old and name in SINCE_019)]
     results = {}
     with check.cuda_on_the_cpu(), check.cuda_tensors_on_the_cpu():
         import megatron.training.training  # noqa: F401  (imported before the added line, as pretrain_gpt.py does)

@@ -243,6 +243,9 @@ def all_reduce_max(t: torch.Tensor, axes: Sequence[AxisGroup]) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=axis.group)
 
 
+_NO_POOL = contextlib.nullcontext()  # reusable: entering it allocates nothing and costs nothing
+
+
 class Collectives:
     """How a group's buffers move between placements: the three transitions, one mesh axis at a time.
 
@@ -250,8 +253,14 @@ class Collectives:
     in another dtype) without touching the groups (an FP8 gather is ``gather`` of
     uint8 slots after one ``all_reduce_max`` of the amaxes, ``quantized_gather``); pass one to
     ``fully_shard(collectives=...)``. The default is the coalesced per-parameter
-    collectives above.
+    collectives above. ``buffers()`` is where the device buffers these collectives read
+    and write come from (``shardwise.engine.nccl_buffers``: a memory pool registered with NCCL).
     """
+
+    def buffers(self) -> contextlib.AbstractContextManager:
+        """The context every device buffer of a group is allocated under (weights, gathered weights, gradients,
+        staging temporaries, a freed buffer taken back): PyTorch's caching allocator, as it is, by default."""
+        return _NO_POOL
 
     def gather(self, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], axis: AxisGroup) -> None:
         """All-gather each ``ins[i]`` over ``axis`` into ``outs[i]`` (rank-major)."""

@@ -110,8 +110,8 @@ class GradWindow:
             return self.group.levels.empty(level, self.group.main_grad_dtype)
         flat = self.static_buffers.get(kind)
         if flat is None:
-            flat = self.static_buffers[kind] = torch.empty(self.group.layouts[level].total, dtype=self.group.main_grad_dtype,
-                                                          device=self.group.device)
+            flat = self.static_buffers[kind] = self.group.levels.new(self.group.layouts[level].total,
+                                                                     self.group.main_grad_dtype)
         return DistributedBuffer(self.group.levels, level, flat, BufferState.EMPTY)
 
     def _flat_unsharded(self, staged: list) -> DistributedBuffer:
@@ -301,8 +301,8 @@ class GradWindow:
         """Graph-safe mode's cast ``.grad`` copies: DTensor views of one buffer of the main weights' dtype, made once."""
         flat = self.static_buffers.get("grad_copy")
         if flat is None:
-            flat = self.static_buffers["grad_copy"] = torch.empty(self.group.layouts[self.group.opt_level].total,
-                                                                 dtype=self.group.main_dtype, device=self.group.device)
+            flat = self.static_buffers["grad_copy"] = self.group.levels.new(
+                self.group.layouts[self.group.opt_level].total, self.group.main_dtype)
         return DistributedBuffer(self.group.levels, self.group.opt_level, flat).dtensors()
 
     def _install_host(self) -> None:

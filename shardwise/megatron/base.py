@@ -38,6 +38,8 @@ from .dist_index import attach_checkpoint_attributes, tensor_parallel_attributes
 from .options import UnsupportedMegatronOption
 from .meshes import _DATA_PARALLEL_PLACEMENTS, EP_AXIS, INNER_AXIS, OUTER_AXIS, TP_AXIS
 from .buffer_view import ParamAndGradBufferView
+from .fine_grained import fine_grained_units
+from .nccl_ub import user_buffers
 from .grads import grads_of
 from .main_dtypes import mixed_precision_for
 from .process_groups import group_size
@@ -382,11 +384,16 @@ class _ShardedDataParallel(_BaseDataParallel):
             initializer = MetaInitializer(module, device)
             initializer.plan()
         tp_attributes = tensor_parallel_attributes(module)
+        ddp_config = getattr(self, "ddp_config", None)
+        buffers = user_buffers(ddp_config, (mesh, expert_mesh), type(self).__name__)  # nccl_ub: NCCL's pool
+        units = list(unit_types)
+        if getattr(ddp_config, "megatron_fsdp_enable_fine_grained_param_gather", False):
+            units = fine_grained_units(module, units)  # each unit's submodules, gathered one by one
         fully_shard(
             module,
             mesh,
             placements=placements,
-            unit_modules=list(unit_types) or None,
+            unit_modules=units or None,
             mixed_precision=policy,
             init_fn=initializer,
             prefetch=prefetch,
@@ -397,6 +404,7 @@ class _ShardedDataParallel(_BaseDataParallel):
             gradient_reduction=gradient_reduction,
             bucket_size=bucket_size,
             plan_fn=plan_fn_for(module),
+            collectives=buffers,
             graph_safe=graph_mode,
             check_module_states=False,  # data-parallel ranks may differ until broadcast_params (--data-parallel-random-init)
         )
@@ -405,7 +413,8 @@ class _ShardedDataParallel(_BaseDataParallel):
         for param in module.parameters():
             setattr(param, FSDP_PARAM_ATTR, True)
         attach_checkpoint_attributes(module, tp_attributes)
-        self.param_and_grad_buffer = ParamAndGradBufferView(module, rebuild_now=not graph_mode)
+        self.param_and_grad_buffer = ParamAndGradBufferView(module, rebuild_now=not graph_mode, ddp_config=ddp_config,
+                                                            user_buffers=buffers)
 
     @property
     def sharded_state(self) -> ShardedState:

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..engine.model_ops import parameter_groups, refresh_model_weights
+from .nccl_ub import register_manually
 
 __all__ = ["ParamAndGradBufferView", "ParameterGroupView"]
 
@@ -33,8 +34,10 @@ class ParameterGroupView:
 class ParamAndGradBufferView:
     """Megatron-FSDP's ``param_and_grad_buffer`` API over a model that ``fully_shard`` wrapped."""
 
-    def __init__(self, module: nn.Module, rebuild_now: bool = True):
+    def __init__(self, module: nn.Module, rebuild_now: bool = True, ddp_config=None, user_buffers=None):
         self._module = module
+        self._ddp_config = ddp_config
+        self._user_buffers = user_buffers  # the chunk's NcclUserBuffers (nccl_ub on NCCL), else None
         # CUDA-graph mode: the rebuild belongs to the next forward (inside Megatron-LM's captured
         # iteration, so every replay redoes it), never to the eager optimizer step.
         self._rebuild_now = rebuild_now
@@ -58,9 +61,6 @@ class ParamAndGradBufferView:
             self._module.mark_weights_modified()
 
     def manual_buffer_registration(self) -> None:
-        """Megatron-LM calls this under ``--use-nccl-ub --fsdp-manual-registration``; not built."""
-        raise NotImplementedError(
-            "param_and_grad_buffer.manual_buffer_registration(): NCCL user-buffer registration is not built in "
-            "shardwise (its buffers come from PyTorch's allocator); drop --use-nccl-ub and "
-            "--fsdp-manual-registration (nccl_ub / fsdp_manual_registration are refused at wrap time)"
-        )
+        """Register the chunk's NCCL user-buffer pool now (Megatron-LM calls it after the first iteration under
+        ``--use-nccl-ub``): see :func:`shardwise.megatron.nccl_ub.register_manually`."""
+        register_manually(self._ddp_config, self._user_buffers)

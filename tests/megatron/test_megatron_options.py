@@ -125,7 +125,7 @@ def test_refused_at_wrap_time_by_field_and_value(face, row, real):
 
 def _manual_registration(face):
     wrapped = _wrap(face, TransformerConfig(), _ddp(), TinyLM(TinyConfig()), build_process_groups())
-    with pytest.raises(NotImplementedError, match="--use-nccl-ub"):
+    with pytest.raises(RuntimeError, match="needs nccl_ub=True and fsdp_manual_registration=True"):
         wrapped.param_and_grad_buffer.manual_buffer_registration()
     return True
 
