@@ -37,7 +37,7 @@ class GradWindow:
     the axes that reduce later), ``None`` outside a window. ``main_grad``: the finalized gradients at the
     optimizer level, until installed. ``main_grad_ref``: a weak reference to the flat main grads handed
     out (the ``.grad`` the user may keep across steps). ``released``: what the reduce stream may still
-    read, kept alive by the next ``InFlight``. ``static_buffers``: graph-safe mode's kept buffers by kind
+    read, kept alive by the next ``InFlight``. ``graph_safe_buffers``: graph-safe mode's kept buffers by kind
     (``main_grad``, ``grad_acc``, ``grad_copy``). ``grad_attr``: where grads are handed out (``grad``,
     or Megatron's ``decoupled_grad``, uncast); ``grad_aliases``: attributes of the gathered parameters
     that alias their ``.grad`` (Megatron's ``main_grad``), dropped with it. The offload branch:
@@ -52,7 +52,7 @@ class GradWindow:
         self.main_grad: DistributedBuffer | None = None
         self.main_grad_ref: weakref.ref | None = None
         self.released: tuple = ()
-        self.static_buffers: dict[str, torch.Tensor] = {}
+        self.graph_safe_buffers: dict[str, torch.Tensor] = {}
         self.grad_attr = "grad"
         self.grad_aliases: tuple[str, ...] = ()
         self.host_grad: torch.Tensor | None = None
@@ -106,11 +106,11 @@ class GradWindow:
     def _fresh(self, kind: str, level: int) -> DistributedBuffer:
         """An ``EMPTY`` gradient buffer of ``level``: a new one, or in graph-safe mode the one this group made
         at its first window (kept for good: the same addresses every step, whoever drops ``.grad``)."""
-        if not self.group.static:
+        if not self.group.graph_safe:
             return self.group.levels.empty(level, self.group.main_grad_dtype)
-        flat = self.static_buffers.get(kind)
+        flat = self.graph_safe_buffers.get(kind)
         if flat is None:
-            flat = self.static_buffers[kind] = self.group.levels.new(self.group.layouts[level].total,
+            flat = self.graph_safe_buffers[kind] = self.group.levels.new(self.group.layouts[level].total,
                                                                      self.group.main_grad_dtype)
         return DistributedBuffer(self.group.levels, level, flat, BufferState.EMPTY)
 
@@ -226,7 +226,7 @@ class GradWindow:
         Also ends any ``no_sync`` accumulation left open, as :meth:`discard_grads` does.
         """
         self.drop_accumulation()
-        flat = self.static_buffers.get("main_grad")
+        flat = self.graph_safe_buffers.get("main_grad")
         handed = [getattr(p, self.grad_attr, None) for p in self.group.sharded_params]
         handed = [g._local_tensor if hasattr(g, "_local_tensor") else g for g in handed if g is not None]
         if flat is not None:
@@ -259,10 +259,10 @@ class GradWindow:
         # forward rebuilds the model weights whenever grads were handed out.
         self.group.mark_weights_stale()
 
-    def install_static(self) -> None:
+    def install_graph_safe(self) -> None:
         """Graph-safe mode: ``grad_attr`` views of the kept gradient buffer, or of the kept cast copies (after a
         replay, which runs no Python)."""
-        flat = self.static_buffers.get("grad_copy" if self.hands_out_copies else "main_grad")
+        flat = self.graph_safe_buffers.get("grad_copy" if self.hands_out_copies else "main_grad")
         if flat is None or not self.group.requires_grad:
             return
         for param, grad in zip(self.group.sharded_params, DistributedBuffer(self.group.levels, self.group.opt_level, flat).dtensors()):
@@ -290,18 +290,18 @@ class GradWindow:
         for i, (param, grad) in enumerate(zip(self.group.sharded_params, grads)):
             if param.grad is not None:
                 param.grad.add_(grad.to(self.group.main_dtype))
-            elif not self.group.static:
+            elif not self.group.graph_safe:
                 param.grad = grad.to(self.group.main_dtype)
             else:
-                copies = copies or self._static_copies()
+                copies = copies or self._graph_safe_copies()
                 copies[i].to_local().copy_(grad.to_local())
                 param.grad = copies[i]
 
-    def _static_copies(self) -> list:
+    def _graph_safe_copies(self) -> list:
         """Graph-safe mode's cast ``.grad`` copies: DTensor views of one buffer of the main weights' dtype, made once."""
-        flat = self.static_buffers.get("grad_copy")
+        flat = self.graph_safe_buffers.get("grad_copy")
         if flat is None:
-            flat = self.static_buffers["grad_copy"] = self.group.levels.new(
+            flat = self.graph_safe_buffers["grad_copy"] = self.group.levels.new(
                 self.group.layouts[self.group.opt_level].total, self.group.main_dtype)
         return DistributedBuffer(self.group.levels, self.group.opt_level, flat).dtensors()
 

@@ -33,7 +33,7 @@ __all__ = [
     "add_grad_alias",
     "wait_for_reductions",
     "install_grads",
-    "install_static_grads",
+    "install_graph_safe_grads",
     "zero_grads_in_place",
     "finish_grad_accumulation",
     "split_backward_input",
@@ -126,7 +126,7 @@ def install_grads(model: nn.Module) -> None:
         unit.install_grads()
 
 
-def install_static_grads(model: nn.Module) -> None:
+def install_graph_safe_grads(model: nn.Module) -> None:
     """Graph-safe mode: point every trainable parameter's ``.grad`` at its gradient buffer again.
 
     A replayed graph writes the step's gradients into the same buffers every time but runs no
@@ -136,7 +136,7 @@ def install_static_grads(model: nn.Module) -> None:
     Groups that have not reduced yet are left alone.
     """
     for group in sharded_state(model).groups:
-        group.install_static_grads()
+        group.install_graph_safe_grads()
 
 
 def zero_grads_in_place(model: nn.Module) -> None:

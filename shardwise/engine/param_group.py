@@ -110,7 +110,7 @@ class ParamGroup:
         self.streams = streams
         # Graph-safe mode (fully_shard(graph_safe=True)): every buffer is allocated once and kept, so a step
         # reads and writes the same addresses as the one before (a captured CUDA graph replays them).
-        self.static = streams.graph_safe
+        self.graph_safe = streams.graph_safe
         self.collectives = collectives or Collectives()
         self.device = device
         # Where the buffers belong: a group built on the meta device (a model built there) gets them at
@@ -158,7 +158,7 @@ class ParamGroup:
         self.window = GradWindow(self)
         # Graph-safe: the first forward rebuilds the weights as every later one does (the same values), so the
         # first step already takes every staging buffer a step needs: none is made after it.
-        self.refresh_state = RefreshState.STALE if self.static else RefreshState.CURRENT
+        self.refresh_state = RefreshState.STALE if self.graph_safe else RefreshState.CURRENT
         self._refreshed_version = self._main_version()
 
     # ----------------------------------------------------------- construction
@@ -341,7 +341,7 @@ class ParamGroup:
             self._gather.wait()
             self._gather = None
         if self.weight_state is not WeightState.SHARDED:
-            if not self.static:  # graph-safe: the storage stays (regathered in place at the next unshard)
+            if not self.graph_safe:  # graph-safe: the storage stays (regathered in place at the next unshard)
                 self._unsharded.free()
             self.weight_state = WeightState.SHARDED
 
@@ -360,8 +360,8 @@ class ParamGroup:
     def install_grads(self) -> None:
         self.window.install()
 
-    def install_static_grads(self) -> None:
-        self.window.install_static()
+    def install_graph_safe_grads(self) -> None:
+        self.window.install_graph_safe()
 
     def discard_grads(self) -> None:
         """Drop installed grads and any accumulation still open (the next backward overwrites)."""
@@ -444,13 +444,13 @@ class ParamGroup:
         # cast (from the host when offloaded) first
         source, staged = self._main, []
         if source.flat is not None and not (source.flat.device == self.device and self.levels.same_layout(kp, m)):
-            if not self.static:
+            if not self.graph_safe:
                 source = source.to(self.device, self.compute_dtype, True)  # else the gather is the cast
             elif source.flat.dtype != self.compute_dtype:  # graph-safe: cast into a static pool buffer
                 source = source.cast(self.compute_dtype, staged)
         with torch.autograd._unsafe_preserve_version_counter(self._model.flat):
             temps = source.gather_into(self._model)
-        if self.static:  # read on this stream only: every later user of the pool is ordered after it
+        if self.graph_safe:  # read on this stream only: every later user of the pool is ordered after it
             for buffer in staged + temps:
                 self.streams.pool.give(buffer)
 
