@@ -37,7 +37,6 @@ __all__ = [
     "check_options",
     "build_plans",
     "check_bucket_size",
-    "resolve_units",
     "check_parameters",
 ]
 
@@ -226,35 +225,6 @@ def _fold_context_parallel(mesh: DeviceMesh, placements: dict) -> tuple[DeviceMe
                          "'dp_shard' and sharded with it: give 'dp_shard' the placements")
     inner = next(n for n in folded.mesh_dim_names if n not in mesh.mesh_dim_names)
     return folded, {inner if axis == "dp_shard" else axis: p for axis, p in placements.items()}
-
-
-def resolve_units(root: nn.Module, unit_modules) -> list[nn.Module]:
-    if unit_modules is None:
-        return []
-    if isinstance(unit_modules, type) or isinstance(unit_modules, nn.Module):
-        unit_modules = [unit_modules]
-    all_modules = list(root.modules())
-    ids = {id(m) for m in all_modules}
-    chosen: dict[int, nn.Module] = {}
-    for spec in unit_modules:
-        if isinstance(spec, type):
-            if not issubclass(spec, nn.Module):
-                raise TypeError(f"unit_modules entry {spec!r} is not an nn.Module class")
-            found = [m for m in all_modules if isinstance(m, spec) and m is not root]
-            if not found:
-                raise ValueError(
-                    f"unit_modules names {spec.__name__}, but {type(root).__name__} contains no "
-                    f"{spec.__name__} module"
-                )
-        elif isinstance(spec, nn.Module):
-            if id(spec) not in ids or spec is root:
-                raise ValueError(f"unit_modules entry {type(spec).__name__} is not a submodule of the model")
-            found = [spec]
-        else:
-            raise TypeError(f"unit_modules entry {spec!r} must be an nn.Module class or instance")
-        for m in found:
-            chosen[id(m)] = m
-    return [m for m in all_modules if id(m) in chosen]  # module order
 
 
 def _expert_plan(plan, placements, expert_mesh, expert_placements, ep_axis, tp_axis="tp") -> ShardingPlan | None:

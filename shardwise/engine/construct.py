@@ -18,13 +18,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
-from .collectives import Collectives, StreamSet
+from .collectives import StreamSet
 from .fully_shard_options import FullyShardOptions
-from .mesh import DENSE, EXPERT, EXPERT_CHOICES, PLAN_CHOICES, ShardingPlan, experts_by_mark
+from .mesh import DENSE, EXPERT, EXPERT_CHOICES, ShardingPlan, experts_by_mark
 from .param_group import ParamGroup, ParamRef
-from .precision import MixedPrecisionPolicy
 from .quantized_gather import gather_mark
 from .replaced_params import is_replaced
+from .resolution import plan_choice
 from .sharded_state import ShardedState
 from .unit import Unit, UnitSettings
 
@@ -72,20 +72,12 @@ def _owners(roots: list[nn.Module], units: list[nn.Module], taken: set[int], ign
     return holder_owner, holder_obj
 
 
-def _plan_choice(plan_fn: Callable, fqn: str, param: torch.Tensor) -> str:
-    """``plan_fn(fqn, param)``, checked to be one of ``PLAN_CHOICES``."""
-    choice = plan_fn(fqn, param)
-    if not isinstance(choice, str) or choice not in PLAN_CHOICES:
-        raise ValueError(f"plan_fn returned {choice!r} for parameter {fqn!r}; it must return one of {list(PLAN_CHOICES)}")
-    return choice
-
-
 def _place_model_parallel(
     ref: ParamRef, plan: ShardingPlan, expert_plan, tp_axis: str, ep_axis: str, plan_fn: Callable = experts_by_mark
 ) -> ShardingPlan:
     """Choose the plan a parameter is sharded by (``plan_fn``, with an expert plan) and record its
     model-parallel dimensions."""
-    choice = _plan_choice(plan_fn, ref.fqn, ref.param) if expert_plan is not None else DENSE
+    choice = plan_choice(plan_fn, ref.fqn, ref.param) if expert_plan is not None else DENSE
     is_expert = choice in EXPERT_CHOICES
     target = expert_plan if is_expert else plan
     if choice == EXPERT:
@@ -190,40 +182,33 @@ class Ownership:
 
 @dataclass
 class GroupBuilder:
-    """Everything the groups of one owner are built from; :meth:`build_groups` builds them."""
+    """Everything the groups of one owner are built from (``options``: the call's, read by field name);
+    :meth:`build_groups` builds them."""
 
     ownership: Ownership
     plan: ShardingPlan
     expert_plan: ShardingPlan | None
-    policy: MixedPrecisionPolicy
+    options: FullyShardOptions
     device: torch.device
     streams: StreamSet
-    init_fn: Callable | None
     plan_fn: Callable
-    tp_axis: str
-    ep_axis: str
-    bucket_size: int | None
     offloaded: set[int]
-    pin_memory: bool
-    collectives: Collectives | None = None
-    shard_placement_fn: Callable | None = None
-    sync_module_states: bool = False
 
     def build_groups(self, owner: nn.Module) -> list[ParamGroup]:
         """Materialize ``owner``'s meta parameters, then shard what it owns: one group per plan, dtype,
         requires_grad and sequence-parallel flag (the root's split into buckets of ``bucket_size``)."""
-        if self.init_fn is not None and any(p.is_meta for p in owner.parameters()):
-            self.init_fn(owner, self.device)
+        if self.options.init_fn is not None and any(p.is_meta for p in owner.parameters()):
+            self.options.init_fn(owner, self.device)
         return [self._group(owner, key, bucket) for key, bucket in self._buckets(owner).items()]
 
     def _buckets(self, owner: nn.Module) -> dict[tuple, list[ParamRef]]:
-        tp_axis = self.tp_axis
+        tp_axis = self.options.tp_axis
         buckets: dict[tuple, list[ParamRef]] = {}
         for ref in self.ownership.refs(owner):
-            if self.shard_placement_fn is not None:
-                _check_shard_placement(ref, self.shard_placement_fn(ref.param))
-            ref_plan = _place_model_parallel(ref, self.plan, self.expert_plan, tp_axis, self.ep_axis, self.plan_fn)
-            if self.sync_module_states and not ref.param.is_meta:
+            if self.options.shard_placement_fn is not None:
+                _check_shard_placement(ref, self.options.shard_placement_fn(ref.param))
+            ref_plan = _place_model_parallel(ref, self.plan, self.expert_plan, tp_axis, self.options.ep_axis, self.plan_fn)
+            if self.options.sync_module_states and not ref.param.is_meta:
                 _broadcast_from_first_replica(ref.param, ref_plan, self.device)
             sequence_parallel = bool(getattr(ref.param, "sequence_parallel", False)) and tp_axis in ref_plan.model_parallel
             mark = gather_mark(ref.param)  # an FP8 gather: its own group (uint8 slots, its own scales)
@@ -232,11 +217,11 @@ class GroupBuilder:
             buckets.setdefault(key, []).append(ref)
             if tp_axis in ref_plan.model_parallel and tp_axis not in ref.model_parallel_dims and not ref.param.is_meta:
                 _sync_from_first_rank(ref.param, ref_plan.model_parallel[tp_axis].group, self.device)
-        if owner is self.ownership.root and self.bucket_size is not None:  # split what no unit owns into buckets
+        if owner is self.ownership.root and self.options.bucket_size is not None:  # split what no unit owns into buckets
             buckets = {
                 key + (i,): chunk
                 for key, bucket in buckets.items()
-                for i, chunk in enumerate(_split(bucket, self.bucket_size))
+                for i, chunk in enumerate(_split(bucket, self.options.bucket_size))
             }
         return buckets
 
@@ -247,13 +232,13 @@ class GroupBuilder:
         kind = (("" if rg else ",frozen") + (",experts" if ref_plan is not self.plan else "")
                 + (",fp8" if gather_kind else ""))
         label = f"{self.ownership.names.get(id(owner), '') or '<root>'}[{str(dtype).replace('torch.', '')}{kind}]"
-        sum_axes = [ref_plan.model_parallel[self.tp_axis]] if sequence_parallel else []
+        sum_axes = [ref_plan.model_parallel[self.options.tp_axis]] if sequence_parallel else []
         # Meta parameters are sharded on the meta device; model.to_empty() gives the shards storage later.
         on_meta = any(ref.param.is_meta for ref in bucket)
         group = ParamGroup(
-            label, bucket, ref_plan, self.policy, torch.device("meta") if on_meta else self.device, self.streams,
-            sum_over_axes=sum_axes, offload=id(owner) in self.offloaded, pin_memory=self.pin_memory,
-            collectives=self.collectives, target_device=self.device,
+            label, bucket, ref_plan, self.options.mixed_precision, torch.device("meta") if on_meta else self.device,
+            self.streams, sum_over_axes=sum_axes, offload=id(owner) in self.offloaded, pin_memory=self.options.offload_policy is None or self.options.offload_policy.pin_memory,
+            collectives=self.options.collectives, target_device=self.device,
         )
         group.install_sharded_params()  # the modules now hold DTensors; the full tensors can go
         return group

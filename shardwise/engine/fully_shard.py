@@ -28,7 +28,6 @@ from .arguments import (
     check_parameters,
     resolve_offload,
     resolve_policy,
-    resolve_units,
 )
 from .construct import (
     GroupBuilder, Ownership, adopt_units, build_units, move_buffers, register_hooks, taken_modules, unit_settings,
@@ -39,6 +38,7 @@ from .graph_safe import check_graph_safe
 from .offload import choose_offloaded
 from .placements import AxisPlacements
 from .rank_consistency import check_rank_consistency
+from .resolution import resolve_units
 from .sharded_module import ShardedModule, make_fsdp_modules
 from .sharded_state import ShardedState
 
@@ -124,12 +124,8 @@ def fully_shard(
     device = device_for(plan.mesh)
     streams = _STREAMS.setdefault((str(device), graph_safe), StreamSet(device, graph_safe=graph_safe))
     ownership = Ownership(modules, unit_list, taken_modules(adopted), {id(p) for p in options.ignored_params or ()})
-    builder = GroupBuilder(
-        ownership, plan, expert_plan, options.mixed_precision, device, streams, init_fn, plan_fn, tp_axis, ep_axis,
-        bucket_size, offloaded=choose_offloaded(options.offload_policy, ownership.sizes()),
-        pin_memory=options.offload_policy is None or options.offload_policy.pin_memory, collectives=collectives,
-        shard_placement_fn=shard_placement_fn, sync_module_states=sync_module_states,
-    )
+    builder = GroupBuilder(ownership, plan, expert_plan, options, device, streams, plan_fn,
+                           offloaded=choose_offloaded(options.offload_policy, ownership.sizes()))
     new_units, own = build_units(modules, unit_list, builder.build_groups, unit_settings(options))
     move_buffers(described, device)
     state = ShardedState(own, adopt_units(modules[0], adopted, new_units), plan, streams, prefetch)
