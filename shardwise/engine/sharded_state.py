@@ -195,6 +195,8 @@ class ShardedState:
                 if not recompute:
                     unit.pending_backward += 1
                 args, kwargs = pytree.tree_unflatten(flat, spec)
+            elif not recompute:
+                unit.unseen_backward = True
         elif self.grad_forward and not recompute:
             unit.expected_recompute += 1
         return args, kwargs
@@ -230,7 +232,7 @@ class ShardedState:
             unit.expected_recompute -= 1
         else:
             unit.pending_backward -= 1
-        if unit.pending_backward > 0 or unit.expected_recompute > 0 or unit.reduced:
+        if unit.pending_backward > 0 or unit.expected_recompute > 0 or unit.reduced or unit.unseen_backward:
             return
         if not self.defer_reduction and unit.settings.requires_gradient_sync:
             self._reduce(unit)

@@ -69,6 +69,10 @@ class Unit:
             # Forwards run without grad inside a grad-enabled root forward: reentrant
             # checkpointing, which re-runs each of them (with grad) inside backward.
             self.expected_recompute = 0
+            # A grad-enabled forward of one of its modules whose inputs need no grad (an embedding in a
+            # tied [tok_embeddings, norm, lm_head] unit): its backward is invisible to the hooks, so the
+            # unit reduces at the end of backward (FSDP2's final callback), never when the others are done.
+            self.unseen_backward = False
         if not keep_forward_state:
             self.ran_with_grad = False
         self.gathered_for_backward = False
