@@ -19,20 +19,19 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .collectives import Collectives, StreamSet
-from .construct import (
-    GroupBuilder,
-    Ownership,
+from .arguments import (
     build_plans,
-    build_units,
     check_bucket_size,
+    check_call,
     check_modules,
     check_options,
     check_parameters,
-    move_buffers,
-    register_hooks,
     resolve_offload,
     resolve_policy,
     resolve_units,
+)
+from .construct import (
+    GroupBuilder, Ownership, adopt_units, build_units, move_buffers, register_hooks, taken_modules, unit_settings,
 )
 from .device import device_for
 from .fully_shard_options import FullyShardOptions, UnitSpec
@@ -40,10 +39,8 @@ from .graph_safe import check_graph_safe
 from .offload import choose_offloaded
 from .placements import AxisPlacements
 from .rank_consistency import check_rank_consistency
-from .sharded_module import STATE_ATTR, UNIT_ATTR, ShardedModule, swap_class
+from .sharded_module import ShardedModule, make_fsdp_modules
 from .sharded_state import ShardedState
-from .torch_fsdp_state import install as install_torch_state_view
-from .unit import Unit, UnitSettings
 
 __all__ = ["fully_shard", "ShardedModule", "ShardedState"]
 
@@ -77,6 +74,7 @@ def fully_shard(
     collectives: Collectives | None = None,
     graph_safe: bool = False,
     sync_module_states: bool = False,
+    check_module_states: bool = True,
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters, gradients and optimizer state over ``mesh``; torch FSDP2's signature.
 
@@ -94,18 +92,14 @@ def fully_shard(
     ``optim`` HFSDP); ``unit_modules`` (classes or instances made units in this call, deepest first);
     ``init_fn(module, device)`` (materialize meta parameters unit by unit before sharding); ``prefetch``;
     ``tp_axis``; ``expert_mesh`` / ``expert_placements`` / ``ep_axis`` / ``plan_fn(fqn, param)`` ->
-    ``"dense"`` | ``"expert"``; ``gradient_reduction`` (``"mean"`` or ``"sum"``); ``bucket_size`` (split
+    ``"dense"`` | ``"expert"`` (split along dim 0 over ``ep_axis``) | ``"local_expert"`` (each EP rank's own
+    tensor: its DTensor leaves ``ep_axis`` out; a ``tp_axis`` on ``expert_mesh`` is expert TP); ``gradient_reduction`` (``"mean"`` or ``"sum"``); ``bucket_size`` (split
     what the root owns); ``collectives`` (replace how buffers travel); ``graph_safe`` (static buffers for
     ``shardwise.capture_step``); ``sync_module_states`` (every rank takes the first rank's weights; without
-    it, weights that differ across data-parallel ranks are refused). Returns ``module``.
+    it, weights that differ across data-parallel ranks are refused, unless ``check_module_states=False``: a
+    caller that syncs them later, as Megatron's ``broadcast_params``). Returns ``module``.
     """
-    modules = list(module) if isinstance(module, (list, tuple)) else [module]
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            "fully_shard(dp_mesh_dims=...) (a full SPMD mesh with DTensor parameters) is not built: pass the "
-            "data-parallel sub-mesh, mesh=spmd_mesh[dims], and the model's own parameters")
-    if len(modules) > 1 and unit_modules is not None:
-        raise ValueError("unit_modules= takes one module, not a list: call fully_shard on each unit instead")
+    modules = check_call(module, dp_mesh_dims, unit_modules)
     options = FullyShardOptions(
         mesh=mesh, placements=placements, strategy=strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy,
         unit_modules=unit_modules, mixed_precision=resolve_policy(mp_policy, mixed_precision), init_fn=init_fn,
@@ -114,9 +108,9 @@ def fully_shard(
         bucket_size=bucket_size, plan_fn=plan_fn, offload_policy=resolve_offload(offload_policy),
         collectives=collectives, graph_safe=graph_safe, shard_placement_fn=shard_placement_fn,
         ignored_params=None if ignored_params is None else frozenset(ignored_params),
-        sync_module_states=sync_module_states,
+        sync_module_states=sync_module_states, check_module_states=check_module_states,
     )
-    adopted = check_modules(modules, STATE_ATTR)
+    adopted = check_modules(modules)
     described = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
     check_rank_consistency(described, options)  # one small collective; ranks that disagree fail here, never hang
     plan_fn = check_options(options)
@@ -129,47 +123,16 @@ def fully_shard(
     # Checked on every rank; now shard, deepest unit first (meta parameters materialized just before).
     device = device_for(plan.mesh)
     streams = _STREAMS.setdefault((str(device), graph_safe), StreamSet(device, graph_safe=graph_safe))
-    taken = {id(m) for state in adopted for unit in state.all_units for m in unit.modules}
-    ignored = {id(p) for p in options.ignored_params or ()}
-    ownership = Ownership(modules, unit_list, taken, ignored)
+    ownership = Ownership(modules, unit_list, taken_modules(adopted), {id(p) for p in options.ignored_params or ()})
     builder = GroupBuilder(
         ownership, plan, expert_plan, options.mixed_precision, device, streams, init_fn, plan_fn, tp_axis, ep_axis,
         bucket_size, offloaded=choose_offloaded(options.offload_policy, ownership.sizes()),
         pin_memory=options.offload_policy is None or options.offload_policy.pin_memory, collectives=collectives,
         shard_placement_fn=shard_placement_fn, sync_module_states=sync_module_states,
     )
-
-    def settings() -> UnitSettings:
-        # Graph-safe mode holds every gathered buffer at rest anyway: a reshard after forward would free nothing
-        # and only make backward gather the same weights again.
-        reshard = False if graph_safe else reshard_after_forward
-        return UnitSettings(reshard_after_forward=reshard, policy=options.mixed_precision)
-
-    new_units, own = build_units(modules, unit_list, builder.build_groups, settings, settings())
+    new_units, own = build_units(modules, unit_list, builder.build_groups, unit_settings(options))
     move_buffers(described, device)
-    units = _merge(modules[0], [u for state in adopted for u in state.all_units] + new_units)
-    for state in adopted:  # their units are this call's now; their root hooks go
-        for handle in state.hook_handles:
-            handle.remove()
-    state = ShardedState(own, units, plan, streams, prefetch)
+    state = ShardedState(own, adopt_units(modules[0], adopted, new_units), plan, streams, prefetch)
     register_hooks(state)
-    for unit in state.all_units:
-        for m in unit.modules:
-            setattr(m, STATE_ATTR, state)
-            setattr(m, UNIT_ATTR, unit)
-            install_torch_state_view(m, STATE_ATTR, UNIT_ATTR)
-            swap_class(m)
+    make_fsdp_modules(state)
     return module
-
-
-def _merge(root: nn.Module, units: list[Unit]) -> list[Unit]:
-    """The units in ``root``'s module order, each named by its path from ``root``."""
-    names, order = {}, {}
-    for i, (name, m) in enumerate(root.named_modules()):
-        names[id(m)], order[id(m)] = name, i
-    for unit in units:
-        unit.name = names.get(id(unit.module)) or unit.name
-        for group in unit.groups:  # built when the unit was its own root: name it by its place in the model
-            if group.name.startswith("<root>["):
-                group.name = unit.name + group.name[len("<root>"):]
-    return sorted(units, key=lambda u: order.get(id(u.module), len(order)))

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-if TYPE_CHECKING:  # layer 2 types; this module sits in layer 1 beside rank_consistency, which reads it
+if TYPE_CHECKING:  # types only (layer 2 with rank_consistency, which reads it)
     from .collectives import Collectives
     from .offload import OffloadPolicy
     from .placements import AxisPlacements
@@ -51,6 +51,7 @@ class FullyShardOptions:
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None
     ignored_params: frozenset | None = None
     sync_module_states: bool = False
+    check_module_states: bool = True
 
     def must_agree(self) -> dict[str, Any]:
         """The options every rank of a mesh must pass alike that the consistency check does not

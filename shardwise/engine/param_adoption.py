@@ -93,7 +93,7 @@ def adopt_module_params(group: ParamGroup, deep: bool, strict_dtype: bool = Fals
 
 def _check_change(group: ParamGroup, i: int, value: torch.Tensor, strict_dtype: bool, check_device: bool) -> None:
     name, home = group.fqns[i], group.main_local(i).device
-    if check_device and not value.is_meta and not _same_device(value.device, home):
+    if check_device and not _same_device(value.device, home):
         raise ValueError(
             f"parameter {name!r} was moved to {value.device}, but it is sharded on {home}: a sharded model "
             "stays on the device of its mesh (build it on the meta device and call model.to_empty(device=...) "

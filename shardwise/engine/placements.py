@@ -162,6 +162,10 @@ def describe(placements: Mapping[str, AxisPlacements]) -> str:
     return " ".join(f"{axis}[{','.join(short(x) for x in p)}]" for axis, p in placements.items())
 
 
+# Axis names that mean model parallelism wherever they appear: never taken for data-parallel axes by default.
+_MODEL_PARALLEL_NAMES = ("tp", "ep", "pp", "cp", "etp", "expert_tp")
+
+
 def resolve_axis_placements(
     axis_names: Sequence[str] | None,
     placements,
@@ -185,6 +189,8 @@ def resolve_axis_placements(
             )
         chosen = strategy if strategy is not None else 3
         data = None if axis_names is None else [n for n in axis_names if n not in tuple(model_parallel_axes) + ("cp",)]
+        if data is not None and any(n in _MODEL_PARALLEL_NAMES for n in data):
+            data = None  # an axis named like a model-parallel one that tp_axis/ep_axis do not name: say so later
         if data is not None and len(data) == 2:
             return strategy_placements(chosen, outer if outer is not None else "no_shard",
                                        inner_axis=data[1], outer_axis=data[0])

@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .fully_shard_options import FullyShardOptions
-from .mesh import EXPERT, PLAN_CHOICES, experts_by_mark
+from .mesh import EXPERT_CHOICES, PLAN_CHOICES, experts_by_mark
 from .placements import describe as describe_placements
 from .placements import resolve_axis_placements
 
@@ -208,7 +208,7 @@ def _expert_params(module: nn.Module, expert_mesh: Optional[DeviceMesh], plan_fn
         choice = plan_fn(name, param)
         if not isinstance(choice, str) or choice not in PLAN_CHOICES:
             raise ValueError(f"plan_fn returned {choice!r} for parameter {name!r}; it must return one of {list(PLAN_CHOICES)}")
-        if choice == EXPERT:
+        if choice in EXPERT_CHOICES:
             experts.append(name)
     return tuple(experts)
 
@@ -237,7 +237,8 @@ def describe(module: nn.Module, options: FullyShardOptions) -> dict:
         "units": _unit_names(module, o.unit_modules),
         "expert_params": _expert_params(module, o.expert_mesh, o.plan_fn),
         # Under TP, replicated parameters may differ across the TP group until the build syncs them.
-        "values": () if o.sync_module_states or o.tp_axis in ((o.mesh and o.mesh.mesh_dim_names) or ())
+        "values": () if o.sync_module_states or not o.check_module_states
+        or o.tp_axis in ((o.mesh and o.mesh.mesh_dim_names) or ())
         else _checksums(module, o.expert_mesh, o.plan_fn),
     }
 
@@ -418,10 +419,13 @@ def _ep_problem(module: nn.Module, mesh, expert_mesh, tp_axis: str, ep_axis: str
             if mesh is not None and tp_axis in (mesh.mesh_dim_names or ()):
                 dense_dp //= mesh.size(list(mesh.mesh_dim_names).index(tp_axis))
             expert_dp = len(expert) // len(ep_row)
-            if dense_dp % expert_dp:
+            if tp_axis in enames:  # expert tensor parallelism: its TP axis is no data parallelism
+                expert_dp //= expert_mesh.size(enames.index(tp_axis))
+            # (more expert than dense data parallelism is right where expert TP is smaller than TP)
+            if dense_dp % expert_dp and expert_dp % dense_dp:
                 return (
                     f"the expert mesh's data-parallel size {expert_dp} does not divide the dense data-parallel "
-                    f"size {dense_dp}"
+                    f"size {dense_dp}, nor the other way round"
                 )
     for prefix, sub in module.named_modules():
         where = f"module {prefix or '<root>'!r}"

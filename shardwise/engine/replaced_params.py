@@ -34,9 +34,9 @@ def mark_replaced(param: torch.Tensor, by: str) -> None:
         _hook = register_optimizer_step_pre_hook(_check_at_first_step)
 
 
-def is_replaced(param: torch.Tensor) -> bool:
-    """Whether ``mark_replaced`` marked ``param`` (an earlier ``fully_shard`` call took its values)."""
-    return hasattr(param, _MARK)
+def is_replaced(param: torch.Tensor, by: str) -> bool:
+    """Whether ``mark_replaced(param, by)`` marked ``param`` (``"fully_shard"``: an earlier call took its values)."""
+    return getattr(param, _MARK, None) == by
 
 
 def _check_at_first_step(optimizer, args, kwargs) -> None:

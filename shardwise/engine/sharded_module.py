@@ -21,9 +21,10 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
 from .sharded_state import ShardedState
 from .torch_fsdp_state import TorchStateView
+from .torch_fsdp_state import install as install_torch_state_view
 from .unit import Unit
 
-__all__ = ["ShardedModule", "STATE_ATTR", "UNIT_ATTR"]
+__all__ = ["ShardedModule", "STATE_ATTR", "UNIT_ATTR", "make_fsdp_modules", "swap_class"]
 
 STATE_ATTR = "_shardwise_state"  # on every module of every unit: the state of the model it belongs to
 UNIT_ATTR = "_shardwise_unit"  # on every module of every unit: its unit
@@ -142,10 +143,10 @@ class ShardedModule(FSDPModule):
         NCCL's AVG is a sum and one division too; the numbers are those of FSDP2's sum-then-divide."""
         self._unit.settings.extra["force_sum_reduction_for_comms"] = bool(enable)
 
-    def set_reduce_scatter_unused_params(self, enable: bool) -> None:
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Accepted for ``True`` (what the engine always does: a group's unused parameters reduce as zeros,
         so every rank runs the same collectives)."""
-        if not enable:
+        if not reduce_scatter_unused_params:
             raise _not_built("set_reduce_scatter_unused_params(False)",
                              "a group always reduces every parameter (unused ones as zeros), so ranks stay in step")
 
@@ -165,11 +166,11 @@ class ShardedModule(FSDPModule):
         raise _not_built("set_all_reduce_hook", "the replicas' all-reduce runs inside the engine; replace it with "
                          "fully_shard(..., collectives=...)")
 
-    def set_reduce_scatter_max_input_buffers(self, *args: Any, **kwargs: Any) -> None:
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         raise _not_built("set_reduce_scatter_max_input_buffers",
                          "the engine keeps one reduction in flight per group")
 
-    def set_separate_reduce_scatter_group(self, *args: Any, **kwargs: Any) -> None:
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         raise _not_built("set_separate_reduce_scatter_group", "reductions use the mesh's process groups")
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
@@ -178,9 +179,8 @@ class ShardedModule(FSDPModule):
                              "the engine allocates its gather and reduce buffers itself")
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        backends = {g.plan.axes[a].group.__class__.__name__ for g in self._unit.groups for a in g.plan.axes}
-        raise _not_built("set_symm_mem_for_comm", "symmetric-memory collectives need NCCL and are not built in "
-                         f"the engine (the unit's groups use {sorted(backends) or 'no'} process groups)")
+        raise _not_built("set_symm_mem_for_comm", "symmetric-memory collectives (NCCL only) are not built in the "
+                         "engine; its gathers and reductions use the mesh's process groups")
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         pass  # the engine's gathers run on their own stream already
@@ -246,6 +246,17 @@ def _units_of(modules: list, method: str) -> list[Unit]:
             raise ValueError(f"{method} takes modules that fully_shard made units, got {type(m).__name__}")
         units.append(m._unit)
     return units
+
+
+def make_fsdp_modules(state: ShardedState) -> None:
+    """Every module of every unit of ``state``: tied to its state and unit, answering torch's state reads,
+    and an instance of ``Sharded<Class>`` (so of torch's ``FSDPModule``)."""
+    for unit in state.all_units:
+        for module in unit.modules:
+            setattr(module, STATE_ATTR, state)
+            setattr(module, UNIT_ATTR, unit)
+            install_torch_state_view(module, STATE_ATTR, UNIT_ATTR)
+            swap_class(module)
 
 
 def swap_class(module: nn.Module) -> None:

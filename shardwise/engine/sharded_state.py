@@ -143,6 +143,9 @@ class ShardedState:
         if _in_backward():
             return output
         output = self._cast_output(self.root, output)
+        for unit in self.units:  # a unit some of whose modules did not run (fully_shard([norm, head]), head later)
+            if unit.in_forward:
+                self._end_unit_forward(unit)
         if self.root.reshard_after_forward:
             self.root.reshard()
         else:
@@ -171,12 +174,13 @@ class ShardedState:
     # ---------------------------------------------------------------- units
     def unit_pre_forward(self, unit: Unit, module, args, kwargs):
         recompute = _in_backward()
-        first = not unit.modules_to_run  # FSDP2's group forward: the first of the unit's modules to run
-        if first and len(unit.modules) > 1 and not recompute:
+        entering = recompute or not unit.in_forward  # the first of the unit's modules to run in this forward
+        if entering and not recompute:
+            unit.in_forward = True
             unit.modules_to_run = {id(m) for m in unit.modules}
         args, kwargs = self._cast_inputs(unit, args, kwargs)
         unit.unshard()
-        if not recompute and first:
+        if entering and not recompute:
             if not self.order_recorded:
                 if id(unit) not in self._order_index:
                     self._order_index[id(unit)] = len(self.forward_order)
@@ -188,30 +192,34 @@ class ShardedState:
             unit.ran_with_grad = True
             flat, spec = pytree.tree_flatten((args, kwargs))
             positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-            if positions:
+            if positions and entering:
                 outs = _PostBackward.apply(self, unit, recompute, *[flat[i] for i in positions])
                 for i, t in zip(positions, outs):
                     flat[i] = t
                 if not recompute:
                     unit.pending_backward += 1
                 args, kwargs = pytree.tree_unflatten(flat, spec)
-            elif not recompute:
-                unit.unseen_backward = True
-        elif self.grad_forward and not recompute:
+        elif self.grad_forward and entering and not recompute:
             unit.expected_recompute += 1
         return args, kwargs
 
     def unit_post_forward(self, unit: Unit, module, args, output):
         output = self._cast_output(unit, output)
-        unit.modules_to_run.discard(id(module))
-        if not _in_backward() and not unit.modules_to_run:  # the last of the unit's modules to run
-            if unit.reshard_after_forward:
-                unit.reshard()
-            else:
-                unit.use_sharded()
+        if not _in_backward():
+            unit.modules_to_run.discard(id(module))
+            if unit.in_forward and not unit.modules_to_run:  # the last of the unit's modules to run
+                self._end_unit_forward(unit)
         if torch.is_grad_enabled():
             self._hook_outputs(output, self._unit_pre_backward_hooks[id(unit)])
         return output
+
+    def _end_unit_forward(self, unit: Unit) -> None:
+        unit.in_forward = False
+        unit.modules_to_run = set()
+        if unit.reshard_after_forward:
+            unit.reshard()
+        else:
+            unit.use_sharded()
 
     def on_unit_pre_backward(self, unit: Unit) -> None:
         self._queue_final_callback()
@@ -232,7 +240,7 @@ class ShardedState:
             unit.expected_recompute -= 1
         else:
             unit.pending_backward -= 1
-        if unit.pending_backward > 0 or unit.expected_recompute > 0 or unit.reduced or unit.unseen_backward:
+        if unit.pending_backward > 0 or unit.expected_recompute > 0 or unit.reduced:
             return
         if not self.defer_reduction and unit.settings.requires_gradient_sync:
             self._reduce(unit)

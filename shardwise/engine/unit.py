@@ -49,7 +49,10 @@ class Unit:
         self.settings = settings or UnitSettings()
         self.settings.reshard_after_forward = reshard_after_forward
         self.is_root = False  # the unit whose module is its model's root (set by the state that holds it)
-        self.modules_to_run: set[int] = set()  # FSDP2's group forward: modules of this unit yet to run
+        # FSDP2's group forward: a unit's forward starts at the first of its modules to run (the weights are
+        # gathered, the backward hook set) and ends after the last (or at the root's forward end)
+        self.in_forward = False
+        self.modules_to_run: set[int] = set()
         self.reset_iteration()
 
     @property
@@ -69,12 +72,10 @@ class Unit:
             # Forwards run without grad inside a grad-enabled root forward: reentrant
             # checkpointing, which re-runs each of them (with grad) inside backward.
             self.expected_recompute = 0
-            # A grad-enabled forward of one of its modules whose inputs need no grad (an embedding in a
-            # tied [tok_embeddings, norm, lm_head] unit): its backward is invisible to the hooks, so the
-            # unit reduces at the end of backward (FSDP2's final callback), never when the others are done.
-            self.unseen_backward = False
         if not keep_forward_state:
             self.ran_with_grad = False
+            self.in_forward = False
+            self.modules_to_run = set()
         self.gathered_for_backward = False
         self.reduced = False
 
