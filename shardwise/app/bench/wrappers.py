@@ -310,7 +310,7 @@ def wrapper_version(name: str) -> str:
             return "megatron-fsdp " + version("megatron-fsdp")
         except Exception:
             return "megatron-fsdp (version unknown)"
-    if name == "shardwise":
+    if name.startswith("shardwise"):
         try:
             from importlib.metadata import version
 
