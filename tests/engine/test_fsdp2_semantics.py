@@ -317,3 +317,43 @@ def test_misuse_is_refused_at_wrap_time_naming_it():
     assert "dp_mesh_dims=...) (a full SPMD mesh" in out["dp_mesh_dims"]
     assert "shard_placement_fn returned Shard(dim=1) for parameter 'a.weight'" in out["shard_dim1"], out["shard_dim1"]
     assert "mp_policy must be a MixedPrecisionPolicy" in out["policy"]
+
+
+# ------------------------------------------------------------------ ignored_params, register_fsdp_forward_method
+class _WithMethod(_Two):
+    def score(self, x):
+        return self.c(self.b(self.a(x))).sum(-1)
+
+
+def _ignored_and_methods() -> dict:
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    torch.manual_seed(0)
+    model = _WithMethod().to(device())
+    kept = model.c.weight
+    shardwise.fully_shard(model.b)
+    shardwise.fully_shard(model, ignored_params={kept})
+    register_fsdp_forward_method(model.b, "forward")  # torch's own function, on a shardwise unit
+    register_fsdp_forward_method(model, "score")
+    x = torch.ones(2, 4, device=device()) * (dist.get_rank() + 1)  # each rank its own input
+    score = model.score(x)  # not forward: the method gathers as forward would
+    score.sum().backward()
+    return {"kept_is_plain": model.c.weight is kept and not isinstance(model.c.weight, DTensor),
+            "kept_grad": kept.grad.clone().cpu(),
+            "sharded": sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor)),
+            "score": score.detach().cpu()}
+
+
+def test_ignored_params_stay_untouched_and_torchs_forward_methods_gather():
+    results = run_distributed(_ignored_and_methods, 2)
+    for rank, result in enumerate(results):
+        assert result["kept_is_plain"]
+        assert result["sharded"] == ["a.bias", "a.weight", "b.bias", "b.weight", "c.bias"]
+        torch.manual_seed(0)
+        reference = _WithMethod()
+        x = torch.ones(2, 4) * (rank + 1)
+        reference.score(x).sum().backward()
+        torch.testing.assert_close(result["score"], reference.score(x).detach(), rtol=RTOL, atol=0)
+        # an ignored parameter's gradient is this rank's own, never reduced (the ranks' inputs differ)
+        torch.testing.assert_close(result["kept_grad"], reference.c.weight.grad, rtol=RTOL, atol=0)
+    assert not torch.allclose(results[0]["kept_grad"], results[1]["kept_grad"])
