@@ -333,7 +333,8 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
 
     metrics_file, launch = None, 0  # rank 0 writes the metrics
     if rank == 0:
-        say(schedule.describe())
+        if start <= cfg.steps:
+            say(schedule.describe())
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(
             {"train": {**vars(cfg), "grad_accum": grad_accum}, "model": model_cfg.to_dict(), "world_size": world,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -235,6 +236,23 @@ def test_resuming_with_other_steps_keeps_the_rate_continuous(old_steps, new_step
     assert (at_floor in schedule.describe()) == (resume_at == old_steps), schedule.describe()  # said when flat
     assert "\n" not in schedule.describe()
     assert resumed_schedule(saved, old, resume_at) is saved  # same flags: the same schedule, exactly
+
+
+def test_lr_lines_never_read_backwards():
+    """A resumed run whose new floor is above its current rate rises (and says so); no range runs backwards."""
+    old, _ = resolve_config(["--steps", "10", "--warmup-steps", "2", "--lr", "0.002"])
+    new, _ = resolve_config(["--steps", "20", "--warmup-steps", "2", "--lr", "0.01"])  # floor 0.001 > rate at 10
+    saved = lr_schedule(old)
+    rising = resumed_schedule(saved, new, 10)
+    assert rising(20) > rising(11) and "cosine rise from 0.0002 up to 0.001 over steps 11-20" in rising.describe()
+    assert "decay" not in rising.describe()
+    shorter, _ = resolve_config(["--steps", "4", "--warmup-steps", "2", "--lr", "0.002"])
+    past_the_end = resumed_schedule(saved, shorter, 6).describe()
+    assert "no steps left (--steps 4)" in past_the_end and "7-4" not in past_the_end, past_the_end
+    for steps in range(1, 6):
+        cfg, _ = resolve_config(["--steps", str(steps), "--warmup-steps", "3"])
+        line = lr_schedule(cfg).describe()
+        assert all(int(a) <= int(b) for a, b in re.findall(r"steps (\d+)-(\d+)", line)), line
 
 
 # ------------------------------------------------------------------ resuming on another world size
