@@ -135,8 +135,10 @@ def _run(args) -> int:
         else:
             files = export_safetensors(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                        include_tied=not args.tied_once, verify=not args.no_verify)
-    except (FileNotFoundError, ValueError, KeyError, CheckpointError) as e:
+    except (OSError, ValueError, KeyError, CheckpointError) as e:  # OSError: a file in the way, no permission
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        if isinstance(e, OSError) and not isinstance(e, FileNotFoundError) and e.filename:
+            message = f"{e.filename}: {e.strerror}"
         hint = _where_checkpoints_come_from(args.ckpt) if isinstance(e, FileNotFoundError) else ""
         print(f"shardwise ckpt {args.action}: error: {message}{hint}", file=sys.stderr)
         return 2

@@ -201,6 +201,14 @@ def test_ckpt_takes_a_run_folder_for_its_checkpoints(tmp_path, capsys):
     assert f"ok       {run / 'checkpoints' / 'step_00000002'}" in capsys.readouterr().out
     assert ckpt_main(["export", str(run), str(tmp_path / "out")]) == 0
     assert f"exported {run / 'checkpoints' / 'step_00000002'}: wrote 1 file(s)" in capsys.readouterr().out
+    in_the_way = tmp_path / "notes.txt"  # OUT an existing file: one line, no FileExistsError traceback
+    in_the_way.write_text("keep me")
+    for fmt in ("safetensors", "hf"):
+        assert ckpt_main(["export", str(run), str(in_the_way), "--format", fmt, "--config", str(tmp_path / "c.json")]
+                         if fmt == "hf" else ["export", str(run), str(in_the_way)]) == 2
+        line = _one_error_line(capsys)
+        assert line.startswith(f"shardwise ckpt export: error: {in_the_way}") and "file" in line, line
+    assert in_the_way.read_text() == "keep me"
 
 
 # ------------------------------------------------------------------ learning-rate schedule
