@@ -30,7 +30,9 @@ _CKPT_HELP = "a checkpoint (step_N), a folder of them (its latest), or a train r
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardwise ckpt", description=__doc__.split("\n\n")[0])
+    from .errors import ShortUsageParser
+
+    parser = ShortUsageParser(prog="shardwise ckpt", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="action", required=True, metavar="{info,verify,export}")
     info = sub.add_parser("info", help="print what a checkpoint holds (world size, strategy, step, tensors, sizes)")
     info.add_argument("ckpt", metavar="CKPT_DIR", help=_CKPT_HELP)

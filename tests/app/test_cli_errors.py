@@ -94,6 +94,22 @@ def test_help_shows_the_defaults_that_run():
     assert [n for n, h in helps.items() if h.count("(default") > 1] == []  # said once
 
 
+@pytest.mark.parametrize("command,argv,error", [
+    ("train", ["--n-layerz", "2"], "unrecognized arguments: --n-layerz 2 (did you mean --n-layers?)"),
+    ("train", ["--steps", "many"], "argument --steps: invalid int value: 'many'"),
+    ("ckpt", ["export"], "the following arguments are required: CKPT_DIR, OUT"),
+])
+def test_argparse_errors_are_the_error_not_forty_lines_of_usage(command, argv, error, capsys):
+    from shardwise.app.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_:
+        cli_main([command, *argv])
+    err = capsys.readouterr().err.splitlines()
+    prog = f"shardwise {command}{' export' if command == 'ckpt' else ''}"
+    assert exit_.value.code == 2 and err == [f"usage: {prog} [flags]", f"{prog}: error: {error}",
+                                             f"({prog} --help lists every flag)"], err
+
+
 def test_config_file_accepts_whole_floats_and_resume_bools(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"steps": 20.0, "lr": 1, "resume": True, "name": "x"}))
