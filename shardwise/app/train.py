@@ -60,7 +60,7 @@ from ..engine.replaced_params import check_optimizer_params
 from ..engine.teardown import destroy_process_groups
 from .config import (ConfigError, TrainConfig, build_parser, check_world, default_out_dir, device_type,
                      resolve_config)
-from .corpus import open_data
+from .corpus import describe_coverage, open_data
 from .data import TokenLoader
 from .errors import PROG, Problems, say
 from .launch import (EXIT_INTERRUPTED, WorkerError, describe_collective_error, launch_local, one_line_warnings,
@@ -333,6 +333,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
 
     metrics_file, launch = None, 0  # rank 0 writes the metrics
     if rank == 0:
+        say(describe_coverage(cfg, len(train_tokens), loader.num_windows, cfg.micro_batch_size * grad_accum * run.data_ranks))
         if start <= cfg.steps:
             say(schedule.describe())
         out_dir.mkdir(parents=True, exist_ok=True)

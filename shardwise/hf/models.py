@@ -27,6 +27,7 @@ __all__ = [
     "load_config",
     "build_hf_model",
     "decoder_layer_classes",
+    "encoder_only",
     "HFCausalLM",
     "MetaInit",
 ]
@@ -78,6 +79,17 @@ def build_hf_model(config, meta: bool = False, device: torch.device | str | None
     if not getattr(model.config, "architectures", None):
         model.config.architectures = [type(model).__name__]
     return model
+
+
+def encoder_only(config) -> bool:
+    """Whether ``config`` describes an encoder (BERT and its kin): a model whose causal-LM class exists but whose
+    attention sees the whole sequence unless the config says ``is_decoder``, so a next-token loss would let each
+    position see the token it predicts. Encoder-decoder configs (BART) are not: their causal LM is the decoder."""
+    require_transformers("a Hugging Face model")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    return (config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and getattr(config, "is_decoder", None) is False
+            and not getattr(config, "is_encoder_decoder", False))
 
 
 def decoder_layer_classes(hf_model: nn.Module) -> list[type]:
