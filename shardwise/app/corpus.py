@@ -311,7 +311,8 @@ def describe_coverage(cfg, tokens: int, windows: int, global_batch: int) -> str:
     line = (f"data: {corpus}, {how}: {tokens:,} tokens{held}, {windows:,} windows of {cfg.seq_len + 1} tokens; "
             f"--steps {cfg.steps} x {global_batch} sequences = {needed:,} windows, ")
     if epochs <= 1:
-        return line + f"{epochs:.1%} of it (each window at most once)"
+        share = f"{epochs:.1%}" if epochs >= 0.001 else f"{100 * epochs:.2g}%"  # 2.1%, 0.028%
+        return line + f"{share} of it (each window at most once)"
     one_step = " (one step alone takes more windows than there are)" if global_batch > windows else ""
     return ("warning: " + line + f"{epochs:.1f} epochs: the run sees each window about {epochs:.1f} times"
             f"{one_step}; more data or fewer --steps to see each window once")

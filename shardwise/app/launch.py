@@ -80,16 +80,42 @@ def _one_line(text) -> str:
     return " ".join(str(text).split())
 
 
+_SHOWN: set[str] = set()  # third-party notices this process (or the launcher that started it) has shown
+
+
+def _ours(module: str) -> bool:
+    return module == "__main__" or module.split(".")[0] in ("shardwise", "tests")
+
+
+def _third_party_once(text: str) -> bool:
+    """Whether to show a notice of another package: once per run, by the launcher or rank 0 (every rank
+    imports the same packages and would repeat it)."""
+    if os.environ.get("RANK", "0") != "0" or text in _SHOWN:
+        return False
+    _SHOWN.add(text)
+    return True
+
+
+def _warning_source() -> str:
+    """The module that called ``warnings.warn`` (the frames above ``showwarning``, past the warnings module)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__") in ("warnings", __name__):
+        frame = frame.f_back
+    return frame.f_globals.get("__name__", "?") if frame is not None else "?"
+
+
 class _Dedup(logging.Filter):
-    """Remembers what was logged so a warning carrying the same text is not printed twice."""
+    """Remembers what was logged so a warning carrying the same text is not printed twice; another package's
+    record is shown once per run (:func:`_third_party_once`)."""
 
     def __init__(self):
         super().__init__()
         self.seen: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        self.seen.add(_one_line(record.getMessage()))
-        return True
+        text = _one_line(record.getMessage())
+        self.seen.add(text)
+        return _ours(record.name) or bool(record.exc_info) or _third_party_once(f"{record.name}: {text}")
 
 
 class _OneLineFormatter(logging.Formatter):
@@ -98,22 +124,34 @@ class _OneLineFormatter(logging.Formatter):
         self.prog = prog
 
     def format(self, record: logging.LogRecord) -> str:
-        text = f"{self.prog}: {record.levelname.lower()}: {_one_line(record.getMessage())}"
+        text = _one_line(record.getMessage())
+        if _ours(record.name):
+            text = f"{self.prog}: {record.levelname.lower()}: {text}"
+        else:  # labelled with its source, not as shardwise's own
+            text = f"[{record.name}] {record.levelname.lower()}: {text}"
         if record.exc_info:  # an error logged with its traceback keeps it
             text += "\n" + self.formatException(record.exc_info)
         return text
 
 
 def one_line_warnings(prog: str) -> None:
-    """Print warnings (and WARNING log records) as ``prog: warning: message (Category)``, one line each."""
+    """Print warnings (and WARNING log records) as ``prog: warning: message (Category)``, one line each;
+    another package's as ``[module] Category: message``, once per run (the launcher's or rank 0's)."""
     dedup = _Dedup()
 
     def show(message, category, filename, lineno, file=None, line=None):
         text = _one_line(message)
         if text in dedup.seen:  # already printed by the logging call next to it
             return
+        source = _warning_source()
+        if _ours(source):
+            out = f"{prog}: warning: {text} ({category.__name__})"
+        elif _third_party_once(f"{source}: {text}"):
+            out = f"[{source}] {category.__name__}: {text}"
+        else:
+            return
         try:
-            print(f"{prog}: warning: {text} ({category.__name__})", file=file or sys.stderr, flush=True)
+            print(out, file=file or sys.stderr, flush=True)
         except (OSError, ValueError):
             pass
 
@@ -215,8 +253,9 @@ def _set_parent_death_signal() -> None:
         pass
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, prog: str) -> None:
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, prog: str, shown: set) -> None:
     _set_parent_death_signal()
+    _SHOWN.update(shown)  # what the launcher showed already (the same imports' notices)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     code = run_guarded(fn, args, f"{prog}: rank {rank}" if world > 1 else prog)
@@ -280,7 +319,8 @@ def launch_local(fn: Callable, world: int, args: tuple, prog: str) -> int:
     dump_stacks_on_sigusr1()
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
-    processes = [ctx.Process(target=_worker, args=(rank, world, port, fn, args, prog), name=f"rank{rank}")
+    processes = [ctx.Process(target=_worker, args=(rank, world, port, fn, args, prog, set(_SHOWN)),
+                             name=f"rank{rank}")
                  for rank in range(world)]
     previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:

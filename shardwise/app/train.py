@@ -132,19 +132,20 @@ def _run_estimate(cfg: TrainConfig, model_cfg: GPTConfig, world: int, device_typ
 def check_host_memory(cfg: TrainConfig, model_cfg: GPTConfig, world: int, ranks_per_host: int) -> None:
     """A CPU run: every rank's estimated peak together against the host's available memory (before any
     process starts); :class:`.memory.DoesNotFit` says what would fit."""
-    from .memory import check_fits_on_cpu, host_available_bytes
+    from .memory import INTERPRETER_BYTES, check_fits_on_cpu, host_available_bytes
 
     available = host_available_bytes()
     if cfg.pp > 1:
         ranks, _ = _pipeline_estimates(cfg, model_cfg, world, _fused(cfg, "cpu"))
         if ranks and ranks_per_host == world and available is not None:  # every stage of every replica here
-            needed = sum(e.gpu_bytes for e in ranks) * (world // cfg.pp)
+            needed = sum(e.gpu_bytes for e in ranks) * (world // cfg.pp) + INTERPRETER_BYTES * world
             if needed > available:
                 raise DoesNotFit(
                     f"this configuration does not fit in this machine's memory: {world} pipeline ranks need "
                     f"{needed / 2**30:.1f} GiB together ({', '.join(f'{e.gpu_bytes / 2**30:.1f}' for e in ranks)} "
-                    f"GiB per stage rank), {available / 2**30:.1f} GiB available (MemAvailable); use a smaller "
-                    f"model, --micro-batch-size or --activation-checkpointing")
+                    f"GiB per stage rank, and {INTERPRETER_BYTES / 2**30:.2f} GiB per rank's interpreter), "
+                    f"{available / 2**30:.1f} GiB available (MemAvailable); use a smaller model, --micro-batch-size "
+                    f"or --activation-checkpointing")
         return
     estimate = _run_estimate(cfg, model_cfg, world, "cpu", ranks_per_host)
     if estimate is not None:

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 from pathlib import Path
 from typing import Callable
@@ -19,6 +21,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from ..engine.fp8 import quiet_torchao_import
 from ..engine.materialize import allocate_meta_tensors, meta_tensor_names
 
 __all__ = [
@@ -38,7 +41,10 @@ INSTALL_HINT = "pip install 'shardwise[hf]' (in a checkout: pip install -e '.[hf
 def require_transformers(what: str = "this"):
     """The ``transformers`` module, or ``ImportError`` saying how to install it."""
     try:
-        import transformers
+        with quiet_torchao_import():
+            import transformers
+            with contextlib.suppress(ImportError):  # its torchao glue imports torchao (when installed), whose
+                importlib.import_module("transformers.integrations.torchao")  # import notices are noise here
     except ImportError:
         raise ImportError(f"{what} needs the transformers package, an optional extra: {INSTALL_HINT}") from None
     return transformers

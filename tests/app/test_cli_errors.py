@@ -150,9 +150,10 @@ def _no_launch(*args, **kwargs):
 
 # ------------------------------------------------------------------ before any process starts
 @pytest.mark.parametrize("argv,needed", [
-    (["--preset", "8b"], "2 ranks x 74.8 GiB per rank = 149.6 GiB needed, 23.0 GiB available (MemAvailable)"),
-    (["--preset", "1b", "--fp8", "tensorwise"], "2 ranks x 20.4 GiB per rank = 40.8 GiB needed"),
-    (["--preset", "1b", "--pp", "2", "--grad-accum", "2"], "2 pipeline ranks need 37.2 GiB together"),
+    (["--preset", "8b"], "2 ranks x (74.8 GiB + 0.21 GiB interpreter) per rank = 150.0 GiB needed, 23.0 GiB available "
+                         "(MemAvailable)"),
+    (["--preset", "1b", "--fp8", "tensorwise"], "2 ranks x (20.4 GiB + 0.21 GiB interpreter) per rank = 41.3 GiB needed"),
+    (["--preset", "1b", "--pp", "2", "--grad-accum", "2"], "2 pipeline ranks need 37.6 GiB together"),
 ])
 def test_a_cpu_run_larger_than_the_host_is_refused_before_it_starts(argv, needed, tmp_path, capsys, monkeypatch):
     """On the CPU every rank takes the host's memory: the estimate times the ranks, against MemAvailable (here
