@@ -63,8 +63,8 @@ from .config import (ConfigError, TrainConfig, build_parser, check_world, defaul
 from .corpus import describe_coverage, open_data
 from .data import TokenLoader
 from .errors import PROG, Problems, say
-from .launch import (EXIT_INTERRUPTED, WorkerError, describe_collective_error, launch_local, one_line_warnings,
-                     process_started_at, run_guarded, under_launcher)
+from .launch import (EXIT_INTERRUPTED, WorkerError, available_cores, describe_collective_error, launch_local,
+                     one_line_warnings, process_started_at, report_started, run_guarded, under_launcher)
 from .loop import DataParallelRun, Phase, run_steps
 from .memory import DoesNotFit
 from .lr import LRSchedule, lr_schedule, resumed_schedule
@@ -184,6 +184,11 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = Non
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     owns_group = not dist.is_initialized()
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    phase = Phase(f"process-group setup (each of the {world} ranks starts, imports torch and joins)")
+    if os.environ.get("RANK", "0") == "0":
+        report_started()  # the launcher's own start-up notes end; this rank's phases take over
+        phase.watch(say)
     if owns_group:
         if kind == "cuda":
             # NCCL: the watchdog aborts a collective that outlives the timeout and takes the process
@@ -198,10 +203,10 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = Non
                                 timeout=datetime.timedelta(seconds=max(cfg.timeout, RENDEZVOUS_S)))
     device = device_for()  # the group's backend decides: NCCL -> this rank's GPU, gloo -> the CPU
     _limit_collective_waits(None, cfg.timeout)
-    phase = Phase()
     try:
         return _train(cfg, model_cfg, started_at, device, phase)
     except BaseException as e:
+        phase.started()  # no more start-up notes
         traceback.clear_frames(e.__traceback__)  # let the model and its process groups go
         why = None
         if isinstance(e, Exception) and dist.is_initialized():
@@ -356,6 +361,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
         from .loggers import RunLoggers
 
         loggers = RunLoggers(cfg, out_dir, start, json.loads((out_dir / "config.json").read_text()))
+    phase.started()
     if rank == 0 and start <= cfg.steps:
         compiled = (f": each layer is compiled first (torch.compile, {cfg.compile}), which can take minutes"
                     if cfg.compile else " (allocation and warm-up: slower than the next)")
@@ -410,7 +416,13 @@ def main(argv=None) -> int:
         else:
             world = torch.cuda.device_count() if device_type(cfg) == "cuda" else 2
         if device_type(cfg) == "cuda" and not launched and world > torch.cuda.device_count():
-            problems.add("nproc", world, f"more processes than GPUs ({torch.cuda.device_count()})")
+            problems.add("nproc", world, f"more processes than GPUs ({torch.cuda.device_count()}): one process per "
+                                         f"GPU; --nproc {torch.cuda.device_count()} or fewer")
+        cores = available_cores()
+        if device_type(cfg) == "cpu" and not launched and world > cores and not problems:
+            say(f"warning: --nproc {world} on {cores} CPU core{'s' if cores > 1 else ''}: each process gets "
+                f"{cores / world:.2g} of a core, so start-up (each process imports torch) and every step take "
+                f"longer than with --nproc {cores}")
         check_world(cfg, model_cfg, world, problems)  # raises them all, then reads the data
         if device_type(cfg) == "cpu":  # the ranks share the host's memory: all of it, before any starts
             check_host_memory(cfg, model_cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
@@ -431,7 +443,7 @@ def main(argv=None) -> int:
         if code == EXIT_INTERRUPTED:
             say("interrupted (Ctrl-C)")
         return code
-    return launch_local(train, world, (cfg, model_cfg, started_at), PROG)
+    return launch_local(train, world, (cfg, model_cfg, started_at), PROG, startup_notes=True)
 
 
 if __name__ == "__main__":
