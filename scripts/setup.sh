@@ -37,10 +37,11 @@ pip_install() {  # pip's progress, without its note on each configured file:// i
     started=$(date +%s)
     date +%s > "$stamp"
     (
-        while sleep 5; do
+        while sleep 1; do
             now=$(date +%s)
             if [ $((now - $(cat "$stamp" 2>/dev/null || echo "$now"))) -ge 5 ]; then
                 echo "setup: pip is still working ($((now - started)) s: downloading, unpacking or installing)"
+                echo "$now" > "$stamp"
             fi
         done
     ) &
