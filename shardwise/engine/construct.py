@@ -18,20 +18,32 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.fsdp import OffloadPolicy as TorchOffloadPolicy
+from torch.distributed.tensor import DTensor, Shard
 
 from .collectives import Collectives, StreamSet
 from .fully_shard_options import FullyShardOptions
-from .param_group import ParamGroup, ParamRef
+from .param_group import SHARDED_MARK, ParamGroup, ParamRef
 from .sharded_state import ShardedState
-from .mesh import EXPERT, PLAN_CHOICES, ShardingPlan, build_dp_mesh, experts_by_mark, fold_context_parallel
+from .mesh import EXPERT, PLAN_CHOICES, ShardingPlan, build_dp_mesh, experts_by_mark, fold_context_parallel, named_mesh
 from .offload import OffloadPolicy
-from .placements import normalize_placements, strategy_placements
-from .precision import MixedPrecisionPolicy
+from .placements import normalize_placements, resolve_axis_placements
+from .precision import MixedPrecisionPolicy, from_torch_policy
 from .quantized_gather import gather_mark
-from .unit import Unit
+from .replaced_params import is_replaced
+from .unit import Unit, UnitSettings
+from .sharded_module import STATE_ATTR
 
 __all__ = [
-    "check_module",
+    "check_call",
+    "adopt_units",
+    "taken_modules",
+    "unit_settings",
+    "check_modules",
+    "resolve_policy",
+    "resolve_offload",
     "check_options",
     "build_plans",
     "check_bucket_size",
@@ -48,32 +60,76 @@ _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # ------------------------------------------------------------------ checks
-def check_module(module: nn.Module, mixed_precision: MixedPrecisionPolicy | None, state_attr: str) -> MixedPrecisionPolicy:
-    """Refuse a non-module, a module (or submodule) already sharded (it holds ``state_attr``), a wrong
-    policy; the policy to use."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-    sharded = [(name, m) for name, m in module.named_modules() if hasattr(m, state_attr)]
-    if sharded and sharded[0][0] == "":
-        raise ValueError(f"module ({type(module).__name__}) is already sharded by shardwise.fully_shard")
-    if sharded:  # FSDP2's idiom, fully_shard on each layer and then on the root: here one call does both
-        classes = list(dict.fromkeys(_unsharded_class(m).__name__ for _, m in sharded))
-        raise ValueError(
-            f"submodule {sharded[0][0]!r} ({_unsharded_class(sharded[0][1]).__name__}) is already sharded by "
-            f"shardwise.fully_shard: shardwise shards a model in one call, its layers as units. Instead of "
-            f"fully_shard on each layer and then on the model, call fully_shard(model, unit_modules=["
-            f"{', '.join(classes)}]) once, on the model before any layer was sharded")
-    policy = mixed_precision or MixedPrecisionPolicy()
-    if not isinstance(policy, MixedPrecisionPolicy):
-        raise TypeError(f"mixed_precision must be a MixedPrecisionPolicy, got {type(policy).__name__}")
-    return policy
+def check_call(module, dp_mesh_dims, unit_modules) -> list[nn.Module]:
+    """The modules of this call (one, or FSDP2's list); what ``fully_shard`` refuses before looking at them."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            "fully_shard(dp_mesh_dims=...) (a full SPMD mesh with DTensor parameters) is not built: pass the "
+            "data-parallel sub-mesh, mesh=spmd_mesh[dims], and the model's own parameters")
+    if len(modules) > 1 and unit_modules is not None:
+        raise ValueError("unit_modules= takes one module, not a list: call fully_shard on each unit instead")
+    return modules
 
 
-def _unsharded_class(module: nn.Module) -> type:
-    """The module's own class (``fully_shard`` makes it a ``Sharded<Class>`` subclass)."""
-    mro = type(module).__mro__
-    names = [c.__name__ for c in mro]
-    return mro[names.index("ShardedModule") + 1] if "ShardedModule" in names[1:] else mro[0]
+def check_modules(modules: list[nn.Module], state_attr: str = STATE_ATTR) -> list:
+    """Refuse what ``fully_shard`` cannot take: a non-module, the same module twice, a module already a unit,
+    a subtree already adopted by an ancestor's call (FSDP2 is applied bottom-up). The states of the units
+    inside the modules (earlier calls on submodules), which this call adopts."""
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"module must be an nn.Module or a list of them, got {type(m).__name__}")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError(f"fully_shard got the same module twice in {[type(m).__name__ for m in modules]}")
+    adopted: dict[int, object] = {}
+    for m in modules:
+        if hasattr(m, state_attr):
+            raise ValueError(f"module {type(m).__name__} is already sharded by shardwise.fully_shard (one unit "
+                             "per module: call fully_shard once on it)")
+        for name, sub in m.named_modules():
+            state = sub.__dict__.get(state_attr)
+            if state is None:
+                continue
+            if not any(sub is x for x in state.root.modules):
+                raise ValueError(
+                    f"submodule {name!r} ({type(sub).__name__}) was already taken in by the fully_shard call on "
+                    f"{state.root.module.__class__.__name__}: call fully_shard bottom-up, the inner modules first")
+            adopted[id(state)] = state
+    mine = {id(p) for state in adopted.values() for g in state.groups for p in g.sharded_params}
+    for m in modules:
+        for name, p in m.named_parameters():
+            if getattr(p, SHARDED_MARK, False) and id(p) not in mine:
+                raise ValueError(
+                    f"parameter {name!r} of {type(m).__name__} is already sharded, by the fully_shard call on an "
+                    "ancestor: call fully_shard bottom-up, the inner modules first")
+    return list(adopted.values())
+
+
+def resolve_policy(mp_policy, mixed_precision) -> MixedPrecisionPolicy:
+    """The engine's policy from ``mp_policy`` (torch's or shardwise's class) or ``mixed_precision`` (shardwise's)."""
+    if mp_policy is not None and mixed_precision is not None:
+        raise ValueError("pass mp_policy= (FSDP2's name) or mixed_precision=, not both")
+    policy = mp_policy if mp_policy is not None else mixed_precision
+    if policy is None or isinstance(policy, MixedPrecisionPolicy):
+        return policy or MixedPrecisionPolicy()
+    if isinstance(policy, TorchMixedPrecisionPolicy):
+        return from_torch_policy(policy)
+    raise TypeError(f"mp_policy must be a MixedPrecisionPolicy (torch.distributed.fsdp's or shardwise's), "
+                    f"got {type(policy).__name__}")
+
+
+def resolve_offload(offload_policy) -> OffloadPolicy | None:
+    """shardwise's ``OffloadPolicy`` from torch's (``OffloadPolicy()``: none; ``CPUOffloadPolicy``: everything)."""
+    if offload_policy is None or isinstance(offload_policy, OffloadPolicy):
+        return offload_policy
+    if isinstance(offload_policy, TorchCPUOffloadPolicy):
+        return OffloadPolicy(fraction=1.0, pin_memory=offload_policy.pin_memory)
+    if isinstance(offload_policy, TorchOffloadPolicy):
+        return None
+    raise TypeError(f"offload_policy must be an OffloadPolicy (torch.distributed.fsdp's or shardwise's) or None, "
+                    f"got {type(offload_policy).__name__}")
 
 
 def _check_argument_types(**arguments) -> None:
@@ -85,20 +141,27 @@ def _check_argument_types(**arguments) -> None:
 
 def check_options(options: FullyShardOptions) -> Callable:
     """Refuse options of the wrong type; the ``plan_fn`` to use (``experts_by_mark`` by default)."""
+    reshard = options.reshard_after_forward
+    if reshard is not None and not isinstance(reshard, bool):
+        if isinstance(reshard, int):
+            raise NotImplementedError(
+                f"reshard_after_forward={reshard} (an int: reshard to a smaller group of ranks after forward) is "
+                "not built; pass True (free after forward), False (keep until backward) or None (FSDP2's default)")
+        raise TypeError(f"reshard_after_forward={reshard!r} must be a bool, None or an int")
+    shard_placement_fn, ignored = options.shard_placement_fn, options.ignored_params
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(f"shard_placement_fn={shard_placement_fn!r} must be a callable (param) -> Shard or None")
+    if ignored is not None and not all(isinstance(p, torch.Tensor) for p in ignored):
+        raise TypeError("ignored_params must be a set of the module's parameters")
     _check_argument_types(
-        reshard_after_forward=(options.reshard_after_forward, bool),
+        sync_module_states=(options.sync_module_states, bool),
         prefetch=(options.prefetch, bool),
         gradient_reduction=(options.gradient_reduction, str),
         tp_axis=(options.tp_axis, str),
         ep_axis=(options.ep_axis, str),
     )
-    offload_policy, collectives = options.offload_policy, options.collectives
+    collectives = options.collectives
     init_fn, plan_fn = options.init_fn, options.plan_fn
-    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
-        torch_meaning = {"CPUOffloadPolicy": ": torch's CPUOffloadPolicy() is shardwise.OffloadPolicy(fraction=1.0)",
-                         "OffloadPolicy": ": torch's OffloadPolicy() (no offload) is offload_policy=None"}
-        raise TypeError(f"offload_policy must be a shardwise.OffloadPolicy or None, got {type(offload_policy).__name__}"
-                        f"{torch_meaning.get(type(offload_policy).__name__, '')}")
     if collectives is not None and not isinstance(collectives, Collectives):
         raise TypeError(f"collectives must be a shardwise.Collectives or None, got {type(collectives).__name__}")
     if init_fn is not None and not callable(init_fn):
@@ -116,6 +179,8 @@ def check_bucket_size(bucket_size: int | None) -> None:
 def check_parameters(root: nn.Module, init_fn: Callable | None) -> None:
     """Refuse parameters shardwise cannot shard, and meta parameters with nothing to materialize them."""
     for name, p in root.named_parameters():
+        if isinstance(p, DTensor):  # sharded by an earlier fully_shard call on a submodule
+            continue
         if p.dtype not in _FLOATING:
             raise ValueError(
                 f"parameter {name!r} has dtype {p.dtype}, which shardwise cannot shard; "
@@ -125,13 +190,8 @@ def check_parameters(root: nn.Module, init_fn: Callable | None) -> None:
             raise ValueError(
                 f"parameter {name!r} is 0-dimensional; shardwise shards along dim 0, so store it with shape (1,)"
             )
-    meta = [n for n, p in root.named_parameters() if p.is_meta]
-    if meta and init_fn is None:
-        raise ValueError(
-            f"parameters {meta[:4]}{'...' if len(meta) > 4 else ''} are on the meta device; "
-            "pass init_fn=shardwise.MetaInitializer(model) (or shardwise.engine.materialize.materialize_owned_meta_modules) "
-            "to materialize them unit by unit"
-        )
+    # Meta parameters without an init_fn stay on the meta device, sharded: model.to_empty(device=...) and the
+    # model's own initialisation then fill the shards (FSDP2's flow).
 
 
 # ------------------------------------------------------------------ plans
@@ -141,7 +201,7 @@ def build_plans(options: FullyShardOptions) -> tuple[ShardingPlan, ShardingPlan 
     tp_axis, ep_axis, gradient_reduction = options.tp_axis, options.ep_axis, options.gradient_reduction
     expert_mesh, expert_placements = options.expert_mesh, options.expert_placements
     mesh, placements = resolve_placements(options.mesh, options.placements, options.strategy,
-                                          options.outer_dp_sharding_strategy)
+                                          options.outer_dp_sharding_strategy, (tp_axis, ep_axis))
     names = mesh.mesh_dim_names or ()
     plan = ShardingPlan(mesh, placements, model_parallel_axes=[tp_axis] if tp_axis in names else [])
     expert_plan = _expert_plan(plan, placements, expert_mesh, expert_placements, ep_axis)
@@ -155,27 +215,14 @@ def build_plans(options: FullyShardOptions) -> tuple[ShardingPlan, ShardingPlan 
 
 
 # ------------------------------------------------------------------ placements, units, parameters
-def resolve_placements(mesh, placements, strategy, outer_dp_sharding_strategy) -> tuple[DeviceMesh, dict]:
-    if placements is not None and (strategy is not None or outer_dp_sharding_strategy is not None):
-        raise ValueError("pass either placements=... or strategy=/outer_dp_sharding_strategy=, not both")
-    if placements is None:
-        outer = outer_dp_sharding_strategy
-        if mesh is None and outer is not None:
-            raise ValueError(
-                f"outer_dp_sharding_strategy={outer!r} needs a 2-D mesh with axes ('dp_outer', 'dp_shard'); "
-                "pass mesh=shardwise.build_dp_mesh(outer=N)"
-            )
-        names = mesh.mesh_dim_names if mesh is not None else None
-        if outer is None and names is not None and len(names) == 1:
-            placements = strategy_placements(strategy if strategy is not None else 3, inner_axis=names[0])
-        else:
-            placements = strategy_placements(strategy if strategy is not None else 3, outer)
-    elif isinstance(placements, (str, int)):
-        placements = strategy_placements(placements, inner_axis=mesh.mesh_dim_names[-1] if mesh else "dp_shard")
-    elif isinstance(placements, Mapping):
-        placements = normalize_placements(placements)
-    else:
-        raise TypeError(f"placements={placements!r} must be a strategy name or a dict of axis -> AxisPlacements")
+def resolve_placements(mesh, placements, strategy, outer_dp_sharding_strategy,
+                       model_parallel_axes: tuple = ("tp",)) -> tuple[DeviceMesh, dict]:
+    """The mesh (FSDP2's unnamed meshes named, the default one built) and each data-parallel axis's placements
+    (``placements.resolve_axis_placements``)."""
+    if mesh is not None:
+        mesh = named_mesh(mesh)
+    placements = resolve_axis_placements(None if mesh is None else mesh.mesh_dim_names, placements, strategy,
+                                         outer_dp_sharding_strategy, model_parallel_axes)
     if mesh is None:
         if list(placements) != ["dp_shard"]:
             raise ValueError(f"placements name axes {list(placements)}; pass a mesh that has them")
@@ -225,18 +272,20 @@ def resolve_units(root: nn.Module, unit_modules) -> list[nn.Module]:
     return [m for m in all_modules if id(m) in chosen]  # module order
 
 
-def _owners(root: nn.Module, units: list[nn.Module]) -> tuple[dict, dict]:
-    """Map each (module, attr) holding a parameter to its owning unit module (root when shared)."""
+def _owners(roots: list[nn.Module], units: list[nn.Module], taken: set[int], ignored: set[int]) -> tuple[dict, dict]:
+    """Map each (module, attr) holding a parameter to its owning unit module (``roots[0]``, this call's own
+    unit, when shared). Modules in ``taken`` (units of earlier calls) and parameters in ``ignored`` are left out."""
+    root = roots[0]
     unit_ids = {id(u) for u in units}
     holder_owner: dict[tuple[int, str], nn.Module] = {}
     holder_obj: dict[tuple[int, str], tuple[nn.Module, str, str]] = {}
     param_owners: dict[int, set[int]] = {}
 
     def visit(module: nn.Module, prefix: str, owner: nn.Module, stack: tuple) -> None:
-        if id(module) in stack:
+        if id(module) in stack or id(module) in taken:
             return
         for attr, p in module._parameters.items():
-            if p is None:
+            if p is None or id(p) in ignored:
                 continue
             key = (id(module), attr)
             holder_obj.setdefault(key, (module, attr, f"{prefix}{attr}"))
@@ -246,7 +295,8 @@ def _owners(root: nn.Module, units: list[nn.Module]) -> tuple[dict, dict]:
         for name, child in module.named_children():
             visit(child, f"{prefix}{name}.", child if id(child) in unit_ids else owner, stack + (id(module),))
 
-    visit(root, "", root, ())
+    for i, r in enumerate(roots):
+        visit(r, f"{i}." if len(roots) > 1 else "", root, ())
     for key, (module, attr, _) in holder_obj.items():
         p = module._parameters[attr]
         if len(param_owners[id(p)]) > 1:  # tied across units: the root gathers it for the whole step
@@ -347,12 +397,18 @@ def _sync_from_first_rank(param: torch.Tensor, group, device: torch.device) -> N
 # ------------------------------------------------------------------ groups
 class Ownership:
     """Which unit (module) owns each ``(module, attr)`` that holds a parameter: the innermost unit
-    around it, the root for what no unit holds and for parameters tied across units."""
+    around it, this call's own unit (``root``, its first module) for what no unit holds and for parameters
+    tied across units. Units of earlier calls (``taken``) and ``ignored`` parameters belong to no one here."""
 
-    def __init__(self, root: nn.Module, units: list[nn.Module]):
-        self.root, self.units = root, units
-        self.holder_owner, self.holder_obj = _owners(root, units)
-        self.names = {id(m): n for n, m in root.named_modules()}
+    def __init__(self, roots: nn.Module | list[nn.Module], units: list[nn.Module], taken: set[int] = frozenset(),
+                 ignored: set[int] = frozenset()):
+        self.roots = list(roots) if isinstance(roots, (list, tuple)) else [roots]
+        self.root, self.units = self.roots[0], units
+        self.holder_owner, self.holder_obj = _owners(self.roots, units, set(taken), set(ignored))
+        self.names = {}
+        for i, r in enumerate(self.roots):
+            prefix = f"{i}." if len(self.roots) > 1 else ""
+            self.names.update({id(m): f"{prefix}{n}".rstrip(".") for n, m in r.named_modules()})
 
     def sizes(self) -> list[tuple[str, nn.Module, int]]:
         """``(name, module, parameter count)`` of each unit in order, then the root (for the offload choice)."""
@@ -369,8 +425,10 @@ class Ownership:
             if self.holder_owner[key] is not owner:
                 continue
             p = holder._parameters[attr]
-            if p.is_meta:
-                raise ValueError(f"init_fn left parameter {fqn!r} on the meta device")
+            if is_replaced(p, "fully_shard"):
+                raise ValueError(
+                    f"parameter {fqn!r} is tied to a parameter that an earlier fully_shard call already sharded "
+                    "(in another unit): put the modules that share it in one call, fully_shard([a, b])")
             ref = refs.get(id(p))
             if ref is None:
                 refs[id(p)] = ParamRef(fqn, p, [(holder, attr)])
@@ -397,6 +455,8 @@ class GroupBuilder:
     offloaded: set[int]
     pin_memory: bool
     collectives: Collectives | None = None
+    shard_placement_fn: Callable | None = None
+    sync_module_states: bool = False
 
     def build_groups(self, owner: nn.Module) -> list[ParamGroup]:
         """Materialize ``owner``'s meta parameters, then shard what it owns: one group per plan, dtype,
@@ -409,13 +469,17 @@ class GroupBuilder:
         tp_axis = self.tp_axis
         buckets: dict[tuple, list[ParamRef]] = {}
         for ref in self.ownership.refs(owner):
+            if self.shard_placement_fn is not None:
+                _check_shard_placement(ref, self.shard_placement_fn(ref.param))
             ref_plan = _place_model_parallel(ref, self.plan, self.expert_plan, tp_axis, self.ep_axis, self.plan_fn)
+            if self.sync_module_states and not ref.param.is_meta:
+                _broadcast_from_first_replica(ref.param, ref_plan, self.device)
             sequence_parallel = bool(getattr(ref.param, "sequence_parallel", False)) and tp_axis in ref_plan.model_parallel
             mark = gather_mark(ref.param)  # an FP8 gather: its own group (uint8 slots, its own scales)
             key = (id(ref_plan), ref.param.dtype, ref.param.requires_grad, sequence_parallel,
                    None if mark is None else mark.kind)
             buckets.setdefault(key, []).append(ref)
-            if tp_axis in ref_plan.model_parallel and tp_axis not in ref.model_parallel_dims:
+            if tp_axis in ref_plan.model_parallel and tp_axis not in ref.model_parallel_dims and not ref.param.is_meta:
                 _sync_from_first_rank(ref.param, ref_plan.model_parallel[tp_axis].group, self.device)
         if owner is self.ownership.root and self.bucket_size is not None:  # split what no unit owns into buckets
             buckets = {
@@ -433,26 +497,86 @@ class GroupBuilder:
                 + (",fp8" if gather_kind else ""))
         label = f"{self.ownership.names.get(id(owner), '') or '<root>'}[{str(dtype).replace('torch.', '')}{kind}]"
         sum_axes = [ref_plan.model_parallel[self.tp_axis]] if sequence_parallel else []
+        # Meta parameters are sharded on the meta device; model.to_empty() gives the shards storage later.
+        on_meta = any(ref.param.is_meta for ref in bucket)
         group = ParamGroup(
-            label, bucket, ref_plan, self.policy, self.device, self.streams, sum_over_axes=sum_axes,
-            offload=id(owner) in self.offloaded, pin_memory=self.pin_memory, collectives=self.collectives,
+            label, bucket, ref_plan, self.policy, torch.device("meta") if on_meta else self.device, self.streams,
+            sum_over_axes=sum_axes, offload=id(owner) in self.offloaded, pin_memory=self.pin_memory,
+            collectives=self.collectives, target_device=self.device,
         )
         group.install_sharded_params()  # the modules now hold DTensors; the full tensors can go
         return group
 
 
+def unit_settings(options: FullyShardOptions) -> Callable[[], UnitSettings]:
+    """A fresh ``UnitSettings`` per unit of this call, from its options."""
+    # Graph-safe mode holds every gathered buffer at rest anyway: a reshard after forward would free nothing
+    # and only make backward gather the same weights again.
+    reshard = False if options.graph_safe else options.reshard_after_forward
+    return lambda: UnitSettings(reshard_after_forward=reshard, policy=options.mixed_precision)
+
+
 def build_units(
-    root: nn.Module, unit_modules: list[nn.Module], build_groups: Callable, reshard_after_forward: bool
+    roots: list[nn.Module], unit_modules: list[nn.Module], build_groups: Callable, settings: Callable[[], UnitSettings]
 ) -> tuple[list[Unit], Unit]:
-    """The units (in ``unit_modules`` order) and the root unit, built deepest first, so an outer unit
-    (and the root, last) only sees what inner ones left."""
-    names = {id(m): n for n, m in root.named_modules()}
-    depth = {id(m): n.count(".") + 1 for n, m in root.named_modules()}
+    """The units of ``unit_modules`` (in that order) and this call's own unit (``roots``), built deepest first,
+    so an outer unit (and this call's own, last) only sees what inner ones left."""
+    names = {id(m): n for n, m in roots[0].named_modules()}
+    depth = {id(m): n.count(".") + 1 for n, m in roots[0].named_modules()}
     built = {}
     for u in sorted(unit_modules, key=lambda m: -depth[id(m)]):
-        built[id(u)] = Unit(names[id(u)], u, build_groups(u), reshard_after_forward)
+        unit_settings_ = settings()
+        built[id(u)] = Unit(names[id(u)], u, build_groups(u), unit_settings_.reshard_after_forward, unit_settings_)
     units = [built[id(u)] for u in unit_modules]
-    return units, Unit("", root, build_groups(root), reshard_after_forward=False)
+    own = settings()
+    return units, Unit("", roots, build_groups(roots[0]), own.reshard_after_forward, own)
+
+
+def taken_modules(adopted: list) -> set[int]:
+    """The modules of the units earlier calls made (``adopted`` states): no parameter of theirs is this call's."""
+    return {id(m) for state in adopted for unit in state.all_units for m in unit.modules}
+
+
+def adopt_units(root: nn.Module, adopted: list, new_units: list[Unit]) -> list[Unit]:
+    """Every unit of the model this call's ``root`` now heads: the adopted states' (their root hooks removed)
+    and this call's, in ``root``'s module order, each named (and its groups labelled) by its path from ``root``."""
+    for state in adopted:
+        for handle in state.hook_handles:
+            handle.remove()
+    units = [u for state in adopted for u in state.all_units] + new_units
+    names, order = {}, {}
+    for i, (name, m) in enumerate(root.named_modules()):
+        names[id(m)], order[id(m)] = name, i
+    for unit in units:
+        unit.name = names.get(id(unit.module)) or unit.name
+        for group in unit.groups:  # built when the unit was its own root: label it by its place in the model
+            if group.name.startswith("<root>["):
+                group.name = unit.name + group.name[len("<root>"):]
+    return sorted(units, key=lambda u: order.get(id(u.module), len(order)))
+
+
+def _check_shard_placement(ref: ParamRef, placement) -> None:
+    """``shard_placement_fn``'s answer for one parameter: ``None`` or ``Shard(0)`` are built."""
+    if placement is None or (isinstance(placement, Shard) and placement.dim in (0, -ref.param.dim())):
+        return
+    if isinstance(placement, Shard):
+        raise NotImplementedError(
+            f"shard_placement_fn returned {placement!r} for parameter {ref.fqn!r}: shardwise shards dim 0 only "
+            "(Shard(0)); a Shard(dim > 0) layout is not built. Return None or Shard(0), or store the parameter "
+            "with the split dimension first")
+    raise NotImplementedError(
+        f"shard_placement_fn returned {placement!r} for parameter {ref.fqn!r}: a per-parameter mesh is not built "
+        "through shard_placement_fn; give experts their mesh with fully_shard(..., expert_mesh=..., plan_fn=...)")
+
+
+def _broadcast_from_first_replica(param: torch.Tensor, plan: ShardingPlan, device: torch.device) -> None:
+    """``sync_module_states=True``: every data-parallel rank takes the first rank's values of ``param``."""
+    with torch.no_grad():
+        value = param.detach().to(device)
+        for axis in plan.axes.values():
+            if axis.size > 1:
+                dist.broadcast(value, src=dist.get_global_rank(axis.group, 0), group=axis.group)
+        param.copy_(value.to(param.device))
 
 
 def move_buffers(root: nn.Module, device: torch.device) -> None:
@@ -463,13 +587,17 @@ def move_buffers(root: nn.Module, device: torch.device) -> None:
                 m._buffers[key] = buf.to(device)
 
 
-def register_hooks(module: nn.Module, state: ShardedState, units: list[Unit]) -> None:
-    """The root's and each unit's forward hooks, and the load-state-dict hook that marks the weights modified."""
-    module.register_forward_pre_hook(state.root_pre_forward, with_kwargs=True, prepend=True)
-    module.register_forward_hook(state.root_post_forward)
-    for unit in units:
-        unit.module.register_forward_pre_hook(
-            lambda m, a, k, unit=unit: state.unit_pre_forward(unit, m, a, k), with_kwargs=True, prepend=True
-        )
-        unit.module.register_forward_hook(lambda m, a, o, unit=unit: state.unit_post_forward(unit, m, a, o))
-    module.register_load_state_dict_post_hook(lambda m, keys: state.mark_weights_modified())
+def register_hooks(state: ShardedState) -> None:
+    """The root's and each unit's forward hooks on each of their modules, and the load-state-dict hook that
+    takes loaded values in; their handles are kept in ``state.hook_handles`` (an adopting call removes them)."""
+    handles = state.hook_handles
+    for module in state.root.modules:
+        handles.append(module.register_forward_pre_hook(state.root_pre_forward, with_kwargs=True, prepend=True))
+        handles.append(module.register_forward_hook(state.root_post_forward))
+        handles.append(module.register_load_state_dict_post_hook(lambda m, keys: state.after_load_state_dict()))
+    for unit in state.units:
+        for module in unit.modules:
+            handles.append(module.register_forward_pre_hook(
+                lambda m, a, k, unit=unit: state.unit_pre_forward(unit, m, a, k), with_kwargs=True, prepend=True))
+            handles.append(module.register_forward_hook(
+                lambda m, a, o, unit=unit: state.unit_post_forward(unit, m, a, o)))

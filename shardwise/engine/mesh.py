@@ -23,6 +23,7 @@ from .device import device_for
 from .placements import AxisPlacements
 
 __all__ = [
+    "named_mesh",
     "AxisGroup",
     "ShardingPlan",
     "build_dp_mesh",
@@ -110,6 +111,20 @@ def fold_context_parallel(mesh: DeviceMesh, cp_axis: str = "cp", inner_axis: str
             [mesh.size(names.index(n)) for n in names[i + 2:]]
     return DeviceMesh.from_group(groups, mesh.device_type, mesh=mesh.mesh.reshape(shape),
                                  mesh_dim_names=tuple(order))
+
+
+def named_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh`` itself when its axes have names, else the same process groups under FSDP2's reading of an
+    unnamed mesh: 1-D ``("dp_shard",)``, 2-D ``("dp_replicate", "dp_shard")`` (replicate, then shard)."""
+    if mesh.mesh_dim_names is not None:
+        return mesh
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"an unnamed mesh must be 1-D (FSDP) or 2-D (HSDP), got {mesh.ndim}-D; name its axes "
+                         "(mesh_dim_names) to say which are data-parallel")
+    names = ("dp_shard",) if mesh.ndim == 1 else ("dp_replicate", "dp_shard")
+    groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+    return DeviceMesh.from_group(groups if mesh.ndim > 1 else groups[0], mesh.device_type, mesh=mesh.mesh,
+                                 mesh_dim_names=names)
 
 
 def build_expert_mesh(ep: int, device_type: str | None = None, inner_axis: str = "dp_shard", ep_axis: str = "ep") -> DeviceMesh:

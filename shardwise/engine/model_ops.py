@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from .fully_shard import _STATE_ATTR, ShardedState
+from .sharded_module import STATE_ATTR as _STATE_ATTR
+from .sharded_state import ShardedState
 
 __all__ = [
     "ShardedState",

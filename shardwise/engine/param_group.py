@@ -44,7 +44,10 @@ from .precision import MixedPrecisionPolicy
 from .quantized_gather import QuantizedGather, gather_mark
 from .replaced_params import mark_replaced
 
-__all__ = ["ParamRef", "ParamGroup", "ModuleParams", "WeightState", "RefreshState", "GradState"]
+__all__ = ["SHARDED_MARK", "ParamRef", "ParamGroup", "ModuleParams", "WeightState", "RefreshState", "GradState"]
+
+
+SHARDED_MARK = "_shardwise_sharded"  # set on every sharded DTensor parameter the engine hands out
 
 
 class ModuleParams(enum.Enum):
@@ -91,6 +94,7 @@ class ParamGroup:
         offload: bool = False,
         pin_memory: bool = True,
         collectives: Collectives | None = None,
+        target_device: torch.device | None = None,
     ):
         self.name = name
         self.refs = list(refs)
@@ -104,12 +108,16 @@ class ParamGroup:
         self._static_grads: dict[str, torch.Tensor] = {}
         self.collectives = collectives or Collectives()
         self.device = device
+        # Where the buffers belong: a group built on the meta device (a model built there) gets them at
+        # model.to_empty(device=...) (``materialize``).
+        self.target_device = target_device or device
         first = self.refs[0].param
+        self._annotations = [{k: v for k, v in vars(r.param).items() if not k.startswith("_")} for r in self.refs]
         self.requires_grad = first.requires_grad
         self.sum_over_axes = list(sum_over_axes)
         self.compute_dtype = policy.compute_dtype(first.dtype)
-        self.main_dtype = policy.main_params_dtype
-        self.main_grad_dtype = policy.main_grads_dtype
+        self.main_dtype = policy.main_dtype(first.dtype)
+        self.main_grad_dtype = policy.main_grad_dtype(first.dtype)
         # Where install_grads hands the main grads out: ``.grad`` (a copy cast to the main weights'
         # dtype when the two differ, as Megatron-FSDP casts), or ``.decoupled_grad`` in their own
         # dtype, uncast, where Megatron's precision-aware optimizer reads them.
@@ -117,11 +125,14 @@ class ParamGroup:
         # Attributes of the compute parameters that alias their ``.grad`` (Megatron's fused wgrad
         # kernels keep ``.main_grad``): dropped with it, so no full gradient outlives its reduction.
         self.grad_aliases: tuple[str, ...] = ()
-        self.comm_dtype = policy.comm_dtype
+        self.comm_dtype = policy.comm_dtype(first.dtype)
+        # Multiplies the reduced gradients (the plan's mean over the data-parallel ranks, or FSDP2's
+        # ``set_gradient_divide_factor``: a sum divided by the factor).
+        self.grad_scale = plan.grad_scale
         # Offloaded: main weights (so the optimizer state) and the finished grads live on the host.
         self.offloaded = offload
         # page-locked only where a GPU copies from it (a gloo run on a CUDA host makes no CUDA context)
-        self._host = HostMemory(pin_memory and device.type == "cuda") if offload else None
+        self._host = HostMemory(pin_memory and self.target_device.type == "cuda") if offload else None
         self._host_grad: torch.Tensor | None = None  # reused step after step unless the user kept the last grads
         self._host_ready: "torch.cuda.Event | None" = None  # the grads' copy to the host
         self._host_kept = None  # grads the user kept across steps, added to at install
@@ -142,39 +153,8 @@ class ParamGroup:
         if any(mark is not None for mark in marks):
             self._check_quantized(marks, policy, plan)
             self.quantized = QuantizedGather(self.levels, marks, self.compute_dtype)
-        fulls = [ref.param.detach() for ref in self.refs]
-        with torch.no_grad():
-            self._model: DistributedBuffer | None = None
-            if not self.casts_on_gather:
-                self._model = self.levels.zeros(kp, self.compute_dtype)
-                self._model.fill(fulls)
-            if self.main_aliases_model and m == kp:
-                self._main = self._model
-            elif self.main_aliases_model and m == kp + 1:  # this rank's pieces inside the model shard
-                self._main = self._model.own_pieces()
-            else:
-                if offload:
-                    flat = self._host.empty(self.layouts[m].total, self.main_dtype).zero_()
-                    self._main = DistributedBuffer(self.levels, m, flat)
-                else:
-                    self._main = self.levels.zeros(m, self.main_dtype)
-                self._main.fill(fulls)
-        self.sharded_params = [self._make_sharded_param(i) for i in range(len(self.params))]
-
-        # The unsharded buffer and the leaf parameters forward uses.
         self.persistent_unsharded = kp == 0
-        if self.persistent_unsharded:
-            self._unsharded = self._model
-        else:
-            self._unsharded = self.levels.empty(
-                0, self.compute_dtype if self.quantized is None else self.quantized.wire_dtype)
-        self.unsharded_params = [
-            nn.Parameter(self._unsharded.local(i) if self.quantized is None
-                         else self.quantized.compute_tensor(self._unsharded, i), requires_grad=self.requires_grad)
-            for i in range(len(self.params))
-        ]
-        if not self.persistent_unsharded:
-            self._unsharded.free()  # the views above keep their shapes
+        self._allocate([ref.param.detach() for ref in self.refs])
         self.weight_state = WeightState.UNSHARDED if self.persistent_unsharded else WeightState.SHARDED
         self._gather: InFlight | None = None  # the all-gather while GATHERING
         self.module_params = ModuleParams.ORIGINAL
@@ -192,6 +172,44 @@ class ParamGroup:
         self._refreshed_version = self._main_version()
 
     # ----------------------------------------------------------- construction
+    def _allocate(self, fulls: list[torch.Tensor] | None) -> None:
+        """Make the weight buffers on ``self.device`` (filled from the full parameters ``fulls``, zeros when
+        ``None``), the sharded DTensor parameters over the main weights and the unsharded leaf parameters."""
+        kp, m = self.param_level, self.opt_level
+        with torch.no_grad():
+            self._model: DistributedBuffer | None = None
+            if not self.casts_on_gather:
+                self._model = self.levels.zeros(kp, self.compute_dtype)
+                if fulls is not None:
+                    self._model.fill(fulls)
+            if self.main_aliases_model and m == kp:
+                self._main = self._model
+            elif self.main_aliases_model and m == kp + 1:  # this rank's pieces inside the model shard
+                self._main = self._model.own_pieces()
+            else:
+                if self.offloaded:
+                    flat = self._host.empty(self.layouts[m].total, self.main_dtype).zero_()
+                    self._main = DistributedBuffer(self.levels, m, flat)
+                else:
+                    self._main = self.levels.zeros(m, self.main_dtype)
+                if fulls is not None:
+                    self._main.fill(fulls)
+        self.sharded_params = [self._make_sharded_param(i) for i in range(len(self.params))]
+
+        # The unsharded buffer and the leaf parameters forward uses.
+        if self.persistent_unsharded:
+            self._unsharded = self._model
+        else:
+            self._unsharded = self.levels.empty(
+                0, self.compute_dtype if self.quantized is None else self.quantized.wire_dtype)
+        self.unsharded_params = [
+            nn.Parameter(self._unsharded.local(i) if self.quantized is None
+                         else self.quantized.compute_tensor(self._unsharded, i), requires_grad=self.requires_grad)
+            for i in range(len(self.params))
+        ]
+        if not self.persistent_unsharded:
+            self._unsharded.free()  # the views above keep their shapes
+
     def _check_quantized(self, marks: list, policy: MixedPrecisionPolicy, plan: ShardingPlan) -> None:
         """An FP8 gather casts the main pieces right before each gather: it needs every parameter of the
         group marked, compute weights of a lower precision than the main ones, and parameters sharded
@@ -216,13 +234,29 @@ class ParamGroup:
                              "(shardwise.engine.fp8.convert_to_fp8(..., all_gather=False) keeps the bf16 gather)")
 
     def _make_sharded_param(self, i: int) -> nn.Parameter:
-        ref = self.refs[i]
-        param = nn.Parameter(self.params[i].dtensor(self._main.local(i)), requires_grad=ref.param.requires_grad)
+        param = nn.Parameter(self.params[i].dtensor(self._main.local(i)), requires_grad=self.requires_grad)
         # Keep the model's own annotations (tensor_model_parallel, partition_dim, allreduce, ...).
-        for key, value in vars(ref.param).items():
-            if not key.startswith("_"):
-                setattr(param, key, value)
+        for key, value in self._annotations[i].items():
+            setattr(param, key, value)
+        setattr(param, SHARDED_MARK, True)
         return param
+
+    def main_local(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s rows of the main weights on this rank (what its sharded DTensor views)."""
+        return self._main.local(i)
+
+    def rebuild_sharded_param(self, i: int) -> nn.Parameter:
+        """A new sharded DTensor parameter over parameter ``i``'s main rows (the engine's view of it)."""
+        return self._make_sharded_param(i)
+
+    def materialize(self, device: torch.device) -> None:
+        """Give a group built on the meta device its buffers on ``device`` (zeros) and new sharded parameters;
+        the modules still hold the old ones until they are installed again."""
+        self.device = self.levels.device = device
+        self._allocate(None)
+        self.module_params = ModuleParams.ORIGINAL
+        self._refreshed_version = self._main_version()
+        self.mark_weights_stale()
 
     # --------------------------------------------------- the buffers' tensors
     @property
@@ -398,8 +432,8 @@ class ParamGroup:
             # grads were loaded into it, ZeRO-0/1, it holds them already and takes nothing more)
             into = acc if acc.takes(self.grad_level, flat.flat.dtype) else None
             shard = flat.reduce_scatter(self.grad_level, staged, into=into)
-            if self.plan.grad_scale != 1.0:
-                shard.flat.mul_(self.plan.grad_scale)
+            if self.grad_scale != 1.0:
+                shard.flat.mul_(self.grad_scale)
             if shard is not acc:
                 acc.accumulate(shard)
             if finalize:

@@ -40,11 +40,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from .fully_shard_options import FullyShardOptions
 from .mesh import EXPERT, PLAN_CHOICES, experts_by_mark
 from .placements import describe as describe_placements
-from .placements import normalize_placements, strategy_placements
+from .placements import resolve_axis_placements
 
 __all__ = ["check_rank_consistency", "describe", "first_difference", "raise_together"]
 
@@ -148,25 +149,14 @@ def _given_strategy(placements, strategy, outer) -> str:
     return ", ".join(given) + (" (the default, ZeRO-3)" if placements is None and strategy is None else "")
 
 
-def _resolve(mesh, placements, strategy, outer) -> Optional[dict]:
+def _resolve(mesh, placements, strategy, outer, model_parallel_axes=("tp",)) -> Optional[dict]:
     """``fully_shard``'s placement resolution, without raising (``None`` for invalid arguments)."""
-    names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else None
+    names = None
+    if mesh is not None:
+        names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else \
+            (("dp_shard",) if mesh.ndim == 1 else ("dp_replicate", "dp_shard"))
     try:
-        if placements is not None and (strategy is not None or outer is not None):
-            raise ValueError("both given")
-        if placements is None:
-            chosen = strategy if strategy is not None else 3
-            if outer is None and names is not None and len(names) == 1:
-                resolved = strategy_placements(chosen, inner_axis=names[0])
-            else:
-                resolved = strategy_placements(chosen, outer)
-        elif isinstance(placements, (str, int)):
-            resolved = strategy_placements(placements, inner_axis=names[-1] if names else "dp_shard")
-        elif isinstance(placements, Mapping):
-            resolved = normalize_placements(placements)
-        else:
-            raise TypeError(type(placements).__name__)
-        return resolved
+        return resolve_axis_placements(names, placements, strategy, outer, model_parallel_axes)
     except (ValueError, TypeError, IndexError):
         return None
 
@@ -246,7 +236,30 @@ def describe(module: nn.Module, options: FullyShardOptions) -> dict:
         "params": _describe_params(module),
         "units": _unit_names(module, o.unit_modules),
         "expert_params": _expert_params(module, o.expert_mesh, o.plan_fn),
+        # Under TP, replicated parameters may differ across the TP group until the build syncs them.
+        "values": () if o.sync_module_states or not o.check_module_states
+        or o.tp_axis in ((o.mesh and o.mesh.mesh_dim_names) or ())
+        else _checksums(module, o.expert_mesh, o.plan_fn),
     }
+
+
+def _checksums(module: nn.Module, expert_mesh, plan_fn) -> tuple:
+    """``(name, sum in float64)`` of every parameter all data-parallel ranks must hold alike: not yet sharded,
+    materialized, and neither a tensor-parallel slice nor an expert (those differ across their ranks by
+    design). One reduction per parameter and one host read for all, so weights loaded on one rank only
+    (FSDP1's ``sync_module_states`` habit) are caught before they are mixed row by row."""
+    experts = set(_expert_params(module, expert_mesh, plan_fn))
+    names, sums, seen = [], [], set()
+    for name, p in module.named_parameters():
+        if (id(p) in seen or p.is_meta or isinstance(p, DTensor) or name in experts
+                or getattr(p, "tensor_model_parallel", False)):
+            continue
+        seen.add(id(p))
+        names.append(name)
+        sums.append(p.detach().sum(dtype=torch.float64))
+    if not sums:
+        return ()
+    return tuple(zip(names, torch.stack(sums).cpu().tolist()))
 
 
 def _digest(description: dict) -> str:
@@ -301,6 +314,11 @@ def first_difference(a: dict, b: dict, ra: int, rb: int) -> Optional[str]:
             if name not in ua:
                 return f"module {name!r} is a unit (unit_modules) on rank {rb} but not on rank {ra}"
         return f"the units are {list(ua)} on rank {ra} but {list(ub)} on rank {rb}"
+    for (name, u), (_, v) in zip(a.get("values", ()), b.get("values", ())):
+        if u != v and not (u != u and v != v):  # NaN sums agree
+            return (f"parameter {name!r} holds other values on rank {rb} than on rank {ra} (sums {v!r} and {u!r}): "
+                    "load the same weights on every rank before fully_shard, or pass sync_module_states=True to "
+                    f"broadcast the first rank's")
     xa, xb = a.get("expert_params", ()), b.get("expert_params", ())
     if xa != xb:
         for name, mine, theirs in [(n, ra, rb) for n in xa if n not in xb] + [(n, rb, ra) for n in xb if n not in xa]:

@@ -376,6 +376,7 @@ class _ShardedDataParallel(_BaseDataParallel):
             bucket_size=bucket_size,
             plan_fn=expert_plan_fn,
             graph_safe=graph_mode,
+            check_module_states=False,  # data-parallel ranks may differ until broadcast_params (--data-parallel-random-init)
         )
         if initializer is not None:
             initializer.finish()

@@ -323,11 +323,8 @@ def _bad_inputs():
     capture("twice", lambda: shardwise.fully_shard(wrapped))
     inner = model()
     shardwise.fully_shard(inner.blocks[0])
-    capture("twice_inner", lambda: shardwise.fully_shard(inner))
-    meta = torch.device("meta")
-    with meta:
-        on_meta = model()
-    capture("meta", lambda: shardwise.fully_shard(on_meta))
+    shardwise.fully_shard(inner)  # FSDP2's bottom-up order; a call on the inner module after it is not
+    capture("inner_after_root", lambda: shardwise.fully_shard(inner.blocks[1]))
     # values of the wrong type that used to be accepted with a surprising meaning
     capture("strategy_bool", lambda: shardwise.fully_shard(model(), strategy=True))
     capture("placements_bool", lambda: shardwise.fully_shard(model(), placements=True))
@@ -361,12 +358,11 @@ EXPECTED_ERRORS = {
     "scalar": "'temperature' is 0-dimensional",
     "precision": "MixedPrecisionPolicy.param_dtype=torch.int8",
     "twice": "already sharded",
-    "twice_inner": "submodule 'blocks.0'",
-    "meta": "meta device",
+    "inner_after_root": "is already sharded, by the fully_shard call on an ancestor",
     "strategy_bool": "strategy=True",
     "placements_bool": "strategy=True",
     "bucket_bool": "bucket_size=True",
-    "reshard_str": "reshard_after_forward='no' must be a bool",
+    "reshard_str": "reshard_after_forward='no' must be a bool, None or an int",
     "prefetch_int": "prefetch=1 must be a bool",
     "reduction": "gradient_reduction='avg'",
     "init_fn": "init_fn=5",
