@@ -91,13 +91,11 @@ def _bin_folder(folder: Path) -> Path:
     """``python3``, ``python`` and ``torchrun`` as this interpreter."""
     bin_dir = folder / ".doc-runner-bin"
     bin_dir.mkdir(exist_ok=True)
-    for name in ("python3", "python"):
-        link = bin_dir / name
-        if not link.exists():
-            link.symlink_to(sys.executable)
-    torchrun = bin_dir / "torchrun"
-    torchrun.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m torch.distributed.run "$@"\n')
-    torchrun.chmod(0o755)
+    # scripts, not links: a venv's python finds its pyvenv.cfg from the path it was started by
+    for name, args in (("python3", ""), ("python", ""), ("torchrun", " -m torch.distributed.run")):
+        script = bin_dir / name
+        script.write_text(f'#!/bin/sh\nexec "{sys.executable}"{args} "$@"\n')
+        script.chmod(0o755)
     return bin_dir
 
 
