@@ -56,3 +56,48 @@ def test_the_pages_code_blocks_run_as_written(page, tmp_path):
     assert len(report["run"]) + len(report["skipped"]) == len(code)
     after = _untracked()
     assert before is None or after is None or after <= before, f"{page} wrote into the repository: {after - before}"
+
+
+def test_the_runner_reads_markers_and_fails_on_a_broken_block(tmp_path, monkeypatch):
+    """The runner's own rules: fences inside list items, the markers, torchrun for a process group, and a
+    failing block fails the page, naming its line."""
+    page = tmp_path / "page.md"
+    page.write_text("""# a page
+- an item:
+
+  ```bash
+  echo indented > made.txt
+  ```
+<!-- doc-runner: skip (needs CUDA) -->
+```python
+raise SystemExit("never run")
+```
+<!-- doc-runner: heavy (minutes) -->
+
+```bash
+exit 3
+```
+```python
+import torch.distributed as dist  # torchrun --nproc-per-node 3 this.py
+dist.init_process_group("gloo")
+```
+```text
+not code
+```
+```bash
+test -f made.txt && false
+```
+""")
+    monkeypatch.delenv("SHARDWISE_DOCS_HEAVY", raising=False)
+    found = blocks(page.read_text())
+    assert [(b.line, b.lang, b.skip, b.torchrun) for b in found] == [
+        (4, "bash", None, 0), (8, "python", "needs CUDA", 0),
+        (13, "bash", "heavy: minutes (SHARDWISE_DOCS_HEAVY=1 runs it)", 0), (16, "python", None, 3),
+        (20, "text", None, 0), (23, "bash", None, 0)]
+    assert found[0].code == "echo indented > made.txt\n"
+    page.write_text(page.read_text().replace('```python\nimport torch.distributed as dist  # torchrun --nproc-per-node '
+                                             '3 this.py\ndist.init_process_group("gloo")\n```\n', ""))
+    done = subprocess.run([sys.executable, "-m", "tests.helpers.doc_runner", str(page)], cwd=tmp_path, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+    assert done.returncode == 1 and "page.md:19: exit status 1" in done.stdout, done.stdout
+    assert (tmp_path / "made.txt").read_text() == "indented\n"  # the blocks before it ran, in the page's folder
