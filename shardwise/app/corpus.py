@@ -302,7 +302,8 @@ def open_data(cfg, rank: int, world: int) -> tuple[np.ndarray, np.ndarray | None
 def describe_coverage(cfg, tokens: int, windows: int, global_batch: int) -> str:
     """The start line naming the corpus and the share of it the run trains on; a warning when it repeats
     (``global_batch``: sequences per step, each one window of ``seq_len + 1`` tokens)."""
-    corpus = f"--data {cfg.data}" if cfg.data else "the Python standard library's .py sources (the default; --data PATH for yours)"
+    corpus = f"--data {cfg.data}" if cfg.data else \
+        "the Python standard library's .py sources (the default; --data PATH for yours)"
     how = f"tokenized with {cfg.tokenizer}" if _tokenized(cfg, cfg.data or None) else \
         "token ids" if cfg.data and _is_tokens_file(cfg.data) else "UTF-8 bytes"
     held = " left after --eval-fraction" if cfg.eval_fraction else ""

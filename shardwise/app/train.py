@@ -339,7 +339,8 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
 
     metrics_file, launch = None, 0  # rank 0 writes the metrics
     if rank == 0:
-        say(describe_coverage(cfg, len(train_tokens), loader.num_windows, cfg.micro_batch_size * grad_accum * run.data_ranks))
+        global_batch = cfg.micro_batch_size * grad_accum * run.data_ranks  # sequences (windows) per step
+        say(describe_coverage(cfg, len(train_tokens), loader.num_windows, global_batch))
         if start <= cfg.steps:
             say(schedule.describe())
         out_dir.mkdir(parents=True, exist_ok=True)
