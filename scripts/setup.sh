@@ -37,9 +37,12 @@ pip_install() {  # pip's progress, without its note on each configured file:// i
     started=$(date +%s)
     date +%s > "$stamp"
     (
+        set +e  # a stamp read while it is rewritten (empty) must not end the ticker
         while sleep 1; do
             now=$(date +%s)
-            if [ $((now - $(cat "$stamp" 2>/dev/null || echo "$now"))) -ge 5 ]; then
+            last=$(cat "$stamp" 2>/dev/null)
+            case "$last" in ''|*[!0-9]*) continue ;; esac
+            if [ $((now - last)) -ge 5 ]; then
                 echo "setup: pip is still working ($((now - started)) s: downloading, unpacking or installing)"
                 echo "$now" > "$stamp"
             fi
