@@ -53,7 +53,7 @@ pip_install() {  # pip's progress, without its note on each configured file:// i
     "$VPY" -m pip install "$@" 2>&1 | while IFS= read -r line; do
         case "$line" in *"is ignored: it is neither a file nor a directory"*) continue ;; esac
         printf '%s\n' "$line"
-        date +%s > "$stamp"
+        printf '%(%s)T\n' -1 > "$stamp"  # now, without a process per line
     done
     status=${PIPESTATUS[0]}
     set -e
