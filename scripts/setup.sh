@@ -78,6 +78,7 @@ if ! "$VPY" -c 'import sys; assert sys.version_info >= (3, 10), sys.version' >/d
     exit 1
 fi
 
+echo "setup: checking for a torch >= 2.11 in .venv (importing torch takes a few seconds)"
 if "$VPY" - <<'PYEOF'
 import sys
 try:
