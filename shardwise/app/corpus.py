@@ -304,12 +304,12 @@ def describe_coverage(cfg, tokens: int, windows: int, global_batch: int) -> str:
     (``global_batch``: sequences per step, each one window of ``seq_len + 1`` tokens)."""
     corpus = f"--data {cfg.data}" if cfg.data else \
         "the Python standard library's .py sources (the default; --data PATH for yours)"
-    how = f"tokenized with {cfg.tokenizer}" if _tokenized(cfg, cfg.data or None) else \
+    how = f"tokenizer {cfg.tokenizer}" if _tokenized(cfg, cfg.data or None) else \
         "token ids" if cfg.data and _is_tokens_file(cfg.data) else "UTF-8 bytes"
     held = " left after --eval-fraction" if cfg.eval_fraction else ""
     needed = cfg.steps * global_batch
     epochs = needed / windows
-    line = (f"data: {corpus}, {how}: {tokens:,} tokens{held}, {windows:,} windows of {cfg.seq_len + 1} tokens; "
+    line = (f"data: {corpus} ({how}): {tokens:,} tokens{held}, {windows:,} windows of {cfg.seq_len + 1} tokens; "
             f"--steps {cfg.steps} x {global_batch} sequences = {needed:,} windows, ")
     if epochs <= 1:
         share = f"{epochs:.1%}" if epochs >= 0.001 else f"{100 * epochs:.2g}%"  # 2.1%, 0.028%

@@ -173,7 +173,7 @@ def test_fp8_on_the_cpu_says_it_is_emulated_and_compiled(tmp_path, capsys, monke
     from shardwise.app import train
 
     launched = []
-    monkeypatch.setattr(train, "launch_local", lambda *args: launched.append(args) or 0)
+    monkeypatch.setattr(train, "launch_local", lambda *args, **kwargs: launched.append(args) or 0)
     assert main(["--fp8", "tensorwise", "--precision", "bf16", "--device", "cpu", *TINY, "--data", data,
                  "--out-dir", str(tmp_path / "run")]) == 0 and launched
     assert ("shardwise train: --fp8 tensorwise on the CPU: the FP8 matmuls are emulated (no FP8 hardware), so each "

@@ -110,11 +110,11 @@ def test_init_from_with_another_tokenizer_is_warned_about(tmp_path, capsys):
 def test_the_start_line_names_the_corpus_its_share_and_epochs():
     cfg, _ = resolve_config(["--steps", "10", "--out-dir", "unused"])
     line = describe_coverage(cfg, 1_000_000, 7_751, 16)
-    assert line == ("data: the Python standard library's .py sources (the default; --data PATH for yours), UTF-8 "
-                    "bytes: 1,000,000 tokens, 7,751 windows of 129 tokens; --steps 10 x 16 sequences = 160 windows, "
+    assert line == ("data: the Python standard library's .py sources (the default; --data PATH for yours) (UTF-8 "
+                    "bytes): 1,000,000 tokens, 7,751 windows of 129 tokens; --steps 10 x 16 sequences = 160 windows, "
                     "2.1% of it (each window at most once)")
     cfg, _ = resolve_config(["--steps", "100", "--data", __file__, "--out-dir", "unused"])
     line = describe_coverage(cfg, 5_000, 38, 16)
-    assert line.startswith(f"warning: data: --data {__file__}, UTF-8 bytes: 5,000 tokens, 38 windows") and \
+    assert line.startswith(f"warning: data: --data {__file__} (UTF-8 bytes): 5,000 tokens, 38 windows") and \
         "= 1,600 windows, 42.1 epochs: the run sees each window about 42.1 times;" in line
     assert "one step alone takes more windows" in describe_coverage(cfg, 500, 3, 16)
