@@ -109,4 +109,10 @@ else
          "bash scripts/setup.sh test adds the test extra"
     pip_install -e .
 fi
+case ",$EXTRAS," in *,test,*)
+    # torchtitan's model code and FSDP recipe for tests/clients/test_torchtitan.py, without its requirements
+    # (wandb, datasets, torchdata, ...: see the test extra in pyproject.toml); never replaces torch
+    echo "setup: installing torchtitan==0.3.0 (without its requirements) for the tests"
+    pip_install --no-deps "torchtitan==0.3.0" ;;
+esac
 echo "setup: done"

@@ -19,24 +19,18 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .collectives import Collectives, StreamSet
-from .construct import (
-    GroupBuilder,
-    Ownership,
+from .arguments import (
     build_plans,
-    build_units,
     check_bucket_size,
     check_call,
     check_modules,
     check_options,
     check_parameters,
-    adopt_units,
-    move_buffers,
-    register_hooks,
-    taken_modules,
-    unit_settings,
     resolve_offload,
     resolve_policy,
-    resolve_units,
+)
+from .construct import (
+    GroupBuilder, Ownership, adopt_units, build_units, move_buffers, register_hooks, taken_modules, unit_settings,
 )
 from .device import device_for
 from .fully_shard_options import FullyShardOptions, UnitSpec
@@ -44,6 +38,7 @@ from .graph_safe import check_graph_safe
 from .offload import choose_offloaded
 from .placements import AxisPlacements
 from .rank_consistency import check_rank_consistency
+from .resolution import resolve_units
 from .sharded_module import ShardedModule, make_fsdp_modules
 from .sharded_state import ShardedState
 
@@ -97,7 +92,8 @@ def fully_shard(
     ``optim`` HFSDP); ``unit_modules`` (classes or instances made units in this call, deepest first);
     ``init_fn(module, device)`` (materialize meta parameters unit by unit before sharding); ``prefetch``;
     ``tp_axis``; ``expert_mesh`` / ``expert_placements`` / ``ep_axis`` / ``plan_fn(fqn, param)`` ->
-    ``"dense"`` | ``"expert"``; ``gradient_reduction`` (``"mean"`` or ``"sum"``); ``bucket_size`` (split
+    ``"dense"`` | ``"expert"`` (split along dim 0 over ``ep_axis``) | ``"local_expert"`` (each EP rank's own
+    tensor: its DTensor leaves ``ep_axis`` out; a ``tp_axis`` on ``expert_mesh`` is expert TP); ``gradient_reduction`` (``"mean"`` or ``"sum"``); ``bucket_size`` (split
     what the root owns); ``collectives`` (replace how buffers travel); ``graph_safe`` (static buffers for
     ``shardwise.capture_step``); ``sync_module_states`` (every rank takes the first rank's weights; without
     it, weights that differ across data-parallel ranks are refused, unless ``check_module_states=False``: a
@@ -128,12 +124,8 @@ def fully_shard(
     device = device_for(plan.mesh)
     streams = _STREAMS.setdefault((str(device), graph_safe), StreamSet(device, graph_safe=graph_safe))
     ownership = Ownership(modules, unit_list, taken_modules(adopted), {id(p) for p in options.ignored_params or ()})
-    builder = GroupBuilder(
-        ownership, plan, expert_plan, options.mixed_precision, device, streams, init_fn, plan_fn, tp_axis, ep_axis,
-        bucket_size, offloaded=choose_offloaded(options.offload_policy, ownership.sizes()),
-        pin_memory=options.offload_policy is None or options.offload_policy.pin_memory, collectives=collectives,
-        shard_placement_fn=shard_placement_fn, sync_module_states=sync_module_states,
-    )
+    builder = GroupBuilder(ownership, plan, expert_plan, options, device, streams, plan_fn,
+                           offloaded=choose_offloaded(options.offload_policy, ownership.sizes()))
     new_units, own = build_units(modules, unit_list, builder.build_groups, unit_settings(options))
     move_buffers(described, device)
     state = ShardedState(own, adopt_units(modules[0], adopted, new_units), plan, streams, prefetch)

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-if TYPE_CHECKING:  # layer 2 types; this module sits in layer 1 beside rank_consistency, which reads it
+if TYPE_CHECKING:  # types only (layer 2 with rank_consistency, which reads it)
     from .collectives import Collectives
     from .offload import OffloadPolicy
     from .placements import AxisPlacements

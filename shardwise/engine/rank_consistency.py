@@ -43,9 +43,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .fully_shard_options import FullyShardOptions
-from .mesh import EXPERT, PLAN_CHOICES, experts_by_mark
+from .mesh import EXPERT_CHOICES, experts_by_mark
 from .placements import describe as describe_placements
 from .placements import resolve_axis_placements
+from .resolution import plan_choice, resolve_units
 
 __all__ = ["check_rank_consistency", "describe", "first_difference", "raise_together"]
 
@@ -162,20 +163,9 @@ def _resolve(mesh, placements, strategy, outer, model_parallel_axes=("tp",)) -> 
 
 
 def _unit_names(module: nn.Module, unit_modules) -> tuple[str, ...]:
-    if unit_modules is None:
-        return ()
-    specs = [unit_modules] if isinstance(unit_modules, (type, nn.Module)) else list(unit_modules)
-    classes = tuple(s for s in specs if isinstance(s, type))
-    instances = {id(s) for s in specs if isinstance(s, nn.Module)}
-    names = [
-        name
-        for name, sub in module.named_modules()
-        if sub is not module and (id(sub) in instances or (classes and isinstance(sub, classes)))
-    ]
-    found = {id(sub) for _, sub in module.named_modules()}
-    names += [f"<{type(s).__name__} instance outside the model>" for s in specs if isinstance(s, nn.Module) and id(s) not in found]
-    names += [f"<{s!r}>" for s in specs if not isinstance(s, (type, nn.Module))]
-    return tuple(names)
+    """The names of the modules ``fully_shard`` will make units (``resolution.resolve_units``)."""
+    names = {id(m): name for name, m in module.named_modules()}
+    return tuple(names[id(m)] for m in resolve_units(module, unit_modules))
 
 
 def _describe_params(module: nn.Module) -> tuple:
@@ -203,14 +193,8 @@ def _expert_params(module: nn.Module, expert_mesh: Optional[DeviceMesh], plan_fn
     plan_fn = experts_by_mark if plan_fn is None else plan_fn
     if not callable(plan_fn):
         return ()  # fully_shard names the bad argument itself
-    experts = []
-    for name, param in module.named_parameters(remove_duplicate=False):
-        choice = plan_fn(name, param)
-        if not isinstance(choice, str) or choice not in PLAN_CHOICES:
-            raise ValueError(f"plan_fn returned {choice!r} for parameter {name!r}; it must return one of {list(PLAN_CHOICES)}")
-        if choice == EXPERT:
-            experts.append(name)
-    return tuple(experts)
+    return tuple(name for name, param in module.named_parameters(remove_duplicate=False)
+                 if plan_choice(plan_fn, name, param) in EXPERT_CHOICES)
 
 
 def describe(module: nn.Module, options: FullyShardOptions) -> dict:
@@ -419,10 +403,13 @@ def _ep_problem(module: nn.Module, mesh, expert_mesh, tp_axis: str, ep_axis: str
             if mesh is not None and tp_axis in (mesh.mesh_dim_names or ()):
                 dense_dp //= mesh.size(list(mesh.mesh_dim_names).index(tp_axis))
             expert_dp = len(expert) // len(ep_row)
-            if dense_dp % expert_dp:
+            if tp_axis in enames:  # expert tensor parallelism: its TP axis is no data parallelism
+                expert_dp //= expert_mesh.size(enames.index(tp_axis))
+            # (more expert than dense data parallelism is right where expert TP is smaller than TP)
+            if dense_dp % expert_dp and expert_dp % dense_dp:
                 return (
                     f"the expert mesh's data-parallel size {expert_dp} does not divide the dense data-parallel "
-                    f"size {dense_dp}"
+                    f"size {dense_dp}, nor the other way round"
                 )
     for prefix, sub in module.named_modules():
         where = f"module {prefix or '<root>'!r}"

@@ -85,10 +85,11 @@ class ShardedState:
         # Whether this backward came through the root's outputs. A backward that did not (torchtitan's chunked
         # loss runs one per chunk through the output head alone) reduces only the units it reached.
         self.root_in_backward = False
-        self.is_last_backward = True  # FSDP2's set_is_last_backward (a pipeline's micro-batches)
+        # FSDP2's set_is_last_backward, kept for what reads it: every backward's end waits for its reductions here
+        self.is_last_backward = True
         self.post_optim_event = None  # FSDP2's set_post_optim_event: the next gathers wait on it
-        self.hook_handles: list = []
-        self.applying = False  # inside a unit's nn.Module._apply (to_empty, to, ...): adopt once, at the outermost  # removed when an ancestor's fully_shard adopts these units
+        self.hook_handles: list = []  # removed when an ancestor's fully_shard adopts these units
+        self.applying = False  # inside a unit's nn.Module._apply (to_empty, to, ...): adopt once, at the outermost
         # Every hook is opaque to torch.compile, made once: a compiled region that reaches one
         # (the module's forward hooks, autograd's callbacks under a compiled backward) runs it
         # eagerly and whole. The forward hooks shadow the methods, so fully_shard registers these.
