@@ -30,6 +30,7 @@ def _slow_start(seconds: float):
     time.sleep(seconds)
 
 
+@pytest.mark.slow
 def test_a_worker_error_is_said_once_with_the_ranks_that_raised_it(capfd):
     assert launch.launch_local(_errors_of_ranks, 3, (), "prog") == 1
     err = capfd.readouterr().err
@@ -40,6 +41,7 @@ def test_a_worker_error_is_said_once_with_the_ranks_that_raised_it(capfd):
                              "prog: ranks 0, 1: error: ValueError: the same mistake on two ranks"], err
 
 
+@pytest.mark.slow
 def test_a_long_start_up_is_said_until_rank_0_reports(capfd, monkeypatch):
     monkeypatch.setattr(launch, "STARTUP_NOTE_AFTER_S", 0.5)
     monkeypatch.setattr(launch, "STARTUP_NOTE_EVERY_S", 1.0)

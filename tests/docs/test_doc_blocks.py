@@ -34,6 +34,7 @@ def _untracked() -> set[str] | None:
     return set(out.stdout.splitlines()) if out.returncode == 0 else None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES)
 def test_the_pages_code_blocks_run_as_written(page, tmp_path):
     code = [b for b in blocks((REPO / page).read_text()) if b.lang in RUN_LANGUAGES]
@@ -58,6 +59,7 @@ def test_the_pages_code_blocks_run_as_written(page, tmp_path):
     assert before is None or after is None or after <= before, f"{page} wrote into the repository: {after - before}"
 
 
+@pytest.mark.slow
 def test_the_runner_reads_markers_and_fails_on_a_broken_block(tmp_path, monkeypatch):
     """The runner's own rules: fences inside list items, the markers, torchrun for a process group, and a
     failing block fails the page, naming its line."""

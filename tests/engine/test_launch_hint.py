@@ -6,9 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import REPO
 
 
+@pytest.mark.slow
 def test_a_script_run_without_torchrun_is_told_to_use_it(tmp_path):
     script = tmp_path / "example.py"
     script.write_text("import torch.distributed as dist\nimport shardwise\n\ndist.init_process_group('gloo')\n")
