@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Set up shardwise in a virtual environment, .venv at the repository root, and install
-# it there (editable, with the test extra). Nothing is installed outside .venv.
+# it there (editable). Nothing is installed outside .venv.
 #
-#   bash scripts/setup.sh && .venv/bin/python -m shardwise train
-#   bash scripts/setup.sh && .venv/bin/python -m pytest -q
+#   bash scripts/setup.sh && .venv/bin/python -m shardwise train        # what the main job needs
+#   bash scripts/setup.sh test && .venv/bin/python -m pytest -q         # and the test extra
 #
+# - The argument names the extras to install as well (pyproject.toml's optional-dependencies,
+#   comma-separated: test, hf, data, fp8, megatron, tensorboard, wandb); none: the main job's
+#   dependencies only (torch, numpy, safetensors, tqdm, matplotlib). The test extra is large
+#   (transformers, megatron-core, torchao, tokenizers, pyarrow, tensorboard: about 1.6 GB).
 # - .venv is created with `${PYTHON:-python3} -m venv .venv` when it does not exist; an
 #   existing .venv is used as it is (running the script again only updates the install).
 # - torch: a torch >= 2.11 that .venv/bin/python can import is kept. Otherwise the CPU
@@ -14,13 +18,49 @@
 # - To keep a CUDA torch installed in the system Python (a GPU host), create the venv
 #   yourself first so that it sees the system's packages, then run this script:
 #       python3 -m venv --system-site-packages .venv && bash scripts/setup.sh
+# - pip's own progress is shown; while pip is silent (unpacking and installing large wheels)
+#   a line every 5 s says it is still working.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VPY=.venv/bin/python
+EXTRAS=${1:-}
+case "$EXTRAS" in
+    *[!a-z0-9,_-]*) echo "setup: '$EXTRAS' is not a comma-separated list of extras (e.g. test, or hf,data)" >&2
+                    exit 2 ;;
+esac
 
-pip_install() {  # quiet, without pip's note on each configured file:// index that lacks a package
-    "$VPY" -m pip install -q "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+pip_install() {  # pip's progress, without its note on each configured file:// index that lacks a package;
+    # while pip prints nothing for 5 s, one line every 5 s says how long it has been working
+    local stamp started ticker status
+    stamp=$(mktemp)
+    started=$(date +%s)
+    date +%s > "$stamp"
+    (
+        set +e  # a stamp read while it is rewritten (empty) must not end the ticker
+        while sleep 1; do
+            now=$(date +%s)
+            last=$(cat "$stamp" 2>/dev/null)
+            case "$last" in ''|*[!0-9]*) continue ;; esac
+            if [ $((now - last)) -ge 5 ]; then
+                echo "setup: pip is still working ($((now - started)) s: downloading, unpacking or installing)"
+                echo "$now" > "$stamp"
+            fi
+        done
+    ) &
+    ticker=$!
+    set +e
+    "$VPY" -m pip install "$@" 2>&1 | while IFS= read -r line; do
+        case "$line" in *"is ignored: it is neither a file nor a directory"*) continue ;; esac
+        printf '%s\n' "$line"
+        printf '%(%s)T\n' -1 > "$stamp"  # now, without a process per line
+    done
+    status=${PIPESTATUS[0]}
+    set -e
+    kill "$ticker" 2>/dev/null || true
+    wait "$ticker" 2>/dev/null || true
+    rm -f "$stamp"
+    return "$status"
 }
 
 if [ ! -e "$VPY" ]; then
@@ -38,6 +78,7 @@ if ! "$VPY" -c 'import sys; assert sys.version_info >= (3, 10), sys.version' >/d
     exit 1
 fi
 
+echo "setup: checking for a torch >= 2.11 in .venv (importing torch takes a few seconds)"
 if "$VPY" - <<'PYEOF'
 import sys
 try:
@@ -53,18 +94,25 @@ PYEOF
 then
     :
 else
-    echo "setup: installing torch==2.13.0+cpu into .venv"
-    if ! log=$(pip_install "torch==2.13.0+cpu"); then
+    echo "setup: installing torch==2.13.0+cpu into .venv (about 200 MB)"
+    if ! pip_install "torch==2.13.0+cpu"; then
         echo "setup: not available from pip's configured sources; trying https://download.pytorch.org/whl/cpu"
-        if ! pip_install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu; then
-            echo "$log" >&2
-            exit 1
-        fi
+        pip_install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
     fi
 fi
 
-echo "setup: installing shardwise (editable, with the test extra) into .venv"
-pip_install -e ".[test]"
-# torchtitan's model code and FSDP recipe for tests/clients/test_torchtitan.py, without its requirements
-# (wandb, datasets, torchdata, ...: see the test extra in pyproject.toml); never replaces torch
-pip_install --no-deps "torchtitan==0.3.0"
+if [ -n "$EXTRAS" ]; then
+    echo "setup: installing shardwise (editable, with the extras: $EXTRAS) into .venv"
+    pip_install -e ".[$EXTRAS]"
+else
+    echo "setup: installing shardwise (editable; the main job's dependencies) into .venv;" \
+         "bash scripts/setup.sh test adds the test extra"
+    pip_install -e .
+fi
+case ",$EXTRAS," in *,test,*)
+    # torchtitan's model code and FSDP recipe for tests/clients/test_torchtitan.py, without its requirements
+    # (wandb, datasets, torchdata, ...: see the test extra in pyproject.toml); never replaces torch
+    echo "setup: installing torchtitan==0.3.0 (without its requirements) for the tests"
+    pip_install --no-deps "torchtitan==0.3.0" ;;
+esac
+echo "setup: done"

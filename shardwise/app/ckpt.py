@@ -30,7 +30,9 @@ _CKPT_HELP = "a checkpoint (step_N), a folder of them (its latest), or a train r
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardwise ckpt", description=__doc__.split("\n\n")[0])
+    from .errors import ShortUsageParser
+
+    parser = ShortUsageParser(prog="shardwise ckpt", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="action", required=True, metavar="{info,verify,export}")
     info = sub.add_parser("info", help="print what a checkpoint holds (world size, strategy, step, tensors, sizes)")
     info.add_argument("ckpt", metavar="CKPT_DIR", help=_CKPT_HELP)
@@ -135,8 +137,10 @@ def _run(args) -> int:
         else:
             files = export_safetensors(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                        include_tied=not args.tied_once, verify=not args.no_verify)
-    except (FileNotFoundError, ValueError, KeyError, CheckpointError) as e:
+    except (OSError, ValueError, KeyError, CheckpointError) as e:  # OSError: a file in the way, no permission
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        if isinstance(e, OSError) and not isinstance(e, FileNotFoundError) and e.filename:
+            message = f"{e.filename}: {e.strerror}"
         hint = _where_checkpoints_come_from(args.ckpt) if isinstance(e, FileNotFoundError) else ""
         print(f"shardwise ckpt {args.action}: error: {message}{hint}", file=sys.stderr)
         return 2

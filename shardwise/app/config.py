@@ -22,7 +22,7 @@ import torch
 from ..models import GPTConfig
 from .corpus import check_flags as check_data_flags, check_world as check_data, resolve_tokenizer
 from .data import DATA_DTYPES, check_data_path
-from .errors import ConfigError, Problems
+from .errors import ConfigError, Problems, ShortUsageParser
 from .launch import under_launcher
 from .presets import PRESETS
 
@@ -151,7 +151,7 @@ _CASTS = {"int": int, "float": float, "str": str, "bool": bool}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ShortUsageParser(
         prog="shardwise train", description="Train a reference model with shardwise.fully_shard.",
         argument_default=argparse.SUPPRESS,
         epilog="Defaults shown are what runs without the flag: where the default preset (tiny) sets a field, "

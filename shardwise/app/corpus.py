@@ -27,12 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import CACHE_DIR_NAME, check_data_path, load_tokens, stdlib_files, text_files
+from .data import CACHE_DIR_NAME, check_data_path, load_tokens, sidecar_path, stdlib_files, text_files
 from .errors import ConfigError  # the app's one error type for settings
-from .tokenized import (TokenizeError, Tokenizer, build_cache, cache_file, cached_tokens, input_files,
+from .tokenized import (TokenizeError, Tokenizer, build_cache, cache_file, cached_tokens, input_files, load_backend,
                         load_tokenizer, tokenizer_in_folder)
 
-__all__ = ["BYTES", "BUILD_WAIT_S", "check_flags", "resolve_tokenizer", "check_world", "open_data", "split_eval"]
+__all__ = ["BYTES", "BUILD_WAIT_S", "check_flags", "resolve_tokenizer", "check_world", "open_data", "split_eval",
+           "describe_coverage"]
 
 BYTES = "bytes"  # --tokenizer bytes: UTF-8 bytes (vocab 256), also when the --init-from folder has a tokenizer
 BUILD_WAIT_S = 24 * 3600.0  # how long ranks wait for rank 0 to tokenize (a dead rank 0 fails them at once)
@@ -83,6 +84,10 @@ def check_flags(cfg) -> None:
         why = check_data_path(cfg.eval_data, cfg.data_dtype)
         if why:
             raise _error("eval_data", cfg.eval_data, why)
+        if _within(cfg.eval_data, cfg.data):
+            _say(f"warning: --eval-data {cfg.eval_data} is {'part of ' if Path(cfg.data).is_dir() else ''}the "
+                 f"training data (--data {cfg.data}): its eval loss measures how well the run memorised what it "
+                 f"trained on, not how it does on unseen text; --eval-fraction F holds out the end of --data instead")
     if cfg.tokenizer and cfg.tokenizer != BYTES and not Path(cfg.tokenizer).exists():
         raise _error("tokenizer", cfg.tokenizer, "no such file or folder (a tokenizer.json file or a Hugging Face "
                                                  "tokenizer folder; 'bytes' for byte tokens)")
@@ -92,12 +97,22 @@ def check_flags(cfg) -> None:
                                                  f"tokenize); drop --tokenizer")
 
 
+def _within(path: str, data: str) -> bool:
+    """Whether ``path`` is the file ``data`` or lies in the folder ``data`` (the default corpus: never)."""
+    if not data:
+        return False
+    inner, outer = Path(path).resolve(), Path(data).resolve()
+    return inner == outer or (outer.is_dir() and outer in inner.parents)
+
+
 def resolve_tokenizer(cfg, model, explicit: dict):
     """Settle ``cfg.tokenizer`` (the folder's default) and check it against the model; the model config to use.
 
     Sets ``cfg.tokenizer`` to the path in effect, or ``"bytes"`` when text trains as bytes, so
     that the workers and ``config.json`` see what was used.
     """
+    if cfg.tokenizer and cfg.init_from:
+        _warn_foreign_tokenizer(cfg)
     if not cfg.tokenizer:
         folder = tokenizer_in_folder(cfg.init_from or cfg.hf_config) if (cfg.init_from or cfg.hf_config) else None
         text_inputs = any(path is None or not _is_tokens_file(path) for _, path in _sources(cfg))
@@ -130,6 +145,28 @@ def resolve_tokenizer(cfg, model, explicit: dict):
         raise _error("tokenizer", path, f"has {tokenizer.vocab_size:,} tokens but the model's vocabulary is "
                                         f"{model.vocab_size:,} ({whose}): its ids would not fit")
     return model
+
+
+def _warn_foreign_tokenizer(cfg) -> None:
+    """One warning when ``--tokenizer`` is not the ``--init-from`` folder's own: the pretrained embedding rows
+    were learnt for that tokenizer's ids, so every id would start from another token's row."""
+    folder = tokenizer_in_folder(cfg.init_from)
+    if cfg.tokenizer == BYTES:
+        other = "--tokenizer bytes (UTF-8 byte ids 0-255)"
+    elif folder is None:
+        return  # the folder has no tokenizer to compare with
+    else:
+        try:
+            vocabularies = [load_backend(path)[0].get_vocab(with_added_tokens=True) for path in (cfg.tokenizer, folder)]
+            if vocabularies[0] == vocabularies[1]:  # the same ids for the same tokens: the same embeddings apply
+                return
+        except TokenizeError:
+            return  # the unusable one is refused with its reason where it is loaded
+        other = f"--tokenizer {cfg.tokenizer}"
+    theirs = f"its own tokenizer ({folder})" if folder else "the tokenizer it was trained with"
+    _say(f"warning: {other} is not the tokenizer of --init-from {cfg.init_from}: its pretrained embeddings were "
+         f"learnt for the ids of {theirs}, so each id starts from another token's embedding; drop --tokenizer to "
+         f"use the folder's")
 
 
 def _load(cfg) -> Tokenizer:
@@ -183,6 +220,15 @@ def split_eval(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndar
 
 
 def _check_ids(model, flag: str, where: str, tokens: np.ndarray) -> None:
+    if len(tokens) and int(tokens.max()) >= model.vocab_size and tokens.dtype.itemsize > 1 and \
+            _is_tokens_file(where) and not sidecar_path(where).is_file():
+        for narrower in (np.uint16, np.uint8)[{2: 1, 4: 0}[tokens.dtype.itemsize]:]:  # the widest first
+            view = np.asarray(tokens).view(narrower)
+            if int(view.max()) < model.vocab_size:  # read as narrower ids, every one fits: it was written so
+                name = np.dtype(narrower).name
+                raise _error("data_dtype", tokens.dtype.name, f"{where} read as {tokens.dtype.name} holds id "
+                             f"{int(tokens.max()):,}, past the vocabulary ({model.vocab_size:,}), but read as "
+                             f"{name} every id fits: it was written as {name}; pass --data-dtype {name}")
     if len(tokens) and int(tokens.max()) >= model.vocab_size:
         raise _error("vocab_size", model.vocab_size, f"{'data' if flag == 'data' else '--eval-data'} {where} "
                                                      f"holds token id {int(tokens.max())}")
@@ -251,3 +297,23 @@ def open_data(cfg, rank: int, world: int) -> tuple[np.ndarray, np.ndarray | None
     held = arrays.get("eval_data", held)
     _check_lengths(cfg, train, held)
     return train, held
+
+
+def describe_coverage(cfg, tokens: int, windows: int, global_batch: int) -> str:
+    """The start line naming the corpus and the share of it the run trains on; a warning when it repeats
+    (``global_batch``: sequences per step, each one window of ``seq_len + 1`` tokens)."""
+    corpus = f"--data {cfg.data}" if cfg.data else \
+        "the Python standard library's .py sources (the default; --data PATH for yours)"
+    how = f"tokenizer {cfg.tokenizer}" if _tokenized(cfg, cfg.data or None) else \
+        "token ids" if cfg.data and _is_tokens_file(cfg.data) else "UTF-8 bytes"
+    held = " left after --eval-fraction" if cfg.eval_fraction else ""
+    needed = cfg.steps * global_batch
+    epochs = needed / windows
+    line = (f"data: {corpus} ({how}): {tokens:,} tokens{held}, {windows:,} windows of {cfg.seq_len + 1} tokens; "
+            f"--steps {cfg.steps} x {global_batch} sequences = {needed:,} windows, ")
+    if epochs <= 1:
+        share = f"{epochs:.1%}" if epochs >= 0.001 else f"{100 * epochs:.2g}%"  # 2.1%, 0.028%
+        return line + f"{share} of it (each window at most once)"
+    one_step = " (one step alone takes more windows than there are)" if global_batch > windows else ""
+    return ("warning: " + line + f"{epochs:.1f} epochs: the run sees each window about {epochs:.1f} times"
+            f"{one_step}; more data or fewer --steps to see each window once")

@@ -152,6 +152,9 @@ def check_data_path(path: str | None, data_dtype: str = "") -> str | None:
             return str(e)
     elif not os.access(p, os.R_OK):
         return "file is not readable"
+    elif p.suffix != ".parquet" and not _is_text(p):  # an image, an archive...: its bytes would train as text
+        return ("is a binary file (NUL bytes in its first 8 KiB), not text: give a text file, a folder of them, or "
+                "token ids as a .bin file (shardwise.app.data.write_tokens writes one)")
     return None
 
 

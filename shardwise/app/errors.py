@@ -7,10 +7,12 @@ run folder, the data flags, the Hugging Face flags) raises the same
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import difflib
 import sys
 
-__all__ = ["PROG", "ConfigError", "ConfigProblems", "Problems", "say"]
+__all__ = ["PROG", "ConfigError", "ConfigProblems", "Problems", "ShortUsageParser", "say"]
 
 PROG = "shardwise train"
 
@@ -73,3 +75,17 @@ class Problems:
 def say(message: str) -> None:
     """One line on stderr, prefixed with the command's name."""
     print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+
+class ShortUsageParser(argparse.ArgumentParser):
+    """argparse whose errors are three lines: a short usage, the error (with the closest flag for a misspelt
+    one) and where the flags are listed; argparse's own prints every flag of the usage first (40 lines)."""
+
+    def error(self, message: str):
+        unknown = message.partition("unrecognized arguments: ")[2].split()
+        flags = [s for action in self._actions for s in action.option_strings if s.startswith("--")]
+        close = [match for arg in unknown if arg.startswith("--")
+                 for match in difflib.get_close_matches(arg.split("=")[0], flags, n=1)]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        self.exit(2, f"usage: {self.prog} [flags]\n{self.prog}: error: {message}{hint}\n"
+                     f"({self.prog} --help lists every flag)\n")

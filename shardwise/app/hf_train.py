@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from ..hf.load import init_from_folder
 from ..hf.mapping import hf_to_gpt_fields
-from ..hf.models import (INSTALL_HINT, HFCausalLM, MetaInit, build_hf_model, decoder_layer_classes, hf_reset,
-                         load_config, require_transformers)
+from ..hf.models import (INSTALL_HINT, HFCausalLM, MetaInit, build_hf_model, decoder_layer_classes, encoder_only,
+                         hf_reset, load_config, require_transformers)
 from ..models import GPT, GPTConfig
 from .errors import ConfigError
 
@@ -83,6 +83,11 @@ def resolve(cfg, model_cfg: GPTConfig) -> GPTConfig:
                  f"from its config ({', '.join(changed) or 'as given'}); add --hf-config {cfg.init_from} to "
                  f"train the transformers model instead")
             return mapped
+    if encoder_only(config):
+        raise ConfigError(flag, value, f"{type(config).__name__} ({config.model_type}) is an encoder: its attention "
+                          f"sees the whole sequence, so next-token training would let each position see the token it "
+                          f"predicts; use a causal LM's config (Llama, Qwen2, GPT-2...), or set \"is_decoder\": true "
+                          f"in it for its causal-mask decoder form")
     try:
         build_hf_model(config, meta=True)  # a causal LM this transformers can build
     except ValueError as e:

@@ -22,19 +22,23 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import json
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 import warnings
 from typing import Callable
 
 __all__ = ["free_port", "launch_local", "under_launcher", "process_started_at", "run_guarded", "WorkerError",
+           "report_started", "available_cores",
            "dump_stacks_on_sigusr1", "one_line_warnings", "describe_collective_error", "EXIT_INTERRUPTED"]
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -80,16 +84,42 @@ def _one_line(text) -> str:
     return " ".join(str(text).split())
 
 
+_SHOWN: set[str] = set()  # third-party notices this process (or the launcher that started it) has shown
+
+
+def _ours(module: str) -> bool:
+    return module == "__main__" or module.split(".")[0] in ("shardwise", "tests")
+
+
+def _third_party_once(text: str) -> bool:
+    """Whether to show a notice of another package: once per run, by the launcher or rank 0 (every rank
+    imports the same packages and would repeat it)."""
+    if os.environ.get("RANK", "0") != "0" or text in _SHOWN:
+        return False
+    _SHOWN.add(text)
+    return True
+
+
+def _warning_source() -> str:
+    """The module that called ``warnings.warn`` (the frames above ``showwarning``, past the warnings module)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__") in ("warnings", __name__):
+        frame = frame.f_back
+    return frame.f_globals.get("__name__", "?") if frame is not None else "?"
+
+
 class _Dedup(logging.Filter):
-    """Remembers what was logged so a warning carrying the same text is not printed twice."""
+    """Remembers what was logged so a warning carrying the same text is not printed twice; another package's
+    record is shown once per run (:func:`_third_party_once`)."""
 
     def __init__(self):
         super().__init__()
         self.seen: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        self.seen.add(_one_line(record.getMessage()))
-        return True
+        text = _one_line(record.getMessage())
+        self.seen.add(text)
+        return _ours(record.name) or bool(record.exc_info) or _third_party_once(f"{record.name}: {text}")
 
 
 class _OneLineFormatter(logging.Formatter):
@@ -98,22 +128,34 @@ class _OneLineFormatter(logging.Formatter):
         self.prog = prog
 
     def format(self, record: logging.LogRecord) -> str:
-        text = f"{self.prog}: {record.levelname.lower()}: {_one_line(record.getMessage())}"
+        text = _one_line(record.getMessage())
+        if _ours(record.name):
+            text = f"{self.prog}: {record.levelname.lower()}: {text}"
+        else:  # labelled with its source, not as shardwise's own
+            text = f"[{record.name}] {record.levelname.lower()}: {text}"
         if record.exc_info:  # an error logged with its traceback keeps it
             text += "\n" + self.formatException(record.exc_info)
         return text
 
 
 def one_line_warnings(prog: str) -> None:
-    """Print warnings (and WARNING log records) as ``prog: warning: message (Category)``, one line each."""
+    """Print warnings (and WARNING log records) as ``prog: warning: message (Category)``, one line each;
+    another package's as ``[module] Category: message``, once per run (the launcher's or rank 0's)."""
     dedup = _Dedup()
 
     def show(message, category, filename, lineno, file=None, line=None):
         text = _one_line(message)
         if text in dedup.seen:  # already printed by the logging call next to it
             return
+        source = _warning_source()
+        if _ours(source):
+            out = f"{prog}: warning: {text} ({category.__name__})"
+        elif _third_party_once(f"{source}: {text}"):
+            out = f"[{source}] {category.__name__}: {text}"
+        else:
+            return
         try:
-            print(f"{prog}: warning: {text} ({category.__name__})", file=file or sys.stderr, flush=True)
+            print(out, file=file or sys.stderr, flush=True)
         except (OSError, ValueError):
             pass
 
@@ -160,11 +202,13 @@ def describe_collective_error(error: BaseException, timeout_s: float | None = No
     return None
 
 
-def run_guarded(fn: Callable, args: tuple, prog: str) -> int:
+def run_guarded(fn: Callable, args: tuple, prog: str, report_to: str | None = None) -> int:
     """Run ``fn(*args)``; an exit status, with every failure reported (one line when it can be).
 
     After Ctrl-C (SIGINT) the exit is quiet with status 130, also when what fails first is a
-    collective whose peer was interrupted too.
+    collective whose peer was interrupted too. With ``report_to`` (a file; :func:`launch_local`'s
+    workers) the error is written there for the launcher, which says each error once with the ranks
+    that raised it, instead of printed.
     """
     one_line_warnings(prog)
     dump_stacks_on_sigusr1()
@@ -190,12 +234,18 @@ def run_guarded(fn: Callable, args: tuple, prog: str) -> int:
     except Exception as e:  # noqa: BLE001 -- every failure becomes an exit status and a message
         if interrupted:
             return EXIT_INTERRUPTED
-        if getattr(e, "one_line", False):
-            print(f"{prog}: error: {_one_line(e)}", file=sys.stderr, flush=True)
-            return int(getattr(e, "exit_code", 1))
-        traceback.print_exc()
-        print(f"{prog}: error: {type(e).__name__}: {_one_line(e)[:500]}", file=sys.stderr, flush=True)
-        return 1
+        one_line = getattr(e, "one_line", False)
+        report = {"message": _one_line(e) if one_line else f"{type(e).__name__}: {_one_line(e)[:500]}",
+                  "traceback": "" if one_line else traceback.format_exc()}
+        if report_to is not None:
+            try:
+                with open(report_to, "w") as f:
+                    json.dump(report, f)
+            except OSError:
+                report_to = None  # the launcher's folder is gone: say it here
+        if report_to is None:
+            print(f"{report['traceback']}{prog}: error: {report['message']}", file=sys.stderr, flush=True)
+        return int(getattr(e, "exit_code", 1)) if one_line else 1
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
@@ -215,11 +265,34 @@ def _set_parent_death_signal() -> None:
         pass
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, prog: str) -> None:
+_STARTED = None  # in a worker of launch_local(startup_notes=True): the event that ends the launcher's notes
+STARTUP_NOTE_AFTER_S, STARTUP_NOTE_EVERY_S = 5.0, 10.0
+
+
+def report_started() -> None:
+    """Called by rank 0 once it runs (it says its own phases from then on): the launcher stops its notes."""
+    if _STARTED is not None:
+        _STARTED.set()
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a container's share), else ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, prog: str, reports: str, shown: set,
+            started=None) -> None:
+    global _STARTED
     _set_parent_death_signal()
+    _SHOWN.update(shown)  # what the launcher showed already (the same imports' notices)
+    _STARTED = started
+    report_to = os.path.join(reports, f"rank{rank}.json")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    code = run_guarded(fn, args, f"{prog}: rank {rank}" if world > 1 else prog)
+    code = run_guarded(fn, args, f"{prog}: rank {rank}" if world > 1 else prog, report_to)
     if code == EXIT_INTERRUPTED:
         # Nothing is left to finish (output is flushed, checkpoints are written atomically), and tearing
         # down torch's objects at exit took over 10 s of garbage collection on a loaded 2-core host,
@@ -267,28 +340,55 @@ def _stop(processes: list, prog: str, reason: str) -> None:
         p.join()
 
 
+def _say_reports(reports: str, prog: str, world: int) -> None:
+    """Each error the workers wrote, once, with the ranks that raised it (a traceback printed once too)."""
+    ranks_of: dict[tuple, list[int]] = {}
+    for rank in range(world):
+        try:
+            with open(os.path.join(reports, f"rank{rank}.json")) as f:
+                report = json.load(f)
+        except (OSError, ValueError):
+            continue
+        ranks_of.setdefault((report["traceback"], report["message"]), []).append(rank)
+    for (trace, message), ranks in ranks_of.items():
+        who = "" if world == 1 else f"rank {ranks[0]}: " if len(ranks) == 1 else \
+            f"ranks {', '.join(map(str, ranks))}: " if len(ranks) < world else f"every rank ({world}): "
+        print(f"{trace}{prog}: {who}error: {message}", file=sys.stderr, flush=True)
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(signum)
 
 
-def launch_local(fn: Callable, world: int, args: tuple, prog: str) -> int:
+def launch_local(fn: Callable, world: int, args: tuple, prog: str, startup_notes: bool = False) -> int:
     """Run ``fn(*args)`` in ``world`` spawned processes with the env torchrun sets; an exit status.
 
     0 when every rank finished; otherwise the first failing rank's status (1 when it was
-    killed by a signal), 130 on Ctrl-C, 143 on SIGTERM.
+    killed by a signal), 130 on Ctrl-C, 143 on SIGTERM. With ``startup_notes``, a start-up that
+    lasts more than a few seconds is said until rank 0 calls :func:`report_started`.
     """
     dump_stacks_on_sigusr1()
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
-    processes = [ctx.Process(target=_worker, args=(rank, world, port, fn, args, prog), name=f"rank{rank}")
+    started = ctx.Event() if startup_notes else None
+    reports = tempfile.mkdtemp(prefix="shardwise-errors-")  # each failing worker's error, said once below
+    processes = [ctx.Process(target=_worker, args=(rank, world, port, fn, args, prog, reports, set(_SHOWN),
+                                                   started), name=f"rank{rank}")
                  for rank in range(world)]
+    launched_at, next_note = time.monotonic(), STARTUP_NOTE_AFTER_S
     previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         for p in processes:
             p.start()
         pending = {p.sentinel: rank for rank, p in enumerate(processes)}
         while pending:
-            for sentinel in multiprocessing.connection.wait(list(pending)):
+            ready = multiprocessing.connection.wait(list(pending), timeout=1.0 if started is not None else None)
+            waited = time.monotonic() - launched_at
+            if started is not None and not started.is_set() and waited >= next_note:
+                next_note += STARTUP_NOTE_EVERY_S
+                print(f"{prog}: start-up: {world} worker processes starting (each imports torch and shardwise; "
+                      f"{available_cores()} CPU cores here) ({waited:.0f} s so far)", file=sys.stderr, flush=True)
+            for sentinel in ready:
                 rank = pending.pop(sentinel)
                 p = processes[rank]
                 p.join()
@@ -297,6 +397,7 @@ def launch_local(fn: Callable, world: int, args: tuple, prog: str) -> int:
                 deadline = time.monotonic() + GRACE_S  # peers of a failed rank fail their collective
                 for other in processes:
                     other.join(max(0.0, deadline - time.monotonic()))
+                _say_reports(reports, prog, world)
                 for other_rank, other in enumerate(processes):  # those that could not say why themselves
                     if other.exitcode == EXIT_INTERRUPTED:
                         print(f"{prog}: rank {other_rank} was interrupted", file=sys.stderr, flush=True)
@@ -323,3 +424,4 @@ def launch_local(fn: Callable, world: int, args: tuple, prog: str) -> int:
         return EXIT_TERMINATED if term else EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, previous_term)
+        shutil.rmtree(reports, ignore_errors=True)

@@ -17,13 +17,33 @@ PEAK_FLOPS_PER_GPU = 989e12  # H100/H200 dense bf16
 
 
 class Phase:
-    """Where this rank is (step and collective), for the one line a stalled peer causes."""
+    """Where this rank is (step and collective), for the one line a stalled peer causes; :meth:`watch` says it
+    while start-up takes long (nothing else is printed then)."""
 
-    def __init__(self):
-        self.now = "process-group setup"
+    def __init__(self, now: str = "process-group setup"):
+        self.now, self.since, self.starting = now, time.monotonic(), True
 
     def __call__(self, text: str) -> None:
-        self.now = text
+        self.now, self.since = text, time.monotonic()
+
+    def started(self) -> None:
+        """The first step is starting: the watch ends (the progress bar takes over)."""
+        self.starting = False
+
+    def watch(self, say, after_s: float = 5.0, every_s: float = 10.0) -> None:
+        """A daemon thread: while starting, a phase that has lasted ``after_s`` is said, then every ``every_s``."""
+        import threading
+
+        def run():
+            said = {}
+            while self.starting:
+                time.sleep(0.5)
+                now, lasted = self.now, time.monotonic() - self.since
+                if self.starting and lasted >= after_s and lasted - said.get(now, -every_s) >= every_s:
+                    said[now] = lasted
+                    say(f"start-up: {now} ({lasted:.0f} s so far)")
+
+        threading.Thread(target=run, name="startup-phase", daemon=True).start()
 
 
 def memory_gib(device: torch.device) -> float:

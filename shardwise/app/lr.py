@@ -42,12 +42,18 @@ class LRSchedule:
         if self.start:
             parts.append(f"continues from {self.start_lr:.3g} at step {self.start}")
         if self.warmup_end > self.start:
-            parts.append(f"linear warm-up to {self.peak:.3g} over steps {self.start + 1}-{self.warmup_end}")
+            parts.append(f"linear warm-up to {self.peak:.3g} over {_steps(self.start + 1, self.warmup_end)}")
         begin = max(self.warmup_end, self.start)
-        if math.isclose(self.top, self.floor, rel_tol=1e-6):
-            parts.append(f"constant at the floor {self.floor:.3g} over steps {begin + 1}-{self.end}")
+        if begin >= self.end:  # nothing after the warm-up (or the resumed step): no decay to describe
+            if not parts or self.start >= self.end:
+                parts.append(f"no steps left (--steps {self.end})")
+        elif math.isclose(self.top, self.floor, rel_tol=1e-6):
+            parts.append(f"constant at the floor {self.floor:.3g} over {_steps(begin + 1, self.end)}")
+        elif self.floor > self.top:  # a resumed run whose new floor is above the rate it had reached
+            parts.append(f"cosine rise from {self.top:.3g} up to {self.floor:.3g} over {_steps(begin + 1, self.end)} "
+                         f"(the new floor, --lr x --min-lr-ratio, is above the rate at step {begin})")
         else:
-            parts.append(f"cosine decay from {self.top:.3g} to {self.floor:.3g} over steps {begin + 1}-{self.end}")
+            parts.append(f"cosine decay from {self.top:.3g} to {self.floor:.3g} over {_steps(begin + 1, self.end)}")
         return "lr: " + ", then ".join(parts) + (f" ({self.note})" if self.note else "")
 
     def to_dict(self) -> dict:
@@ -56,6 +62,10 @@ class LRSchedule:
     @classmethod
     def from_dict(cls, d: dict) -> "LRSchedule":
         return cls(**{**d, "settings": tuple(d.get("settings", ()))})
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}-{last}"
 
 
 def _settings(cfg: TrainConfig) -> tuple:

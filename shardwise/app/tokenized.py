@@ -38,7 +38,7 @@ import numpy as np
 
 from .data import CACHE_DIR_NAME, DATA_DTYPES, _is_text, _sorted_files, bin_dtype, sidecar_path
 
-__all__ = ["Tokenizer", "load_tokenizer", "tokenizer_in_folder", "input_files", "cache_file", "cached_tokens",
+__all__ = ["Tokenizer", "load_tokenizer", "load_backend", "tokenizer_in_folder", "input_files", "cache_file", "cached_tokens",
            "build_cache", "TokenizeError", "CACHE_VERSION"]
 
 CACHE_VERSION = 1
@@ -96,13 +96,8 @@ def _eos_from_config(folder: Path) -> str | None:
     return None
 
 
-def load_tokenizer(path: str, eos_token: str = "") -> Tokenizer:
-    """The tokenizer at ``path``; ``TokenizeError`` saying why it cannot be used.
-
-    The EOS is ``eos_token`` when given, else the tokenizer's own (a folder's
-    ``eos_token``; for a bare ``tokenizer.json``, a ``tokenizer_config.json``
-    beside it, else the first of the usual EOS names among its special tokens).
-    """
+def load_backend(path: str) -> tuple[object, str | None]:
+    """``(tokenizers backend, the tokenizer's own EOS or None)`` of a tokenizer.json file or tokenizer folder."""
     p = Path(path)
     if not p.exists():
         raise TokenizeError("no such file or folder (a tokenizer.json file or a Hugging Face tokenizer folder)")
@@ -135,6 +130,18 @@ def load_tokenizer(path: str, eos_token: str = "") -> Tokenizer:
         if default_eos is None:
             special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
             default_eos = next((name for name in _EOS_NAMES if name in special), None)
+    return backend, default_eos
+
+
+def load_tokenizer(path: str, eos_token: str = "") -> Tokenizer:
+    """The tokenizer at ``path``; ``TokenizeError`` saying why it cannot be used.
+
+    The EOS is ``eos_token`` when given, else the tokenizer's own (a folder's
+    ``eos_token``; for a bare ``tokenizer.json``, a ``tokenizer_config.json``
+    beside it, else the first of the usual EOS names among its special tokens).
+    """
+    p = Path(path)
+    backend, default_eos = load_backend(path)
     eos = eos_token or default_eos
     if not eos:
         raise TokenizeError("has no EOS token to separate documents; name one with --eos-token")

@@ -60,11 +60,11 @@ from ..engine.replaced_params import check_optimizer_params
 from ..engine.teardown import destroy_process_groups
 from .config import (ConfigError, TrainConfig, build_parser, check_world, default_out_dir, device_type,
                      resolve_config)
-from .corpus import open_data
+from .corpus import describe_coverage, open_data
 from .data import TokenLoader
 from .errors import PROG, Problems, say
-from .launch import (EXIT_INTERRUPTED, WorkerError, describe_collective_error, launch_local, one_line_warnings,
-                     process_started_at, run_guarded, under_launcher)
+from .launch import (EXIT_INTERRUPTED, WorkerError, available_cores, describe_collective_error, launch_local,
+                     one_line_warnings, process_started_at, report_started, run_guarded, under_launcher)
 from .loop import DataParallelRun, Phase, run_steps
 from .memory import DoesNotFit
 from .lr import LRSchedule, lr_schedule, resumed_schedule
@@ -132,19 +132,20 @@ def _run_estimate(cfg: TrainConfig, model_cfg: GPTConfig, world: int, device_typ
 def check_host_memory(cfg: TrainConfig, model_cfg: GPTConfig, world: int, ranks_per_host: int) -> None:
     """A CPU run: every rank's estimated peak together against the host's available memory (before any
     process starts); :class:`.memory.DoesNotFit` says what would fit."""
-    from .memory import check_fits_on_cpu, host_available_bytes
+    from .memory import INTERPRETER_BYTES, check_fits_on_cpu, host_available_bytes
 
     available = host_available_bytes()
     if cfg.pp > 1:
         ranks, _ = _pipeline_estimates(cfg, model_cfg, world, _fused(cfg, "cpu"))
         if ranks and ranks_per_host == world and available is not None:  # every stage of every replica here
-            needed = sum(e.gpu_bytes for e in ranks) * (world // cfg.pp)
+            needed = sum(e.gpu_bytes for e in ranks) * (world // cfg.pp) + INTERPRETER_BYTES * world
             if needed > available:
                 raise DoesNotFit(
                     f"this configuration does not fit in this machine's memory: {world} pipeline ranks need "
                     f"{needed / 2**30:.1f} GiB together ({', '.join(f'{e.gpu_bytes / 2**30:.1f}' for e in ranks)} "
-                    f"GiB per stage rank), {available / 2**30:.1f} GiB available (MemAvailable); use a smaller "
-                    f"model, --micro-batch-size or --activation-checkpointing")
+                    f"GiB per stage rank, and {INTERPRETER_BYTES / 2**30:.2f} GiB per rank's interpreter), "
+                    f"{available / 2**30:.1f} GiB available (MemAvailable); use a smaller model, --micro-batch-size "
+                    f"or --activation-checkpointing")
         return
     estimate = _run_estimate(cfg, model_cfg, world, "cpu", ranks_per_host)
     if estimate is not None:
@@ -183,6 +184,11 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = Non
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     owns_group = not dist.is_initialized()
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    phase = Phase(f"process-group setup (each of the {world} ranks starts, imports torch and joins)")
+    if os.environ.get("RANK", "0") == "0":
+        report_started()  # the launcher's own start-up notes end; this rank's phases take over
+        phase.watch(say)
     if owns_group:
         if kind == "cuda":
             # NCCL: the watchdog aborts a collective that outlives the timeout and takes the process
@@ -197,10 +203,10 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = Non
                                 timeout=datetime.timedelta(seconds=max(cfg.timeout, RENDEZVOUS_S)))
     device = device_for()  # the group's backend decides: NCCL -> this rank's GPU, gloo -> the CPU
     _limit_collective_waits(None, cfg.timeout)
-    phase = Phase()
     try:
         return _train(cfg, model_cfg, started_at, device, phase)
     except BaseException as e:
+        phase.started()  # no more start-up notes
         traceback.clear_frames(e.__traceback__)  # let the model and its process groups go
         why = None
         if isinstance(e, Exception) and dist.is_initialized():
@@ -333,7 +339,10 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
 
     metrics_file, launch = None, 0  # rank 0 writes the metrics
     if rank == 0:
-        say(schedule.describe())
+        global_batch = cfg.micro_batch_size * grad_accum * run.data_ranks  # sequences (windows) per step
+        say(describe_coverage(cfg, len(train_tokens), loader.num_windows, global_batch))
+        if start <= cfg.steps:
+            say(schedule.describe())
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(
             {"train": {**vars(cfg), "grad_accum": grad_accum}, "model": model_cfg.to_dict(), "world_size": world,
@@ -353,6 +362,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
         from .loggers import RunLoggers
 
         loggers = RunLoggers(cfg, out_dir, start, json.loads((out_dir / "config.json").read_text()))
+    phase.started()
     if rank == 0 and start <= cfg.steps:
         compiled = (f": each layer is compiled first (torch.compile, {cfg.compile}), which can take minutes"
                     if cfg.compile else " (allocation and warm-up: slower than the next)")
@@ -407,7 +417,13 @@ def main(argv=None) -> int:
         else:
             world = torch.cuda.device_count() if device_type(cfg) == "cuda" else 2
         if device_type(cfg) == "cuda" and not launched and world > torch.cuda.device_count():
-            problems.add("nproc", world, f"more processes than GPUs ({torch.cuda.device_count()})")
+            problems.add("nproc", world, f"more processes than GPUs ({torch.cuda.device_count()}): one process per "
+                                         f"GPU; --nproc {torch.cuda.device_count()} or fewer")
+        cores = available_cores()
+        if device_type(cfg) == "cpu" and not launched and world > cores and not problems:
+            say(f"warning: --nproc {world} on {cores} CPU core{'s' if cores > 1 else ''}: each process gets "
+                f"{cores / world:.2g} of a core, so start-up (each process imports torch) and every step take "
+                f"longer than with --nproc {cores}")
         check_world(cfg, model_cfg, world, problems)  # raises them all, then reads the data
         if device_type(cfg) == "cpu":  # the ranks share the host's memory: all of it, before any starts
             check_host_memory(cfg, model_cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
@@ -428,7 +444,7 @@ def main(argv=None) -> int:
         if code == EXIT_INTERRUPTED:
             say("interrupted (Ctrl-C)")
         return code
-    return launch_local(train, world, (cfg, model_cfg, started_at), PROG)
+    return launch_local(train, world, (cfg, model_cfg, started_at), PROG, startup_notes=True)
 
 
 if __name__ == "__main__":

@@ -213,6 +213,9 @@ def export_safetensors(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype
         dtype = DTYPES[dtype]
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     out = Path(out)
+    if out.suffix != ".safetensors" and out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is an existing file, not a folder: give a folder (it gets model.safetensors) or a "
+                         f"file name ending in .safetensors")
     target = out if out.suffix == ".safetensors" else out / "model.safetensors"
     target.parent.mkdir(parents=True, exist_ok=True)
 

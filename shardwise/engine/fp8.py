@@ -37,7 +37,7 @@ from .quantized_gather import GATHER_ATTR, Fp8Tensorwise
 from .registry import LINEAR, module_types
 
 __all__ = ["RECIPES", "DEFAULT_SKIP", "INSTALL_HINT", "Fp8Conversion", "require_torchao", "skip_modules",
-           "default_filter", "convert_to_fp8"]
+           "default_filter", "convert_to_fp8", "quiet_torchao_import"]
 
 RECIPES = ("tensorwise", "rowwise")
 DEFAULT_SKIP = ("output", "lm_head")  # the GPT head, a Hugging Face head
@@ -47,9 +47,10 @@ _INIT_ATTRS = ("init_std", "rank", "tp", "group")  # what the models' reset_para
 
 
 @contextlib.contextmanager
-def _quiet_import():
+def quiet_torchao_import():
     """torchao's import reports its optional CUDA kernels (and triton) missing on a CPU build, and torch a
-    deprecated registration of torchao's; FP8 training needs none of it, so those notices are dropped."""
+    deprecated registration of torchao's; FP8 training needs none of it (nor does transformers, which imports
+    torchao when it is installed), so those notices are dropped."""
     loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
@@ -66,7 +67,7 @@ def _quiet_import():
 def require_torchao():
     """``torchao.float8``, or an ``ImportError`` of one line saying how to install it."""
     try:
-        with _quiet_import():
+        with quiet_torchao_import():
             import torchao.float8 as float8
             from torchao.float8.float8_linear import Float8Linear  # noqa: F401
     except ImportError as e:

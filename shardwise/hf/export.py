@@ -3,7 +3,8 @@
 Offline like the plain export (no GPU, no process group, one tensor in memory
 at a time): ``OUT/config.json`` plus ``model.safetensors`` (or
 ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``
-when ``max_shard_size`` splits it), with Hugging Face key names.
+when ``max_shard_size`` splits it), with Hugging Face key names, and the run's
+tokenizer (:mod:`.export_tokenizer`).
 
 Which model the checkpoint holds comes from the run folder the checkpoint
 lives in (``<run>/checkpoints/step_N``): its ``config.json`` and, for a run
@@ -41,6 +42,7 @@ from ..checkpoint.export import (
     split_by_size,
     write_safetensors,
 )
+from .export_tokenizer import export_tokenizer, run_tokenizer
 from .mapping import gpt_hf_keys, gpt_to_hf_config
 
 __all__ = ["export_hf", "find_model_config"]
@@ -271,4 +273,5 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.d
     path = out / "config.json"
     path.write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     written.append(path)
-    return written
+    tokenizer, eos_token = run_tokenizer(ckpt, config)  # the ids the model learnt: AutoTokenizer reads them here
+    return written + export_tokenizer(tokenizer, out, eos_token)

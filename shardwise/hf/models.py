@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 from pathlib import Path
 from typing import Callable
@@ -19,6 +21,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from ..engine.fp8 import quiet_torchao_import
 from ..engine.materialize import allocate_meta_tensors, meta_tensor_names
 
 __all__ = [
@@ -27,6 +30,7 @@ __all__ = [
     "load_config",
     "build_hf_model",
     "decoder_layer_classes",
+    "encoder_only",
     "HFCausalLM",
     "MetaInit",
 ]
@@ -37,7 +41,10 @@ INSTALL_HINT = "pip install 'shardwise[hf]' (in a checkout: pip install -e '.[hf
 def require_transformers(what: str = "this"):
     """The ``transformers`` module, or ``ImportError`` saying how to install it."""
     try:
-        import transformers
+        with quiet_torchao_import():
+            import transformers
+            with contextlib.suppress(ImportError):  # its torchao glue imports torchao (when installed), whose
+                importlib.import_module("transformers.integrations.torchao")  # import notices are noise here
     except ImportError:
         raise ImportError(f"{what} needs the transformers package, an optional extra: {INSTALL_HINT}") from None
     return transformers
@@ -78,6 +85,17 @@ def build_hf_model(config, meta: bool = False, device: torch.device | str | None
     if not getattr(model.config, "architectures", None):
         model.config.architectures = [type(model).__name__]
     return model
+
+
+def encoder_only(config) -> bool:
+    """Whether ``config`` describes an encoder (BERT and its kin): a model whose causal-LM class exists but whose
+    attention sees the whole sequence unless the config says ``is_decoder``, so a next-token loss would let each
+    position see the token it predicts. Encoder-decoder configs (BART) are not: their causal LM is the decoder."""
+    require_transformers("a Hugging Face model")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    return (config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and getattr(config, "is_decoder", None) is False
+            and not getattr(config, "is_encoder_decoder", False))
 
 
 def decoder_layer_classes(hf_model: nn.Module) -> list[type]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -93,6 +94,22 @@ def test_help_shows_the_defaults_that_run():
     assert [n for n, h in helps.items() if h.count("(default") > 1] == []  # said once
 
 
+@pytest.mark.parametrize("command,argv,error", [
+    ("train", ["--n-layerz", "2"], "unrecognized arguments: --n-layerz 2 (did you mean --n-layers?)"),
+    ("train", ["--steps", "many"], "argument --steps: invalid int value: 'many'"),
+    ("ckpt", ["export"], "the following arguments are required: CKPT_DIR, OUT"),
+])
+def test_argparse_errors_are_the_error_not_forty_lines_of_usage(command, argv, error, capsys):
+    from shardwise.app.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_:
+        cli_main([command, *argv])
+    err = capsys.readouterr().err.splitlines()
+    prog = f"shardwise {command}{' export' if command == 'ckpt' else ''}"
+    assert exit_.value.code == 2 and err == [f"usage: {prog} [flags]", f"{prog}: error: {error}",
+                                             f"({prog} --help lists every flag)"], err
+
+
 def test_config_file_accepts_whole_floats_and_resume_bools(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"steps": 20.0, "lr": 1, "resume": True, "name": "x"}))
@@ -133,9 +150,10 @@ def _no_launch(*args, **kwargs):
 
 # ------------------------------------------------------------------ before any process starts
 @pytest.mark.parametrize("argv,needed", [
-    (["--preset", "8b"], "2 ranks x 74.8 GiB per rank = 149.6 GiB needed, 23.0 GiB available (MemAvailable)"),
-    (["--preset", "1b", "--fp8", "tensorwise"], "2 ranks x 20.4 GiB per rank = 40.8 GiB needed"),
-    (["--preset", "1b", "--pp", "2", "--grad-accum", "2"], "2 pipeline ranks need 37.2 GiB together"),
+    (["--preset", "8b"], "2 ranks x (74.8 GiB + 0.21 GiB interpreter) per rank = 150.0 GiB needed, 23.0 GiB available "
+                         "(MemAvailable)"),
+    (["--preset", "1b", "--fp8", "tensorwise"], "2 ranks x (20.4 GiB + 0.21 GiB interpreter) per rank = 41.3 GiB needed"),
+    (["--preset", "1b", "--pp", "2", "--grad-accum", "2"], "2 pipeline ranks need 37.6 GiB together"),
 ])
 def test_a_cpu_run_larger_than_the_host_is_refused_before_it_starts(argv, needed, tmp_path, capsys, monkeypatch):
     """On the CPU every rank takes the host's memory: the estimate times the ranks, against MemAvailable (here
@@ -155,7 +173,7 @@ def test_fp8_on_the_cpu_says_it_is_emulated_and_compiled(tmp_path, capsys, monke
     from shardwise.app import train
 
     launched = []
-    monkeypatch.setattr(train, "launch_local", lambda *args: launched.append(args) or 0)
+    monkeypatch.setattr(train, "launch_local", lambda *args, **kwargs: launched.append(args) or 0)
     assert main(["--fp8", "tensorwise", "--precision", "bf16", "--device", "cpu", *TINY, "--data", data,
                  "--out-dir", str(tmp_path / "run")]) == 0 and launched
     assert ("shardwise train: --fp8 tensorwise on the CPU: the FP8 matmuls are emulated (no FP8 hardware), so each "
@@ -200,6 +218,14 @@ def test_ckpt_takes_a_run_folder_for_its_checkpoints(tmp_path, capsys):
     assert f"ok       {run / 'checkpoints' / 'step_00000002'}" in capsys.readouterr().out
     assert ckpt_main(["export", str(run), str(tmp_path / "out")]) == 0
     assert f"exported {run / 'checkpoints' / 'step_00000002'}: wrote 1 file(s)" in capsys.readouterr().out
+    in_the_way = tmp_path / "notes.txt"  # OUT an existing file: one line, no FileExistsError traceback
+    in_the_way.write_text("keep me")
+    for fmt in ("safetensors", "hf"):
+        assert ckpt_main(["export", str(run), str(in_the_way), "--format", fmt, "--config", str(tmp_path / "c.json")]
+                         if fmt == "hf" else ["export", str(run), str(in_the_way)]) == 2
+        line = _one_error_line(capsys)
+        assert line.startswith(f"shardwise ckpt export: error: {in_the_way}") and "file" in line, line
+    assert in_the_way.read_text() == "keep me"
 
 
 # ------------------------------------------------------------------ learning-rate schedule
@@ -235,6 +261,23 @@ def test_resuming_with_other_steps_keeps_the_rate_continuous(old_steps, new_step
     assert (at_floor in schedule.describe()) == (resume_at == old_steps), schedule.describe()  # said when flat
     assert "\n" not in schedule.describe()
     assert resumed_schedule(saved, old, resume_at) is saved  # same flags: the same schedule, exactly
+
+
+def test_lr_lines_never_read_backwards():
+    """A resumed run whose new floor is above its current rate rises (and says so); no range runs backwards."""
+    old, _ = resolve_config(["--steps", "10", "--warmup-steps", "2", "--lr", "0.002"])
+    new, _ = resolve_config(["--steps", "20", "--warmup-steps", "2", "--lr", "0.01"])  # floor 0.001 > rate at 10
+    saved = lr_schedule(old)
+    rising = resumed_schedule(saved, new, 10)
+    assert rising(20) > rising(11) and "cosine rise from 0.0002 up to 0.001 over steps 11-20" in rising.describe()
+    assert "decay" not in rising.describe()
+    shorter, _ = resolve_config(["--steps", "4", "--warmup-steps", "2", "--lr", "0.002"])
+    past_the_end = resumed_schedule(saved, shorter, 6).describe()
+    assert "no steps left (--steps 4)" in past_the_end and "7-4" not in past_the_end, past_the_end
+    for steps in range(1, 6):
+        cfg, _ = resolve_config(["--steps", str(steps), "--warmup-steps", "3"])
+        line = lr_schedule(cfg).describe()
+        assert all(int(a) <= int(b) for a, b in re.findall(r"steps (\d+)-(\d+)", line)), line
 
 
 # ------------------------------------------------------------------ resuming on another world size

@@ -97,4 +97,21 @@ def export_and_compare(run: Path, logits: torch.Tensor, out: Path, *args: str) -
     hf, info = hf_logits(out)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     torch.testing.assert_close(hf, logits, rtol=0, atol=1e-5)
+    _same_tokenizer(run, out)
     return json.loads((out / "config.json").read_text())
+
+
+def _same_tokenizer(run: Path, out: Path) -> None:
+    """The export's tokenizer gives the ids the run trained on (UTF-8 bytes, or the run's --tokenizer's)."""
+    from transformers import AutoTokenizer
+
+    used = json.loads((run / "config.json").read_text())["train"]["tokenizer"]
+    text = "héllo wörld\n\tdef f(x):  return x  # 日本"
+    ids = AutoTokenizer.from_pretrained(str(out))(text, add_special_tokens=False)["input_ids"]
+    if used == "bytes":
+        assert ids == list(text.encode()), ids
+    else:
+        from tokenizers import Tokenizer
+
+        source = Path(used) / "tokenizer.json" if Path(used).is_dir() else Path(used)
+        assert ids == Tokenizer.from_file(str(source)).encode(text, add_special_tokens=False).ids

@@ -79,3 +79,30 @@ def test_config_mapping_round_trip():
                                               rope_scaling={"rope_type": "linear", "factor": 2.0})
     with pytest.raises(ValueError, match="attention_bias=True .*rope_type='linear'"):
         hf_to_gpt_fields(llama)
+
+
+def test_the_export_carries_the_runs_tokenizer(tmp_path):
+    """A run's --tokenizer file (or folder) goes into the export as AutoTokenizer reads it; one gone is a warning."""
+    pytest.importorskip("tokenizers")
+    from transformers import AutoTokenizer
+
+    from shardwise.hf.export_tokenizer import export_tokenizer, run_tokenizer
+    from tests.helpers.text_data import documents, train_tokenizer
+
+    (tmp_path / "tok").mkdir()
+    source = train_tokenizer(tmp_path / "tok" / "tokenizer.json", documents(40), vocab_size=300)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
+    ckpt.mkdir(parents=True)
+    text = " ".join(documents(3, seed=5))
+    for used in (source, source.parent):  # a tokenizer.json file, a tokenizer folder
+        (tmp_path / "run" / "config.json").write_text(json.dumps({"train": {"tokenizer": str(used)}, "model": {}}))
+        out = tmp_path / f"hf_{used.name}"
+        out.mkdir()
+        assert run_tokenizer(ckpt) == (str(used), "")
+        assert (out / "tokenizer.json") in export_tokenizer(*run_tokenizer(ckpt)[:1], out)
+        ids = AutoTokenizer.from_pretrained(str(out))(text, add_special_tokens=False)["input_ids"]
+        from tokenizers import Tokenizer
+
+        assert ids == Tokenizer.from_file(str(source)).encode(text, add_special_tokens=False).ids
+    with pytest.warns(UserWarning, match="the run's tokenizer .*gone.* is no longer there"):
+        assert export_tokenizer(str(tmp_path / "gone.json"), tmp_path) == []

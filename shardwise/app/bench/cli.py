@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..errors import ShortUsageParser
 from ..launch import launch_local, under_launcher
 from .report import format_run, write_reports
 from ...engine.fp8 import require_torchao
@@ -69,7 +70,7 @@ class _DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shardwise bench", description=__doc__.split("\n\n")[0],
+    p = ShortUsageParser(prog="shardwise bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=_DefaultsOnce)
     p.add_argument("--sizes", "--size", dest="sizes", default=None,
                    help=f"comma list of {', '.join(SIZES)} (default: tiny on CPU, {GPU_SIZES} on CUDA)")
