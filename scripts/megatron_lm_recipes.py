@@ -91,6 +91,49 @@ RECIPE_ENV = {"ci_gpt3_tp2_zp_z3_resume_fsdp_dtensor": {
 # core_r0.16.0's own copy of that CI case is the same without these (0.19's flags)
 CI_TP2_Z3_019_ONLY = ("--megatron-fsdp-main-params-dtype fp32 --megatron-fsdp-main-grads-dtype fp32 "
                       "--megatron-fsdp-grad-comm-dtype fp32")
+# examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh (core_r0.19.0), USE_MEGATRON_FSDP=1, scaled: EP2 (EP=8),
+# 4 experts top-2 in 2 groups (256 top-8 in 8), the first layer dense as its first 3 of 61 (MLA: see DROPPED)
+DEEPSEEK_V3 = (
+    "--distributed-timeout-minutes 60 --tensor-model-parallel-size 1 --expert-model-parallel-size 2 "
+    "--expert-tensor-parallel-size 1 --context-parallel-size 1 --use-distributed-optimizer --overlap-grad-reduce "
+    "--overlap-param-gather --use-mcore-models --sequence-parallel --disable-bias-linear "
+    f"--train-samples {8 * ITERATIONS} --exit-duration-in-mins 220 --no-check-for-nan-in-loss-and-grad --manual-gc "
+    "--manual-gc-interval 10 --recompute-granularity selective --recompute-modules mlp moe "
+    "--tokenizer-type NullTokenizer --split 99,1,0 --no-mmap-bin-files --no-create-attention-mask-in-dataloader "
+    "--num-workers 1 --ffn-hidden-size 448 --num-attention-heads 4 --kv-channels 32 --position-embedding-type rope "
+    "--rotary-base 10000 --make-vocab-size-divisible-by 3232 --normalization RMSNorm --norm-epsilon 1e-6 --swiglu "
+    "--untie-embeddings-and-output-weights --attention-dropout 0.0 --hidden-dropout 0.0 "
+    "--clip-grad 1.0 --weight-decay 0.1 --qk-layernorm --lr-decay-samples 12 --lr-warmup-samples 4 "
+    "--lr-warmup-init 3.9e-7 --lr 3.9e-6 --min-lr 3.9e-7 --lr-decay-style cosine --adam-beta1 0.9 --adam-beta2 0.95 "
+    "--num-experts 4 --moe-layer-freq [0]*1+[1]*1 --moe-ffn-hidden-size 64 --moe-shared-expert-intermediate-size 64 "
+    "--moe-router-load-balancing-type seq_aux_loss --moe-router-topk 2 --moe-token-dispatcher-type alltoall "
+    "--moe-router-pre-softmax --moe-grouped-gemm --moe-aux-loss-coeff 1e-4 --moe-router-group-topk 1 "
+    "--moe-router-num-groups 2 --moe-router-topk-scaling-factor 2.5 --moe-router-score-function sigmoid "
+    "--moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3 --moe-router-dtype fp32 "
+    "--moe-router-force-load-balancing --mtp-num-layers 1 "
+    "--mtp-loss-scaling-factor 0.1 --auto-detect-ckpt-format --dist-ckpt-strictness log_all --init-method-std 0.02 "
+    "--log-num-zeros-in-grad --log-params-norm --log-throughput --logging-level 40 --bf16 --enable-experimental "
+    "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --no-gradient-accumulation-fusion "
+    "--calculate-per-token-loss --init-model-with-meta-device --ckpt-format fsdp_dtensor --fsdp-double-buffer "
+    "--use-nccl-ub --megatron-fsdp-grad-comm-dtype bf16 --megatron-fsdp-main-grads-dtype bf16"
+)
+# examples/mixtral/train_mixtral_8x7b_distributed.sh (core_r0.19.0) with the docs' recommended Megatron-FSDP flags
+# (NVIDIA publishes no Mixtral Megatron-FSDP script), scaled: 4 experts top-2 (8), EP2 (8)
+MIXTRAL_8X7B = (
+    "--use-mcore-models --disable-bias-linear --ffn-hidden-size 448 --num-attention-heads 4 --init-method-std 0.01 "
+    "--attention-dropout 0.0 --hidden-dropout 0.0 --normalization RMSNorm --position-embedding-type rope --swiglu "
+    "--untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2 --no-masked-softmax-fusion "
+    "--no-position-embedding --rotary-base 1000000 "
+    "--num-experts 4 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "
+    "--moe-grouped-gemm --moe-token-dispatcher-type alltoall --overlap-param-gather --overlap-grad-reduce "
+    "--tokenizer-type NullTokenizer --split 99990,8,2 "
+    f"--lr 1e-4 --train-iters {ITERATIONS} --lr-decay-iters 320000 --lr-decay-style cosine --min-lr 1.0e-5 "
+    "--weight-decay 0.1 --lr-warmup-iters 500 --clip-grad 1.0 --bf16 "
+    "--tensor-model-parallel-size 1 --expert-model-parallel-size 2 --use-distributed-optimizer --sequence-parallel "
+    "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ckpt-format fsdp_dtensor "
+    "--no-gradient-accumulation-fusion --init-model-with-meta-device --calculate-per-token-loss "
+    "--grad-reduce-in-bf16 --fsdp-double-buffer"
+)
 RECIPES = {
     "llama3_8b_zero3": f"{LLAMA3_8B} --data-parallel-sharding-strategy optim_grads_params",
     "llama3_8b_zero2": f"{LLAMA3_8B} --data-parallel-sharding-strategy optim_grads",
@@ -112,6 +155,8 @@ RECIPES = {
                                         "--megatron-fsdp-enable-fine-grained-param-gather",
     "llama3_8b_zero3_nccl_ub": f"{LLAMA3_8B} --data-parallel-sharding-strategy optim_grads_params "
                                "--use-nccl-ub --fsdp-manual-registration",
+    "deepseek_v3_ep2": DEEPSEEK_V3,
+    "mixtral_8x7b_ep2": MIXTRAL_8X7B,
 }
 # recipes whose flags Megatron-LM core_r0.16 does not have
 SINCE_019 = {"recommended_nccl_ub_fine_grained"}
@@ -130,9 +175,15 @@ DROPPED = {
         "data, tokenizer and logs of NVIDIA's cluster: mock data and the null tokenizer instead",
 }
 # without CUDA only: Megatron's clipping asserts CUDA gradients; its fused kernels are CUDA's
-CPU_DROPPED = {"--clip-grad 1.0": "Megatron's clip_grad_norm asserts torch.cuda.FloatTensor gradients"}
+CPU_DROPPED = {
+    "--clip-grad 1.0": "Megatron's clip_grad_norm asserts torch.cuda.FloatTensor gradients",
+    "--moe-token-dispatcher-type alltoall": "its dispatcher records a CUDA event on the stream "
+                                           "(torch.cpu.Stream.record_event() returns None): allgather instead",
+    "torch.compile of Megatron's jit_fuser functions (the router's expert-bias update)":
+        "inductor reads a GPU's properties; torch._dynamo is turned off, the functions run eagerly",
+}
 CPU_FLAGS = ("--clip-grad 0 --no-masked-softmax-fusion --no-bias-dropout-fusion --no-bias-swiglu-fusion "
-             "--no-bias-gelu-fusion --no-rope-fusion")
+             "--no-bias-gelu-fusion --no-rope-fusion --moe-token-dispatcher-type allgather")
 
 
 # ------------------------------------------------------------------ Megatron-LM's set-up
@@ -276,6 +327,8 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if not torch.cuda.is_available():  # Megatron's jit_fuser (torch.compile) functions run eagerly: see CPU_DROPPED
+        torch._dynamo.config.disable = True
     if opts.recipes is None:
         old = check.megatron_lm_version().startswith("0.16")
         opts.recipes = [name for name in RECIPES if not (old and name in SINCE_019)]
