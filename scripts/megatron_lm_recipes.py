@@ -118,7 +118,7 @@ DEEPSEEK_V3 = (
     "--use-nccl-ub --megatron-fsdp-grad-comm-dtype bf16 --megatron-fsdp-main-grads-dtype bf16"
 )
 # examples/mixtral/train_mixtral_8x7b_distributed.sh (core_r0.19.0) with the docs' recommended Megatron-FSDP flags
-# (NVIDIA publishes no Mixtral Megatron-FSDP script), scaled: 4 experts top-2 (8), EP2 (8)
+# (NVIDIA publishes no Mixtral Megatron-FSDP script), scaled: 4 experts top-2 (8), EP2 (8), PP1 (4: see DROPPED)
 MIXTRAL_8X7B = (
     "--use-mcore-models --disable-bias-linear --ffn-hidden-size 448 --num-attention-heads 4 --init-method-std 0.01 "
     "--attention-dropout 0.0 --hidden-dropout 0.0 --normalization RMSNorm --position-embedding-type rope --swiglu "
@@ -158,6 +158,9 @@ RECIPES = {
     "deepseek_v3_ep2": DEEPSEEK_V3,
     "mixtral_8x7b_ep2": MIXTRAL_8X7B,
 }
+# after the resume, the MoE recipes' checkpoints are loaded again at these expert-parallel sizes (Megatron-LM's
+# handle_experts_in_state_dict keys experts by their global index): the same experts, the same optimizer state
+LOAD_EP = {"deepseek_v3_ep2": (1, 4), "mixtral_8x7b_ep2": (1,)}
 # recipes whose flags Megatron-LM core_r0.16 does not have
 SINCE_019 = {"recommended_nccl_ub_fine_grained"}
 # published flags left out, and why (docs/megatron.md, "Published recipes")
@@ -173,6 +176,24 @@ DROPPED = {
     "--async-save --use-persistent-ckpt-worker": "asynchronous saves: left for the GPU (a checkpoint worker process)",
     "--data-path, --vocab-file, --merge-file, --tensorboard-dir and its --log-*-to-tensorboard":
         "data, tokenizer and logs of NVIDIA's cluster: mock data and the null tokenizer instead",
+    "--tokenizer-model, --data-cache-path, --wandb-*, --profile*, --eval-iters, --eval-interval, "
+    "--save-interval, --load, --save": "NVIDIA's cluster and schedule: the runner's scaled ones instead",
+    # the MoE recipes (DeepSeek-V3, Mixtral)
+    "--multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim "
+    "--rotary-scaling-factor --mscale --mscale-all-dim, and mla_up_proj in --recompute-modules":
+        "Megatron-Core's MLA needs Transformer Engine's attention: the local DotProductAttention takes no "
+        "k_channels (TypeError at build)",
+    "layernorm in --recompute-modules": "its CheckpointWithoutOutput reads Transformer Engine's "
+                                        "FP8GlobalStateManager (NameError without it)",
+    "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep":
+        "DeepEP / HybridEP GPU kernels: alltoall instead, as Megatron's DeepSeek proxy Megatron-FSDP CI case",
+    "--moe-permute-fusion": "Transformer Engine's fused permutation",
+    "--use-flash-attn": "flash-attn's CUDA kernels",
+    "--pipeline-model-parallel-size 4 (Mixtral)":
+        "fsdp_dtensor checkpoints key layers by their index within the stage (state_dict_for_save_checkpoint): "
+        "at PP2 both stages write decoder.layers.0 and the second resumes with the first's (measured); "
+        "Megatron-FSDP itself has no pipeline stages",
+    "--no-load-optim --no-load-rng (Mixtral)": "the script starts from a converted checkpoint; a resume loads both",
 }
 # without CUDA only: Megatron's clipping asserts CUDA gradients; its fused kernels are CUDA's
 CPU_DROPPED = {
@@ -266,6 +287,33 @@ def forward_step(data_iterator, model, *unused, **unused_kwargs):
 
 
 # ------------------------------------------------------------------ one recipe
+def all_experts(state: dict) -> dict:
+    """The full state with each local expert under its global index (the model's local keys renamed as
+    ``handle_experts_in_state_dict`` does), every rank's experts on every rank."""
+    import re
+
+    from megatron.core import parallel_state
+    from megatron.training import get_args
+
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    local = get_args().num_experts // parallel_state.get_expert_model_parallel_world_size()
+
+    def rename(key: str) -> str:
+        return re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{int(m[1]) + ep_rank * local}.", key)
+
+    # the optimizer's fsdp_dtensor state is keyed by global expert index already
+    mine = {"model": {rename(k): v for k, v in state["model"].items()}, "optimizer": state["optimizer"]}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    merged = {"model": {}, "optimizer": {}}
+    for rank_state in gathered:
+        for part in merged:
+            for key, value in rank_state[part].items():
+                merged[part].setdefault(key, value)
+    return merged
+
+
+
 def train(model, optimizer, scheduler) -> int:
     from megatron.core.utils import get_model_config
     from megatron.training import get_args, training
@@ -304,8 +352,18 @@ def run_recipe(name: str, folder: Path) -> list[str]:
         if get_args().iteration != ITERATIONS:
             wrong.append(f"load_checkpoint resumed at iteration {get_args().iteration}, saved at {ITERATIONS}")
         wrong += differences(full_state(model, optimizer), expected)
+        if LOAD_EP.get(name):
+            expected = all_experts(expected)
     finally:
         teardown()
+    for ep in LOAD_EP.get(name, ()):  # the same checkpoint at another expert-parallel size
+        setup(f"{flags} --load {folder / name} --seed 4321 --expert-model-parallel-size {ep}")
+        try:
+            model, optimizer, scheduler = setup_model_and_optimizer()
+            wrong += [f"loaded at EP{ep}: {w}" for w in differences(all_experts(full_state(model, optimizer)),
+                                                                      expected)]
+        finally:
+            teardown()
     return wrong
 
 
