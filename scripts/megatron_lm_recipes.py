@@ -161,6 +161,11 @@ RECIPES = {
 # after the resume, the MoE recipes' checkpoints are loaded again at these expert-parallel sizes (Megatron-LM's
 # handle_experts_in_state_dict keys experts by their global index): the same experts, the same optimizer state
 LOAD_EP = {"deepseek_v3_ep2": (1, 4), "mixtral_8x7b_ep2": (1,)}
+# left out on core_r0.16: flags it does not have (its DeepSeek-V3 script is 0.19's), and --moe-grouped-gemm, for
+# which 0.16's local layers build the legacy GroupedMLP (it needs the grouped_gemm CUDA package; 0.19's local
+# layers build SequentialMLP)
+NOT_IN_016 = (CI_TP2_Z3_019_ONLY, "--megatron-fsdp-grad-comm-dtype bf16 --megatron-fsdp-main-grads-dtype bf16",
+              "--moe-grouped-gemm")
 # recipes whose flags Megatron-LM core_r0.16 does not have
 SINCE_019 = {"recommended_nccl_ub_fine_grained"}
 # published flags left out, and why (docs/megatron.md, "Published recipes")
@@ -331,7 +336,8 @@ def run_recipe(name: str, folder: Path) -> list[str]:
 
     recipe = RECIPES[name]
     if check.megatron_lm_version().startswith("0.16"):
-        recipe = recipe.replace(CI_TP2_Z3_019_ONLY, "")
+        for missing in NOT_IN_016:
+            recipe = recipe.replace(missing, "")
     flags = f"{SCALE} {recipe} --save {folder / name}"
     if not torch.cuda.is_available():
         flags += f" {CPU_FLAGS}"
@@ -393,6 +399,10 @@ def main() -> None:
     results = {}
     with check.cuda_on_the_cpu(), check.cuda_tensors_on_the_cpu():
         import megatron.training.training  # noqa: F401  (imported before the added line, as pretrain_gpt.py does)
+        from megatron.core.transformer.moe import moe_utils
+
+        if not hasattr(moe_utils, "te_general_gemm"):  # 0.16's router reads it, undefined without TE (0.19: None)
+            moe_utils.te_general_gemm = None
         from shardwise.megatron import use_in_megatron
 
         names = use_in_megatron()  # the one added line
