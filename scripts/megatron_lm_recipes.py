@@ -13,7 +13,9 @@ with the reason), every rank runs, with ``use_in_megatron()`` (the one added lin
 3. a fresh ``setup_model_and_optimizer`` with ``--load`` (and another ``--seed``, so that
    nothing equals the trained run's by being initialized alike): Megatron-LM's
    ``load_checkpoint``; every parameter and optimizer-state tensor must equal the trained
-   run's bit for bit, at the saved iteration.
+   run's bit for bit, at the saved iteration;
+4. for the MoE recipes, another fresh load at each expert-parallel size of :data:`LOAD_EP`:
+   every expert (by its global index) and optimizer-state tensor equal to the trained run's.
 
 The training code is Megatron-LM's: from a tree (``--megatron-lm``, core_r0.16 or
 core_r0.19) or, without one, from the megatron-core 0.19 wheel, which carries
