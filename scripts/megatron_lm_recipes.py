@@ -13,7 +13,9 @@ with the reason), every rank runs, with ``use_in_megatron()`` (the one added lin
 3. a fresh ``setup_model_and_optimizer`` with ``--load`` (and another ``--seed``, so that
    nothing equals the trained run's by being initialized alike): Megatron-LM's
    ``load_checkpoint``; every parameter and optimizer-state tensor must equal the trained
-   run's bit for bit, at the saved iteration.
+   run's bit for bit, at the saved iteration;
+4. for the MoE recipes, another fresh load at each expert-parallel size of :data:`LOAD_EP`:
+   every expert (by its global index) and optimizer-state tensor equal to the trained run's.
 
 The training code is Megatron-LM's: from a tree (``--megatron-lm``, core_r0.16 or
 core_r0.19) or, without one, from the megatron-core 0.19 wheel, which carries
@@ -91,6 +93,49 @@ RECIPE_ENV = {"ci_gpt3_tp2_zp_z3_resume_fsdp_dtensor": {
 # core_r0.16.0's own copy of that CI case is the same without these (0.19's flags)
 CI_TP2_Z3_019_ONLY = ("--megatron-fsdp-main-params-dtype fp32 --megatron-fsdp-main-grads-dtype fp32 "
                       "--megatron-fsdp-grad-comm-dtype fp32")
+# examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh (core_r0.19.0), USE_MEGATRON_FSDP=1, scaled: EP2 (EP=8),
+# 4 experts top-2 in 2 groups (256 top-8 in 8), the first layer dense as its first 3 of 61 (MLA: see DROPPED)
+DEEPSEEK_V3 = (
+    "--distributed-timeout-minutes 60 --tensor-model-parallel-size 1 --expert-model-parallel-size 2 "
+    "--expert-tensor-parallel-size 1 --context-parallel-size 1 --use-distributed-optimizer --overlap-grad-reduce "
+    "--overlap-param-gather --use-mcore-models --sequence-parallel --disable-bias-linear "
+    f"--train-samples {8 * ITERATIONS} --exit-duration-in-mins 220 --no-check-for-nan-in-loss-and-grad --manual-gc "
+    "--manual-gc-interval 10 --recompute-granularity selective --recompute-modules mlp moe "
+    "--tokenizer-type NullTokenizer --split 99,1,0 --no-mmap-bin-files --no-create-attention-mask-in-dataloader "
+    "--num-workers 1 --ffn-hidden-size 448 --num-attention-heads 4 --kv-channels 32 --position-embedding-type rope "
+    "--rotary-base 10000 --make-vocab-size-divisible-by 3232 --normalization RMSNorm --norm-epsilon 1e-6 --swiglu "
+    "--untie-embeddings-and-output-weights --attention-dropout 0.0 --hidden-dropout 0.0 "
+    "--clip-grad 1.0 --weight-decay 0.1 --qk-layernorm --lr-decay-samples 12 --lr-warmup-samples 4 "
+    "--lr-warmup-init 3.9e-7 --lr 3.9e-6 --min-lr 3.9e-7 --lr-decay-style cosine --adam-beta1 0.9 --adam-beta2 0.95 "
+    "--num-experts 4 --moe-layer-freq [0]*1+[1]*1 --moe-ffn-hidden-size 64 --moe-shared-expert-intermediate-size 64 "
+    "--moe-router-load-balancing-type seq_aux_loss --moe-router-topk 2 --moe-token-dispatcher-type alltoall "
+    "--moe-router-pre-softmax --moe-grouped-gemm --moe-aux-loss-coeff 1e-4 --moe-router-group-topk 1 "
+    "--moe-router-num-groups 2 --moe-router-topk-scaling-factor 2.5 --moe-router-score-function sigmoid "
+    "--moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3 --moe-router-dtype fp32 "
+    "--moe-router-force-load-balancing --mtp-num-layers 1 "
+    "--mtp-loss-scaling-factor 0.1 --auto-detect-ckpt-format --dist-ckpt-strictness log_all --init-method-std 0.02 "
+    "--log-num-zeros-in-grad --log-params-norm --log-throughput --logging-level 40 --bf16 --enable-experimental "
+    "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --no-gradient-accumulation-fusion "
+    "--calculate-per-token-loss --init-model-with-meta-device --ckpt-format fsdp_dtensor --fsdp-double-buffer "
+    "--use-nccl-ub --megatron-fsdp-grad-comm-dtype bf16 --megatron-fsdp-main-grads-dtype bf16"
+)
+# examples/mixtral/train_mixtral_8x7b_distributed.sh (core_r0.19.0) with the docs' recommended Megatron-FSDP flags
+# (NVIDIA publishes no Mixtral Megatron-FSDP script), scaled: 4 experts top-2 (8), EP2 (8), PP1 (4: see DROPPED)
+MIXTRAL_8X7B = (
+    "--use-mcore-models --disable-bias-linear --ffn-hidden-size 448 --num-attention-heads 4 --init-method-std 0.01 "
+    "--attention-dropout 0.0 --hidden-dropout 0.0 --normalization RMSNorm --position-embedding-type rope --swiglu "
+    "--untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2 --no-masked-softmax-fusion "
+    "--no-position-embedding --rotary-base 1000000 "
+    "--num-experts 4 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "
+    "--moe-grouped-gemm --moe-token-dispatcher-type alltoall --overlap-param-gather --overlap-grad-reduce "
+    "--tokenizer-type NullTokenizer --split 99990,8,2 "
+    f"--lr 1e-4 --train-iters {ITERATIONS} --lr-decay-iters 320000 --lr-decay-style cosine --min-lr 1.0e-5 "
+    "--weight-decay 0.1 --lr-warmup-iters 500 --clip-grad 1.0 --bf16 "
+    "--tensor-model-parallel-size 1 --expert-model-parallel-size 2 --use-distributed-optimizer --sequence-parallel "
+    "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ckpt-format fsdp_dtensor "
+    "--no-gradient-accumulation-fusion --init-model-with-meta-device --calculate-per-token-loss "
+    "--grad-reduce-in-bf16 --fsdp-double-buffer"
+)
 RECIPES = {
     "llama3_8b_zero3": f"{LLAMA3_8B} --data-parallel-sharding-strategy optim_grads_params",
     "llama3_8b_zero2": f"{LLAMA3_8B} --data-parallel-sharding-strategy optim_grads",
@@ -112,7 +157,17 @@ RECIPES = {
                                         "--megatron-fsdp-enable-fine-grained-param-gather",
     "llama3_8b_zero3_nccl_ub": f"{LLAMA3_8B} --data-parallel-sharding-strategy optim_grads_params "
                                "--use-nccl-ub --fsdp-manual-registration",
+    "deepseek_v3_ep2": DEEPSEEK_V3,
+    "mixtral_8x7b_ep2": MIXTRAL_8X7B,
 }
+# after the resume, the MoE recipes' checkpoints are loaded again at these expert-parallel sizes (Megatron-LM's
+# handle_experts_in_state_dict keys experts by their global index): the same experts, the same optimizer state
+LOAD_EP = {"deepseek_v3_ep2": (1, 4), "mixtral_8x7b_ep2": (1,)}
+# left out on core_r0.16: flags it does not have (its DeepSeek-V3 script is 0.19's), and --moe-grouped-gemm, for
+# which 0.16's local layers build the legacy GroupedMLP (it needs the grouped_gemm CUDA package; 0.19's local
+# layers build SequentialMLP)
+NOT_IN_016 = (CI_TP2_Z3_019_ONLY, "--megatron-fsdp-grad-comm-dtype bf16 --megatron-fsdp-main-grads-dtype bf16",
+              "--moe-grouped-gemm")
 # recipes whose flags Megatron-LM core_r0.16 does not have
 SINCE_019 = {"recommended_nccl_ub_fine_grained"}
 # published flags left out, and why (docs/megatron.md, "Published recipes")
@@ -128,11 +183,35 @@ DROPPED = {
     "--async-save --use-persistent-ckpt-worker": "asynchronous saves: left for the GPU (a checkpoint worker process)",
     "--data-path, --vocab-file, --merge-file, --tensorboard-dir and its --log-*-to-tensorboard":
         "data, tokenizer and logs of NVIDIA's cluster: mock data and the null tokenizer instead",
+    "--tokenizer-model, --data-cache-path, --wandb-*, --profile*, --eval-iters, --eval-interval, "
+    "--save-interval, --load, --save": "NVIDIA's cluster and schedule: the runner's scaled ones instead",
+    # the MoE recipes (DeepSeek-V3, Mixtral)
+    "--multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim "
+    "--rotary-scaling-factor --mscale --mscale-all-dim, and mla_up_proj in --recompute-modules":
+        "Megatron-Core's MLA needs Transformer Engine's attention: the local DotProductAttention takes no "
+        "k_channels (TypeError at build)",
+    "layernorm in --recompute-modules": "its CheckpointWithoutOutput reads Transformer Engine's "
+                                        "FP8GlobalStateManager (NameError without it)",
+    "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep":
+        "DeepEP / HybridEP GPU kernels: alltoall instead, as Megatron's DeepSeek proxy Megatron-FSDP CI case",
+    "--moe-permute-fusion": "Transformer Engine's fused permutation",
+    "--use-flash-attn": "flash-attn's CUDA kernels",
+    "--pipeline-model-parallel-size 4 (Mixtral)":
+        "fsdp_dtensor checkpoints key layers by their index within the stage (state_dict_for_save_checkpoint): "
+        "at PP2 both stages write decoder.layers.0 and the second resumes with the first's (measured); "
+        "Megatron-FSDP itself has no pipeline stages",
+    "--no-load-optim --no-load-rng (Mixtral)": "the script starts from a converted checkpoint; a resume loads both",
 }
 # without CUDA only: Megatron's clipping asserts CUDA gradients; its fused kernels are CUDA's
-CPU_DROPPED = {"--clip-grad 1.0": "Megatron's clip_grad_norm asserts torch.cuda.FloatTensor gradients"}
+CPU_DROPPED = {
+    "--clip-grad 1.0": "Megatron's clip_grad_norm asserts torch.cuda.FloatTensor gradients",
+    "--moe-token-dispatcher-type alltoall": "its dispatcher records a CUDA event on the stream "
+                                           "(torch.cpu.Stream.record_event() returns None): allgather instead",
+    "torch.compile of Megatron's jit_fuser functions (the router's expert-bias update)":
+        "inductor reads a GPU's properties; torch._dynamo is turned off, the functions run eagerly",
+}
 CPU_FLAGS = ("--clip-grad 0 --no-masked-softmax-fusion --no-bias-dropout-fusion --no-bias-swiglu-fusion "
-             "--no-bias-gelu-fusion --no-rope-fusion")
+             "--no-bias-gelu-fusion --no-rope-fusion --moe-token-dispatcher-type allgather")
 
 
 # ------------------------------------------------------------------ Megatron-LM's set-up
@@ -215,6 +294,33 @@ def forward_step(data_iterator, model, *unused, **unused_kwargs):
 
 
 # ------------------------------------------------------------------ one recipe
+def all_experts(state: dict) -> dict:
+    """The full state with each local expert under its global index (the model's local keys renamed as
+    ``handle_experts_in_state_dict`` does), every rank's experts on every rank."""
+    import re
+
+    from megatron.core import parallel_state
+    from megatron.training import get_args
+
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    local = get_args().num_experts // parallel_state.get_expert_model_parallel_world_size()
+
+    def rename(key: str) -> str:
+        return re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{int(m[1]) + ep_rank * local}.", key)
+
+    # the optimizer's fsdp_dtensor state is keyed by global expert index already
+    mine = {"model": {rename(k): v for k, v in state["model"].items()}, "optimizer": state["optimizer"]}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    merged = {"model": {}, "optimizer": {}}
+    for rank_state in gathered:
+        for part in merged:
+            for key, value in rank_state[part].items():
+                merged[part].setdefault(key, value)
+    return merged
+
+
+
 def train(model, optimizer, scheduler) -> int:
     from megatron.core.utils import get_model_config
     from megatron.training import get_args, training
@@ -232,7 +338,8 @@ def run_recipe(name: str, folder: Path) -> list[str]:
 
     recipe = RECIPES[name]
     if check.megatron_lm_version().startswith("0.16"):
-        recipe = recipe.replace(CI_TP2_Z3_019_ONLY, "")
+        for missing in NOT_IN_016:
+            recipe = recipe.replace(missing, "")
     flags = f"{SCALE} {recipe} --save {folder / name}"
     if not torch.cuda.is_available():
         flags += f" {CPU_FLAGS}"
@@ -253,8 +360,18 @@ def run_recipe(name: str, folder: Path) -> list[str]:
         if get_args().iteration != ITERATIONS:
             wrong.append(f"load_checkpoint resumed at iteration {get_args().iteration}, saved at {ITERATIONS}")
         wrong += differences(full_state(model, optimizer), expected)
+        if LOAD_EP.get(name):
+            expected = all_experts(expected)
     finally:
         teardown()
+    for ep in LOAD_EP.get(name, ()):  # the same checkpoint at another expert-parallel size
+        setup(f"{flags} --load {folder / name} --seed 4321 --expert-model-parallel-size {ep}")
+        try:
+            model, optimizer, scheduler = setup_model_and_optimizer()
+            wrong += [f"loaded at EP{ep}: {w}" for w in differences(all_experts(full_state(model, optimizer)),
+                                                                      expected)]
+        finally:
+            teardown()
     return wrong
 
 
@@ -276,12 +393,18 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if not torch.cuda.is_available():  # Megatron's jit_fuser (torch.compile) functions run eagerly: see CPU_DROPPED
+        torch._dynamo.config.disable = True
     if opts.recipes is None:
         old = check.megatron_lm_version().startswith("0.16")
         opts.recipes = [name for name in RECIPES if not (old and name in SINCE_019)]
     results = {}
     with check.cuda_on_the_cpu(), check.cuda_tensors_on_the_cpu():
         import megatron.training.training  # noqa: F401  (imported before the added line, as pretrain_gpt.py does)
+        from megatron.core.transformer.moe import moe_utils
+
+        if not hasattr(moe_utils, "te_general_gemm"):  # 0.16's router reads it, undefined without TE (0.19: None)
+            moe_utils.te_general_gemm = None
         from shardwise.megatron import use_in_megatron
 
         names = use_in_megatron()  # the one added line

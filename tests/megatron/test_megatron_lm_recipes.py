@@ -2,7 +2,8 @@
 
 ``scripts/megatron_lm_recipes.py`` runs each recipe (Llama-3 8B from ``examples/megatron_fsdp/`` at
 ZeRO-3/2/1, TP2, HSDP and HFSDP; the docs' recommended Megatron-FSDP flags; Megatron's
-``gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor`` CI case) through Megatron-LM's ``parse_args``,
+``gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor`` CI case; DeepSeek-V3 from ``examples/megatron_fsdp/`` and
+Mixtral 8x7B with the recommended flags, both at EP2, loaded again at EP1 / EP4) through Megatron-LM's ``parse_args``,
 ``setup_model_and_optimizer``, ``train`` (which saves with ``save_checkpoint``) and a fresh
 ``setup_model_and_optimizer`` with ``--load`` (``load_checkpoint``), and checks every parameter
 and optimizer-state tensor bit-equal after the load (docs/megatron.md, "Published recipes").
@@ -80,6 +81,24 @@ def test_swiglu_checkpoint_holds_megatron_fsdps_halves(wheel_run):
         assert sizes[f"{key}_w"] == sizes[f"{key}_v"] == (448, 128), sizes
         optimizer = f"optimizer.state.module.module.module.decoder.layers.{layer}.mlp.linear_fc1.weight"
         assert sizes[f"{optimizer}_w.exp_avg"] == sizes[f"{optimizer}_v.exp_avg_sq"] == (448, 128)
+
+
+def test_moe_checkpoint_holds_every_expert_by_global_index(wheel_run):
+    """DeepSeek-V3 at EP2 (4 experts, 2 per EP rank): Megatron-FSDP's keys, one whole tensor per global expert."""
+    import torch.distributed.checkpoint as dcp
+
+    folder, _ = wheel_run
+    metadata = dcp.FileSystemReader(str(folder / "deepseek_v3_ep2" / "iter_0000002")).read_metadata()
+    sizes = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
+    # layer 1 is the MoE layer (--moe-layer-freq [0]*1+[1]*1); the MTP layer is one too
+    for moe in ("model.module.decoder.layers.1.mlp", "model.module.mtp.layers.0.mtp_model_layer.mlp"):
+        for expert in range(4):  # --moe-ffn-hidden-size 64, --hidden-size 128
+            key = f"{moe}.experts.local_experts.{expert}"
+            assert sizes[f"{key}.linear_fc1.weight_w"] == sizes[f"{key}.linear_fc1.weight_v"] == (64, 128), sizes
+            assert sizes[f"{key}.linear_fc2.weight"] == (128, 64)
+        assert f"{moe}.experts.local_experts.4.linear_fc2.weight" not in sizes
+        assert sizes[f"{moe}.shared_experts.linear_fc2.weight"] == (128, 64)
+        assert sizes[f"{moe}.router.weight"] == (4, 128) and sizes[f"{moe}.router.expert_bias"] == (4,)
 
 
 @pytest.mark.skipif(not TREES, reason="SHARDWISE_MEGATRON_LM (a Megatron-LM tree, e.g. core_r0.16.0) not set; "
