@@ -1,0 +1,69 @@
+"""A simulated world: torch's fake process group at the target size, and FakeTensorMode for the model's tensors.
+
+``simulated_world(world)`` lets one process wrap a model with ``fully_shard`` as rank 0 of ``world`` ranks
+would, without any memory or peer: the process group is torch's ``fake`` backend (collectives return at
+once), and every tensor the model and the engine create is a ``FakeTensor`` (shape, dtype, no storage).
+
+Two things need help, both because every simulated rank is the same program:
+
+* tensors that are real going in stay real (``RealStaysReal``): a ``DeviceMesh`` keeps its rank layout in
+  a real tensor and ``fully_shard``'s rank-consistency check reads it (``tolist()``), which a fake tensor
+  cannot answer;
+* ``torch.distributed.all_gather_object`` returns this rank's object for every rank: the fake backend moves
+  no bytes, and identical ranks would send identical objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["simulated_world", "RealStaysReal"]
+
+
+class RealStaysReal(TorchFunctionMode):
+    """Run an op on real tensors outside fake mode (a mesh's rank tensor); factories and fake inputs stay fake."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _same_object_everywhere(object_list, obj, group=None):
+    object_list[:] = [obj] * len(object_list)
+
+
+@contextlib.contextmanager
+def simulated_world(world: int):
+    """Rank 0 of ``world`` fake ranks, FakeTensorMode on; the default process group is gone again after.
+
+    Refuses to run inside a process that already has a process group (a training worker): torch has one
+    default group per process.
+    """
+    if world < 1:
+        raise ValueError(f"world={world} must be at least 1")
+    if dist.is_initialized():
+        raise RuntimeError("simulated_world needs a process without a process group (torch allows one default "
+                           "group per process); plan before launching, or in a subprocess")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import torch.distributed._tools.fake_collectives  # noqa: F401  (fake kernels of the c10d ops)
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    saved = dist.all_gather_object
+    dist.all_gather_object = _same_object_everywhere
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, RealStaysReal():
+            yield mode
+    finally:
+        dist.all_gather_object = saved
+        dist.destroy_process_group()
