@@ -30,12 +30,13 @@ class LiveBytes(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self.current = self.peak = 0
         self.phase, self.peak_phase = "", ""
-        self.log: list[tuple[str, int]] = []  # (phase, bytes) of each new storage, in order
+        self.log: list[tuple[str, str, int]] = []  # (phase, op, bytes) of each new storage, in order
         self._resize = None
         self.origin: dict[int, str] = {}  # storage -> the op that made it (for explain)
         self.explain = False
         self.at_peak: dict[str, int] = {}
         self.peaks: dict[str, int] = {}  # the peak of each phase
+        self.quiet = 0  # > 0 inside a collective: its backend's own temporaries are not the step's
 
     # ------------------------------------------------------------------ bookkeeping
     def _track(self, t: torch.Tensor, log: bool = True, op: str = "") -> None:
@@ -49,7 +50,7 @@ class LiveBytes(TorchDispatchMode):
         self._refs[key] = weakref.ref(storage, lambda _, k=key: self._free(k))
         self._add(nbytes)
         if log and nbytes:
-            self.log.append((self.phase, nbytes))
+            self.log.append((self.phase, op, nbytes))
 
     def _free(self, key: int) -> None:
         nbytes = self.live.pop(key, 0)
@@ -89,6 +90,8 @@ class LiveBytes(TorchDispatchMode):
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor turn it into ops on local tensors, which are seen here
         out = func(*args, **(kwargs or {}))
+        if self.quiet:
+            return out
         for t in tree_flatten(out)[0]:
             # DTensor's sharding propagation runs ops in a fake mode of its own: those allocate nothing
             if isinstance(t, torch.Tensor) and not t.is_meta and getattr(t, "fake_mode", None) is self._mode_on_entry:
@@ -109,7 +112,7 @@ class LiveBytes(TorchDispatchMode):
                 mode.current -= before
                 mode._add(int(size))
                 if size > before:
-                    mode.log.append((mode.phase, int(size) - before))
+                    mode.log.append((mode.phase, "resize_", int(size) - before))
             return result
 
         torch.UntypedStorage.resize_ = resize_

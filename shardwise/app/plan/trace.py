@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from ...engine.collectives import Collectives
 from ...engine.model_ops import compute_parameters
 from .candidates import Candidate
 from .live_bytes import LiveBytes
@@ -46,6 +47,7 @@ class MemoryTrace:
     extrapolated: bool = False
     at_peak: dict = field(default_factory=dict, repr=False)  # "phase:op" -> bytes live at the peak (explain)
     peaks: dict = field(default_factory=dict, repr=False)
+    before_step: int = 0  # live bytes as the steady step starts (the state it inherits)
 
 
 _ENDS = ("forward", "backward head", "backward top layer", "backward layer 0", "optimizer step")
@@ -78,6 +80,37 @@ def extend(traces: list[MemoryTrace], depths: tuple[int, ...], layers: int) -> M
     phase = max(peaks, key=peaks.get)
     return MemoryTrace(peaks[phase], _line(b.parts, c.parts, parts_keys, steps), b.host + steps * (c.host - b.host),
                        phase, [], True, peaks=peaks)
+
+
+class BackendCollectives(Collectives):
+    """shardwise's collectives, with what the backend allocates inside a call left out of the count.
+
+    NCCL's calls write into the buffers they are given and allocate nothing through torch; gloo's
+    reduce-scatter makes its own temporaries and the one-by-one gather copies an input that shares its
+    output's storage (which every fake storage seems to, having no address). Leaving them out makes a
+    gloo run, the simulation and a GPU run count the same step."""
+
+    def __init__(self, tracker: LiveBytes):
+        self.tracker = tracker
+
+    def _quiet(self, method, *args):
+        self.tracker.quiet += 1
+        try:
+            return method(*args)
+        finally:
+            self.tracker.quiet -= 1
+
+    def gather(self, outs, ins, axis):
+        self._quiet(super().gather, outs, ins, axis)
+
+    def reduce_scatter(self, outs, ins, axis):
+        self._quiet(super().reduce_scatter, outs, ins, axis)
+
+    def all_reduce(self, t, axes, average=True):
+        self._quiet(super().all_reduce, t, axes, average)
+
+    def all_reduce_max(self, t, axes):
+        self._quiet(super().all_reduce_max, t, axes)
 
 
 def is_sharded(model) -> bool:
@@ -136,42 +169,55 @@ def trace_once(source: ModelSource, world: int, cand: Candidate, seq: int, depth
                explain: bool = False) -> MemoryTrace:
     """Wrap ``source`` (at ``depth`` layers; None: whole) as ``cand`` says on rank 0 of ``world`` and trace a step.
     ``explain``: also the live bytes at the peak by the phase and op that made them (slower)."""
+    with simulated_world(world):
+        with unset_fake_temporarily():  # a mesh keeps its rank layout in a real tensor
+            mesh = _mesh(cand)
+        return measure_step(source, mesh, cand, seq, depth, explain)
+
+
+def _mesh(cand: Candidate):
+    import shardwise
+
+    return shardwise.build_dp_mesh(outer=cand.replicas if cand.replicas > 1 else None)
+
+
+def measure_step(source: ModelSource, mesh, cand: Candidate, seq: int, depth: int | None = None,
+                 explain: bool = False) -> MemoryTrace:
+    """Build, wrap and run two steps on ``mesh`` (``None``: the data-parallel mesh ``cand`` names over the
+    default process group), following every storage: the simulation's path, and a real gloo run's."""
     import shardwise
     from ...engine.model_ops import sharded_state
 
-    with simulated_world(world):
-        with unset_fake_temporarily():  # a mesh keeps its rank layout in a real tensor
-            mesh = shardwise.build_dp_mesh(outer=cand.replicas if cand.replicas > 1 else None)
-        tracker = LiveBytes()
-        with tracker:
-            model = source.build(depth, cand.activation_checkpointing)
-            kw = dict(strategy=cand.strategy, unit_modules=source.units(model),
-                      mixed_precision=shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
-                      reshard_after_forward=cand.reshard_after_forward)
-            if cand.replicas > 1:
-                kw["outer_dp_sharding_strategy"] = cand.outer_strategy
-            if cand.offload_fraction:
-                kw["offload_policy"] = shardwise.OffloadPolicy(fraction=cand.offload_fraction)
-            model = shardwise.fully_shard(model, mesh, **kw)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not cand.offload_fraction)
-            inputs = source.inputs(cand.micro_batch, seq)
-            run_step(model, opt, inputs, tracker)  # AdamW's state is made here
-            tracker.reset_peak()
-            saved: dict[int, int] = {}
-            held: dict = {}
-            groups = sharded_state(model).groups
-            tracker.explain = explain
-            layers = source.layer_modules(model) if source.layer_modules else None
-            run_step(model, opt, inputs, tracker, saved, after_step=lambda: held.update(_held(groups, opt)),
-                     layers=layers)
-            peak, phase, log = tracker.peak, tracker.peak_phase, list(tracker.log)
-            peaks = dict(tracker.peaks)
-            at_peak = dict(sorted(tracker.at_peak.items(), key=lambda kv: -kv[1]))
-        host = held.pop("host")
-        parts = {**held, "activations": sum(saved.values())}
-        # on a machine with GPUs the offloaded state is host memory; the simulation kept it beside the rest
-        return MemoryTrace(peak - host, parts, host, phase, log, at_peak=at_peak,
-                           peaks={k: v - host for k, v in peaks.items()})
+    mesh = _mesh(cand) if mesh is None else mesh
+    tracker = LiveBytes()
+    with tracker:
+        model = source.build(depth, cand.activation_checkpointing)
+        kw = dict(strategy=cand.strategy, unit_modules=source.units(model),
+                  mixed_precision=shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+                  reshard_after_forward=cand.reshard_after_forward, collectives=BackendCollectives(tracker))
+        if cand.replicas > 1:
+            kw["outer_dp_sharding_strategy"] = cand.outer_strategy
+        if cand.offload_fraction:
+            kw["offload_policy"] = shardwise.OffloadPolicy(fraction=cand.offload_fraction)
+        model = shardwise.fully_shard(model, mesh, **kw)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not cand.offload_fraction)
+        inputs = source.inputs(cand.micro_batch, seq)
+        layers = source.layer_modules(model) if source.layer_modules else None
+        run_step(model, opt, inputs, tracker, layers=layers)  # AdamW's state is made here
+        tracker.reset_peak()
+        before = tracker.current
+        saved: dict[int, int] = {}
+        held: dict = {}
+        groups = sharded_state(model).groups
+        tracker.explain = explain
+        run_step(model, opt, inputs, tracker, saved, after_step=lambda: held.update(_held(groups, opt)), layers=layers)
+        peak, phase, log, peaks = tracker.peak, tracker.peak_phase, list(tracker.log), dict(tracker.peaks)
+        at_peak = dict(sorted(tracker.at_peak.items(), key=lambda kv: -kv[1]))
+    host = held.pop("host")
+    parts = {**held, "activations": sum(saved.values())}
+    # on a machine with GPUs the offloaded state is host memory; the simulation kept it beside the rest
+    return MemoryTrace(peak - host, parts, host, phase, log, at_peak=at_peak,
+                       peaks={k: v - host for k, v in peaks.items()}, before_step=before - host)
 
 
 def _held(groups, opt) -> dict[str, int]:

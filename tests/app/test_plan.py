@@ -1,0 +1,83 @@
+"""``shardwise plan``: the traced memory against a real gloo run and the reference estimate; the step model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwise.app.plan.candidates import Candidate
+from shardwise.app.plan.model_source import gpt_source
+from shardwise.app.plan.trace import measure_step, trace_memory, trace_once
+from shardwise.models import GPTConfig
+
+# every slot a multiple of the layout's 32-element alignment at 2 and 4 ranks
+TINY = GPTConfig(vocab_size=128, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=32)
+CANDIDATES = [Candidate(micro_batch=2), Candidate(strategy="optim", activation_checkpointing=True),
+              Candidate(reshard_after_forward=False), Candidate(strategy="optim_grads", micro_batch=2)]
+
+
+def _real(cand: Candidate, world_fn=None):
+    torch.manual_seed(0)
+    return measure_step(gpt_source(TINY), None, cand, 32)
+
+
+def _same(fake, real):
+    """Every storage the steady step made (phase, op, bytes, in order), its peak above the state it started
+    with at every moment, and what the engine, AdamW and autograd hold, equal. (The state before the step is
+    compared through its parts: a real run also keeps the tiny tensor of fully_shard's rank-consistency
+    exchange, which the simulation answers without one.)"""
+    assert fake.allocations == real.allocations
+    assert fake.phase == real.phase and fake.peak - fake.before_step == real.peak - real.before_step
+    assert {k: v - fake.before_step for k, v in fake.peaks.items()} == \
+        {k: v - real.before_step for k, v in real.peaks.items()}
+    assert fake.parts == real.parts and fake.host == real.host
+
+
+@pytest.mark.parametrize("cand", CANDIDATES, ids=lambda c: c.label())
+def test_the_simulated_step_allocates_what_a_gloo_run_allocates_at_world_2(cand):
+    from tests.helpers.distributed import run_distributed
+
+    fake = trace_once(gpt_source(TINY), 2, cand, 32)
+    for real in run_distributed(_real, 2, cand):
+        _same(fake, real)
+
+
+@pytest.mark.parametrize("cand", [Candidate(micro_batch=2), Candidate(replicas=2, outer_strategy="optim"),
+                                  Candidate(replicas=2)], ids=lambda c: c.label())
+def test_the_simulated_step_allocates_what_a_gloo_run_allocates_at_world_4(cand):
+    from tests.helpers.distributed import run_distributed
+
+    fake = trace_once(gpt_source(TINY), 4, cand, 32)
+    for real in run_distributed(_real, 4, cand):
+        _same(fake, real)
+
+
+def test_three_shallow_traces_extended_equal_the_whole_trace():
+    deep = GPTConfig(**{**TINY.to_dict(), "n_layers": 7})
+    for cand, extends in ((Candidate(micro_batch=8), True), (Candidate(strategy="optim", micro_batch=4), True),
+                          # checkpointed at this size the peak is at a middle layer: the whole model is traced
+                          (Candidate(micro_batch=8, activation_checkpointing=True), False)):
+        whole = trace_memory(gpt_source(deep), 8, cand, 32, exact=True)
+        extended = trace_memory(gpt_source(deep), 8, cand, 32)
+        assert extended.extrapolated == extends
+        assert (extended.peak, extended.phase, extended.parts) == (whole.peak, whole.phase, whole.parts)
+
+
+@pytest.mark.parametrize("size", ["0.9b", "8b"])
+def test_the_trace_agrees_with_the_reference_estimate(size):
+    """The bench's GPT at 2 ranks: the state terms equal ``app/memory.py``'s, and the peak is its peak plus the
+    RoPE tables (model buffers, which the estimate leaves out) and under 64 KiB of per-token scalars."""
+    from shardwise.app.bench.sizes import SIZES, model_config
+    from shardwise.app.memory import estimate_for_run
+
+    s = SIZES[size]
+    config = model_config(s)
+    traced = trace_memory(gpt_source(config), 2, Candidate(micro_batch=s.micro_batch,
+                                                           activation_checkpointing=s.activation_checkpointing), s.seq_len)
+    estimate = estimate_for_run(config, s.seq_len, s.micro_batch, 2)
+    assert traced.extrapolated
+    assert traced.parts["main"] == estimate.parts["main"] and traced.parts["optimizer"] == estimate.parts["optimizer"]
+    rope = 2 * 4 * s.seq_len * config.head_dim // 2
+    assert 0 <= traced.peak - estimate.gpu_bytes - rope < 2**16
+    assert {"0.9b": "backward head", "8b": "backward layer 0"}[size] == traced.phase
+    assert {"0.9b": "loss backward", "8b": "end of backward"}[size] == estimate.phase
