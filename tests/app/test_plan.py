@@ -81,3 +81,63 @@ def test_the_trace_agrees_with_the_reference_estimate(size):
     assert 0 <= traced.peak - estimate.gpu_bytes - rope < 2**16
     assert {"0.9b": "backward head", "8b": "backward layer 0"}[size] == traced.phase
     assert {"0.9b": "loss backward", "8b": "end of backward"}[size] == estimate.phase
+
+
+def test_the_step_model_hides_prefetched_gathers_and_exposes_the_ends():
+    """8b on 8 x H100: a layer hides the next unit's gather (forward) and the previous unit's gather and the
+    next one's reduction (backward). Exposed: the first gather, the head's again at backward's start, and
+    wherever a unit's pass is shorter than what travels beside it: the embedding's lookup (no FLOPs) behind
+    which the first layer gathers and reduces, the last layer behind which the (vocabulary-wide) head gathers.
+    Across nodes the network makes the collectives longer; FP8 compute is faster."""
+    from shardwise.app.plan.hardware import EFFICIENCY, GPUS, Cluster
+    from shardwise.app.plan.model_source import preset_source
+    from shardwise.app.plan.step_time import collective_time, step_time, unit_costs
+
+    src = preset_source("8b", seq=4096)
+    units = unit_costs(src, 4096, True)
+    h100 = GPUS["H100"]
+    one_node = step_time(units, Candidate(activation_checkpointing=True), Cluster(8, 8, h100), 4096, 8)
+    host = EFFICIENCY.host_per_unit_compiled
+    for _, _, compute, ag, rs, exposed in one_node.timeline:
+        assert exposed == max(0.0, ag + rs - max(compute, host))
+    exposed = [(p, u) for p, u, *_, e in one_node.timeline if e > 0]
+    assert exposed == [("forward", "embed"), ("forward", "layers.31"), ("backward", "embed")]
+    first = collective_time("all_gather", 2 * units[0].params, 8, h100.nvlink_bw, h100.nvlink_latency)
+    head = collective_time("all_gather", 2 * units[-1].params, 8, h100.nvlink_bw, h100.nvlink_latency)
+    last = collective_time("reduce_scatter", 4 * units[0].params, 8, h100.nvlink_bw, h100.nvlink_latency)
+    forward_excess = sum(e for p, *_, e in one_node.timeline if p == "forward")
+    backward_excess = sum(e for p, *_, e in one_node.timeline if p == "backward")
+    assert one_node.terms["exposed all-gather"] == pytest.approx(first + head + forward_excess, rel=1e-12)
+    assert one_node.terms["exposed reduce-scatter"] == pytest.approx(last + backward_excess, rel=1e-12)
+    assert one_node.dominant() == "compute"
+    two_nodes = step_time(units, Candidate(activation_checkpointing=True), Cluster(16, 8, h100), 4096, 16)
+    assert two_nodes.terms["exposed all-gather"] > one_node.terms["exposed all-gather"]
+    fp8 = step_time(units, Candidate(activation_checkpointing=True, fp8_gather=True), Cluster(16, 8, h100), 4096, 16)
+    assert fp8.terms["compute"] < two_nodes.terms["compute"]
+
+
+def test_train_refuses_a_run_that_cannot_fit_naming_a_configuration_that_does():
+    from shardwise.app.bench.sizes import SIZES, model_config
+    from shardwise.app.memory import DoesNotFit, estimate_for_run
+    from shardwise.app.plan.fit import check_run
+
+    s = SIZES["8b"]
+    estimate = estimate_for_run(model_config(s), s.seq_len, 2, 1, "optim", activation_checkpointing=False)
+    with pytest.raises(DoesNotFit, match=r"The planner's configuration that fits: --strategy \S+ "
+                                         r"--micro-batch-size \d+.*--offload --offload-fraction") as error:
+        check_run(estimate, gpu_free=79 * 2**30, host_free=2**40)
+    import re
+
+    named = float(re.search(r"fits: .*\(per GPU ([\d.]+) GiB", str(error.value)).group(1))
+    assert named <= 79
+
+
+def test_the_command_plans_a_preset_and_names_what_it_recommends(capsys):
+    from shardwise.app.cli import main
+
+    assert main(["plan", "--preset", "tiny", "--gpus", "4", "--gpus-per-node", "2", "--gpu", "H100", "--seq", "128",
+                 "--global-batch", "8", "--micro-batch", "2", "--no-fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: ZeRO-" in out and "why: " in out and "dominates" in out
+    assert main(["plan", "--preset", "tiny", "--hf-config", "x", "--gpus", "2"]) == 2
+    assert "name one model" in capsys.readouterr().err

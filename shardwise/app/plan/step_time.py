@@ -53,6 +53,7 @@ class UnitCost:
 class StepTime:
     seconds: float
     terms: dict[str, float] = field(default_factory=dict)  # compute, exposed all-gather, ..., host, optimizer
+    timeline: list = field(default_factory=list, repr=False)  # (pass, unit, compute, all-gather, reduce, exposed)
 
     def dominant(self) -> str:
         return max(self.terms, key=self.terms.get)
@@ -98,9 +99,12 @@ def step_time(units: list[UnitCost], cand: Candidate, cluster: Cluster, seq: int
     bwd = [2 * f + (f if u.checkpointed else 0.0) for f, u in zip(fwd, units)]
     terms = {"compute": 0.0, "exposed all-gather": 0.0, "exposed reduce-scatter": 0.0, "host": 0.0}
 
-    def busy(compute: float, comm_ag: float, comm_rs: float) -> None:
+    timeline = []
+
+    def busy(compute: float, comm_ag: float, comm_rs: float, where: tuple = ()) -> None:
         """One unit's pass: compute beside the collectives overlapping it (the excess is exposed)."""
         gpu_time = max(compute, host)
+        timeline.append((*where, compute, comm_ag, comm_rs, max(0.0, comm_ag + comm_rs - gpu_time)))
         terms["compute"] += compute
         terms["host"] += gpu_time - compute
         extra = comm_ag + comm_rs - gpu_time
@@ -116,7 +120,7 @@ def step_time(units: list[UnitCost], cand: Candidate, cluster: Cluster, seq: int
         # forward: the first gather exposed, then unit i computes while unit i + 1 gathers
         terms["exposed all-gather"] += ag(units[0])
         for i in range(n):
-            busy(fwd[i], ag(units[i + 1]) if i + 1 < n else 0.0, 0.0)
+            busy(fwd[i], ag(units[i + 1]) if i + 1 < n else 0.0, 0.0, ("forward", units[i].name))
         # backward, last unit first: it gathers again unless kept from forward
         regather = sharded_params and cand.reshard_after_forward
         if regather:  # post-forward freed it too: backward's first gather has nothing to hide behind
@@ -124,7 +128,7 @@ def step_time(units: list[UnitCost], cand: Candidate, cluster: Cluster, seq: int
         for k, i in enumerate(range(n - 1, -1, -1)):
             prefetch = ag(units[i - 1]) if regather and i > 0 else 0.0
             reduction = rs(units[i + 1], last) if reduce_now and i + 1 < n else 0.0
-            busy(bwd[i], prefetch, reduction)
+            busy(bwd[i], prefetch, reduction, ("backward", units[i].name))
         if reduce_now:
             terms["exposed reduce-scatter"] += rs(units[0], last)
     total_params = sum(u.params for u in units)
@@ -141,7 +145,7 @@ def step_time(units: list[UnitCost], cand: Candidate, cluster: Cluster, seq: int
     elif cand.replicas > 1 and cand.outer_strategy == "optim":  # HFSDP: main shards gathered over replicas
         refresh = collective_time("all_gather", 2 * total_params / inner, cand.replicas, bw_out, lat_out)
     terms["weight refresh"] = refresh
-    return StepTime(sum(terms.values()), terms)
+    return StepTime(sum(terms.values()), terms, timeline)
 
 
 def unit_costs(source, seq: int, checkpointing: bool) -> list[UnitCost]:
