@@ -112,8 +112,11 @@ def test_the_step_model_hides_prefetched_gathers_and_exposes_the_ends():
     assert one_node.dominant() == "compute"
     two_nodes = step_time(units, Candidate(activation_checkpointing=True), Cluster(16, 8, h100), 4096, 16)
     assert two_nodes.terms["exposed all-gather"] > one_node.terms["exposed all-gather"]
-    fp8 = step_time(units, Candidate(activation_checkpointing=True, fp8_gather=True), Cluster(16, 8, h100), 4096, 16)
-    assert fp8.terms["compute"] < two_nodes.terms["compute"]
+    fp8 = step_time(units, Candidate(activation_checkpointing=True, fp8=True), Cluster(16, 8, h100), 4096, 16)
+    gathered8 = step_time(units, Candidate(activation_checkpointing=True, fp8=True, fp8_gather=True),
+                          Cluster(16, 8, h100), 4096, 16)
+    assert fp8.terms["compute"] < two_nodes.terms["compute"] and gathered8.terms["compute"] == fp8.terms["compute"]
+    assert gathered8.terms["exposed all-gather"] < fp8.terms["exposed all-gather"]
 
 
 def test_train_refuses_a_run_that_cannot_fit_naming_a_configuration_that_does():

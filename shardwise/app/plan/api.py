@@ -49,16 +49,24 @@ def plan(model, *, gpus: int, gpus_per_node: int = 8, gpu: str | GpuSpec = "H100
          global_batch: int | None = None, micro_batches: Sequence[int] | None = None, compiled: bool = True,
          offload: bool = False, fp8: bool = True, hybrid: bool = True, calibration: str | Path | None = None,
          unit_modules: Sequence[type | nn.Module] | None = None, inputs: Callable[[int, int], tuple] | None = None,
-         flops_per_token: Callable[[int], float] | None = None, progress=None) -> Plan:
+         flops_per_token: Callable[[int], float] | None = None, strategies: Sequence[str] | None = None,
+         checkpointing: bool | None = None, reshard_after_forward: bool | None = None, progress=None) -> Plan:
     """Per-GPU peak memory, step time, tokens/s/GPU and MFU of every candidate configuration, ranked.
 
     ``global_batch`` (sequences per optimizer step) defaults to one sequence per GPU. ``calibration``: a
-    file ``shardwise plan --calibrate`` wrote (its efficiencies replace the fitted ones).
+    file ``shardwise plan --calibrate`` wrote (its efficiencies replace the fitted ones). ``strategies``,
+    ``checkpointing``, ``reshard_after_forward``: weigh only those (``None``: every choice).
     """
     spec = gpu if isinstance(gpu, GpuSpec) else parse_gpu(gpu)
+    eff = EFFICIENCY
+    if calibration:  # the measured machine replaces the named GPU and the fitted efficiencies
+        eff, measured = load_calibration(calibration)
+        spec = GpuSpec(**measured) if measured else spec
     cluster = Cluster(gpus, min(gpus_per_node, gpus), spec)
     source = resolve_model(model, seq, unit_modules=unit_modules, inputs=inputs, flops_per_token=flops_per_token)
-    eff = load_calibration(calibration)[0] if calibration else EFFICIENCY
     return rank_candidates(source, cluster, seq, global_batch or gpus, compiled=compiled, eff=eff, offload=offload,
                            fp8=fp8, hybrid=hybrid, micro_batches=list(micro_batches) if micro_batches else None,
-                           progress=progress)
+                           progress=progress, only=lambda c: (
+                               (strategies is None or c.strategy in strategies)
+                               and (checkpointing is None or c.activation_checkpointing == checkpointing)
+                               and (reshard_after_forward is None or c.reshard_after_forward == reshard_after_forward)))

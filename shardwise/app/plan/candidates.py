@@ -25,7 +25,8 @@ class Candidate:
     activation_checkpointing: bool = False
     micro_batch: int = 1
     offload_fraction: float = 0.0
-    fp8_gather: bool = False
+    fp8: bool = False  # torchao's FP8 tensorwise linears
+    fp8_gather: bool = False  # and their weights gathered as FP8 bytes (needs fp8)
 
     def label(self) -> str:
         parts = [f"ZeRO-{ZERO[self.strategy]}"]
@@ -37,8 +38,8 @@ class Candidate:
         parts.append(f"mb {self.micro_batch}")
         if self.offload_fraction:
             parts.append(f"offload {self.offload_fraction:g}")
-        if self.fp8_gather:
-            parts.append("FP8 gather")
+        if self.fp8:
+            parts.append("FP8 + FP8 gather" if self.fp8_gather else "FP8")
         return ", ".join(parts)
 
     def as_dict(self) -> dict:
@@ -73,5 +74,10 @@ def candidates(gpus: int, gpus_per_node: int, global_batch: int, *, micro_batche
             for raf in ((True, False) if strategy == "optim_grads_params" else (True,)):
                 for mb in mbs:
                     for frac in ((0.0, 0.5, 1.0) if offload else (0.0,)):
-                        for gather8 in ((False, True) if fp8 and strategy == "optim_grads_params" else (False,)):
-                            yield Candidate(strategy, replicas, outer, raf, ac, mb, frac, gather8)
+                        precisions = [(False, False)]
+                        if fp8:
+                            precisions.append((True, False))
+                            if strategy == "optim_grads_params" and not frac:
+                                precisions.append((True, True))
+                        for f8, gather8 in precisions:
+                            yield Candidate(strategy, replicas, outer, raf, ac, mb, frac, f8, gather8)

@@ -48,8 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     choice = p.add_argument_group("what to weigh")
     choice.add_argument("--eager", action="store_true", help="uncompiled layers (default: compiled)")
     choice.add_argument("--offload", action="store_true", help="also weigh CPU offload (fractions 0.5, 1)")
-    choice.add_argument("--no-fp8", action="store_true", help="leave out FP8 compute with the FP8 gather")
+    choice.add_argument("--no-fp8", action="store_true", help="leave out FP8 compute (with and without the FP8 gather)")
     choice.add_argument("--no-hybrid", action="store_true", help="leave out HSDP / HFSDP")
+    choice.add_argument("--strategy", action="append", choices=["optim_grads_params", "optim_grads", "optim"],
+                        help="weigh only these ZeRO stages (repeatable; HSDP/HFSDP are optim_grads_params)")
+    choice.add_argument("--activation-checkpointing", choices=["on", "off", "both"], default="both")
+    choice.add_argument("--reshard-after-forward", choices=["on", "off", "both"], default="both")
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, default=12, help="rows of the table")
     out.add_argument("--json", action="store_true")
@@ -79,6 +83,10 @@ def _model(args) -> object:
                 ffn=args.ffn_hidden_size, vocab=args.vocab_size, kv_heads=args.num_query_groups)
 
 
+def _choice(value: str) -> bool | None:
+    return {"on": True, "off": False, "both": None}[value]
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.calibrate:
@@ -96,7 +104,9 @@ def main(argv=None) -> int:
         found = plan(_model(args), gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu, seq=args.seq,
                      global_batch=args.global_batch, micro_batches=args.micro_batch, compiled=not args.eager,
                      offload=args.offload, fp8=not args.no_fp8, hybrid=not args.no_hybrid,
-                     calibration=args.calibration)
+                     calibration=args.calibration, strategies=args.strategy,
+                     checkpointing=_choice(args.activation_checkpointing),
+                     reshard_after_forward=_choice(args.reshard_after_forward))
     except ValueError as error:
         print(f"shardwise plan: {error}", file=sys.stderr)
         return 2

@@ -133,8 +133,11 @@ EFFICIENCY = Efficiency(source="fitted to docs/performance.md's 1 x H200 / 2 x H
 
 
 def load_calibration(path: str | Path) -> tuple[Efficiency, dict]:
-    """An ``Efficiency`` and the link numbers a ``--calibrate`` run stored (``calibrate.py``)."""
-    data = json.loads(Path(path).read_text())
+    """An ``Efficiency`` and the ``GpuSpec`` fields a ``--calibrate`` run stored (``calibrate.py``)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"calibration={str(path)!r}: no such file (shardwise plan --calibrate writes one)")
+    data = json.loads(file.read_text())
     eff = replace(EFFICIENCY, **{k: v for k, v in data.get("efficiency", {}).items() if k in asdict(EFFICIENCY)},
                   source=f"calibrated: {path}")
-    return eff, data.get("links", {})
+    return eff, data.get("gpu", {})

@@ -90,8 +90,8 @@ def plan(source: ModelSource, cluster: Cluster, seq: int, global_batch: int, *, 
          headroom: float = HEADROOM, progress: Callable[[str], None] | None = None) -> Plan:
     """Rank every candidate (see :func:`.candidates.candidates`) for ``source`` on ``cluster``.
 
-    Memory is traced once per distinct memory configuration (the FP8 gather is timed, not traced: the
-    compute-dtype buffers are an upper bound for its uint8 ones). ``only`` filters candidates.
+    Memory is traced once per distinct memory configuration (FP8 is timed, not traced: the bf16 model's
+    buffers stand for it, an upper bound for the FP8 gather's uint8 ones). ``only`` filters candidates.
     """
     found = Plan(source.name, cluster, seq, global_batch)
     traces: dict[Candidate, MemoryTrace] = {}
@@ -99,7 +99,7 @@ def plan(source: ModelSource, cluster: Cluster, seq: int, global_batch: int, *, 
                                offload=offload, fp8=fp8, hybrid=hybrid):
         if only is not None and not only(cand):
             continue
-        key = replace(cand, fp8_gather=False)
+        key = replace(cand, fp8=False, fp8_gather=False)
         if key not in traces:
             if progress:
                 progress(f"tracing {key.label()}")

@@ -74,7 +74,7 @@ def step_time(units: list[UnitCost], cand: Candidate, cluster: Cluster, seq: int
     per_rank = global_batch // cluster.gpus
     micro = max(1, per_rank // cand.micro_batch)
     tokens = cand.micro_batch * seq
-    rate = gpu.bf16_flops * eff.matmul * (eff.fp8_speedup if cand.fp8_gather else 1.0)
+    rate = gpu.bf16_flops * eff.matmul * (eff.fp8_speedup if cand.fp8 else 1.0)
     elementwise = (eff.elementwise_compiled if compiled else eff.elementwise_eager) / gpu.hbm_bw
     host = eff.host_per_unit_compiled if compiled else eff.host_per_unit_eager
     inner = cluster.gpus // cand.replicas
