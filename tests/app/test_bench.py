@@ -279,11 +279,12 @@ def test_unknown_grad_comm_dtype_is_refused():
 
 def test_the_fp32_main_ceiling_runs_beside_the_bf16_one(tmp_path):
     """``none-fp32main``: the no-wrapper ceiling with fp32 main weights, gradients and AdamW state (shardwise's
-    optimizer bytes); same weights and data as ``none``, so the same first loss, and it trains."""
-    runs = run_distributed(_bench_tiny, 2, str(tmp_path), "off", ("none", "none-fp32main"))[0]
-    assert [r["wrapper"] for r in runs] == ["none", "none-fp32main"]
-    assert all(r["status"] == "ok" and r["loss_ok"] is True for r in runs), runs
-    bf16, fp32 = runs
+    optimizer bytes); same weights and data as ``none``, so the same first loss, and it trains. Beside them
+    ``shardwise-bf16main``, shardwise with the bf16 ceiling's recipe, so one job compares both pairs."""
+    runs = run_distributed(_bench_tiny, 2, str(tmp_path), "off", ("none", "none-fp32main", "shardwise-bf16main"))[0]
+    assert [r["wrapper"] for r in runs] == ["none", "none-fp32main", "shardwise-bf16main"]
+    assert all(r["status"] == "ok" for r in runs), [(r["status"], r.get("error"), r.get("loss_ok")) for r in runs]
+    bf16, fp32, shardwise_bf16 = runs
     assert fp32["loss_first"] == bf16["loss_first"]  # the same bf16 forward before any step
     assert fp32["tokens_per_s_per_gpu"] > 0
 

@@ -22,6 +22,8 @@ vendored; :func:`unavailable_reason` says why a wrapper cannot run here.
 
 from __future__ import annotations
 
+import functools
+
 import importlib.util
 from dataclasses import fields
 from typing import Callable
@@ -283,12 +285,14 @@ WRAPPERS: dict[str, Callable] = {
     "shardwise": wrap_shardwise,
     "shardwise-fp8ag": wrap_shardwise,  # with --fp8 tensorwise: shardwise gathering FP8 bytes
     "shardwise-obo": wrap_shardwise_optimizer_in_backward,
+    "shardwise-bf16main": functools.partial(wrap_shardwise, bf16_main=True),  # the ceiling's recipe, against none
     "ddp": wrap_ddp,
     "megatron-fsdp": wrap_megatron_fsdp,
     "none": wrap_none,
     "none-fp32main": wrap_none_fp32_main,
 }
-COMPILES = ("fsdp2", "fsdp2-fp8ag", "shardwise", "shardwise-fp8ag", "shardwise-obo", "ddp", "none", "none-fp32main")  # the wrappers that take compile=
+COMPILES = ("fsdp2", "fsdp2-fp8ag", "shardwise", "shardwise-fp8ag", "shardwise-obo", "shardwise-bf16main", "ddp", "none",
+            "none-fp32main")  # the wrappers that take compile=
 
 
 def unavailable_reason(name: str, device: torch.device, compiled: bool = False, fp8: str = "off") -> str | None:

@@ -24,7 +24,7 @@ def render(found: Plan, top: int = 12) -> str:
     best = found.recommended
     lines.append("")
     if best is not None:
-        parts = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in sorted(best.memory.parts.items(), key=lambda kv: -kv[1])
+        parts = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in sorted(best.memory.parts.items(), key=lambda kv: (-kv[1], kv[0]))
                           if v >= 2**27)
         terms = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in best.time.terms.items() if v >= 5e-4)
         lines += [f"recommended: {best.candidate.label()}",
