@@ -144,3 +144,24 @@ def test_the_command_plans_a_preset_and_names_what_it_recommends(capsys):
     assert "recommended: ZeRO-" in out and "why: " in out and "dominates" in out
     assert main(["plan", "--preset", "tiny", "--hf-config", "x", "--gpus", "2"]) == 2
     assert "name one model" in capsys.readouterr().err
+
+
+def test_calibrate_measures_this_machine_and_plan_reads_it_back(tmp_path):
+    """``--calibrate``: a gloo all-gather line (latency, bandwidth) through the points it timed, a layer's rate,
+    written where asked; ``--calibration`` then plans for that machine in place of a named GPU."""
+    import json
+
+    from shardwise.app.plan.api import plan
+    from shardwise.app.plan.calibrate import calibrate, fit_alpha_beta
+
+    assert fit_alpha_beta([(b, 1e-4 + b / 2 / 5e9) for b in (1e6, 4e6, 16e6)], 2) == pytest.approx((1e-4, 5e9))
+    path = calibrate(tmp_path / "calibration.json")
+    data = json.loads(path.read_text())
+    assert data["gpu"]["nvlink_bw"] > 0 and data["gpu"]["bf16_flops"] > 0
+    assert len(data["measured"]["all_gather_points"]) == 5
+    found = plan(dict(layers=2, hidden=64, heads=4, ffn=128, vocab=128), gpus=2, gpus_per_node=2, seq=32,
+                 global_batch=4, micro_batches=[2], compiled=False, fp8=False, hybrid=False, calibration=path,
+                 strategies=["optim_grads_params"], checkpointing=False, reshard_after_forward=True)
+    assert found.cluster.gpu.name == "cpu (calibrated)" and found.recommended is not None
+    with pytest.raises(ValueError, match="calibration=.*no such file"):
+        plan("tiny", gpus=2, calibration=tmp_path / "missing.json")

@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--calibrate", action="store_true",
                      help="measure this machine's collectives (gloo, 2 processes) and a layer's compute, and store them")
     out.add_argument("--calibration", default=None,
-                     help=f"the calibration file to write (--calibrate) or read (default: {DEFAULT_CALIBRATION} "
-                          "when it exists is NOT read unless named)")
+                     help=f"the file --calibrate writes (default {DEFAULT_CALIBRATION}); without --calibrate, plan "
+                          "for the machine it describes in place of --gpu")
     return p
 
 

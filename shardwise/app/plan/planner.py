@@ -14,6 +14,7 @@ from .candidates import Candidate, candidates as all_candidates
 from .hardware import EFFICIENCY, Cluster, Efficiency
 from .model_source import ModelSource
 from .step_time import StepTime, step_time, unit_costs
+from .simulate import simulated_world
 from .trace import MemoryTrace, trace_memory
 
 __all__ = ["Row", "Plan", "plan", "evaluate", "HEADROOM"]
@@ -94,6 +95,15 @@ def plan(source: ModelSource, cluster: Cluster, seq: int, global_batch: int, *, 
     buffers stand for it, an upper bound for the FP8 gather's uint8 ones). ``only`` filters candidates.
     """
     found = Plan(source.name, cluster, seq, global_batch)
+    with simulated_world(cluster.gpus):  # one simulation for every trace: its meshes are made once
+        _rank(found, source, cluster, seq, global_batch, compiled, eff, offload, fp8, hybrid, micro_batches, only,
+              headroom, progress)
+    found.rows.sort(key=lambda r: (not r.fits, -r.tokens_per_s_per_gpu))
+    return found
+
+
+def _rank(found, source, cluster, seq, global_batch, compiled, eff, offload, fp8, hybrid, micro_batches, only,
+          headroom, progress) -> None:
     traces: dict[Candidate, MemoryTrace] = {}
     for cand in all_candidates(cluster.gpus, cluster.gpus_per_node, global_batch, micro_batches=micro_batches,
                                offload=offload, fp8=fp8, hybrid=hybrid):
@@ -106,5 +116,3 @@ def plan(source: ModelSource, cluster: Cluster, seq: int, global_batch: int, *, 
             traces[key] = trace_memory(source, cluster.gpus, key, seq)
         found.rows.append(evaluate(source, cluster, cand, seq, global_batch, compiled=compiled, eff=eff,
                                    memory=traces[key], headroom=headroom))
-    found.rows.sort(key=lambda r: (not r.fits, -r.tokens_per_s_per_gpu))
-    return found

@@ -24,7 +24,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["simulated_world", "RealStaysReal"]
+__all__ = ["simulated_world", "RealStaysReal", "cached_mesh"]
+
+_ACTIVE: dict = {}  # the simulation this process is in: its world size, fake mode and the meshes built in it
 
 
 class RealStaysReal(TorchFunctionMode):
@@ -52,6 +54,10 @@ def simulated_world(world: int):
     """
     if world < 1:
         raise ValueError(f"world={world} must be at least 1")
+    if _ACTIVE.get("world") == world:  # inside one already (a planner tracing many candidates): reuse it
+        with _ACTIVE["mode"], RealStaysReal():
+            yield _ACTIVE["mode"]
+        return
     if dist.is_initialized():
         raise RuntimeError("simulated_world needs a process without a process group (torch allows one default "
                            "group per process); plan before launching, or in a subprocess")
@@ -66,7 +72,22 @@ def simulated_world(world: int):
         with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True) as mode, RealStaysReal():
             # the engine compares storages' addresses to skip copies; fake ones have none, and torch says so
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            _ACTIVE.update(world=world, mode=mode, meshes={})
             yield mode
     finally:
+        _ACTIVE.clear()
         dist.all_gather_object = saved
         dist.destroy_process_group()
+
+
+def cached_mesh(key, build):
+    """``build()`` once per ``key`` in the current simulation (a mesh's process groups take time to make at a
+    large world size), outside fake mode (a mesh keeps its rank layout in a real tensor)."""
+    meshes = _ACTIVE.get("meshes")
+    if meshes is None:
+        with unset_fake_temporarily():
+            return build()
+    if key not in meshes:
+        with unset_fake_temporarily():
+            meshes[key] = build()
+    return meshes[key]

@@ -17,14 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ...engine.collectives import Collectives
 from ...engine.model_ops import compute_parameters
 from .candidates import Candidate
 from .live_bytes import LiveBytes
 from .model_source import ModelSource
-from .simulate import simulated_world
+from .simulate import cached_mesh, simulated_world
 
 __all__ = ["MemoryTrace", "trace_memory", "trace_once"]
 
@@ -170,8 +169,7 @@ def trace_once(source: ModelSource, world: int, cand: Candidate, seq: int, depth
     """Wrap ``source`` (at ``depth`` layers; None: whole) as ``cand`` says on rank 0 of ``world`` and trace a step.
     ``explain``: also the live bytes at the peak by the phase and op that made them (slower)."""
     with simulated_world(world):
-        with unset_fake_temporarily():  # a mesh keeps its rank layout in a real tensor
-            mesh = _mesh(cand)
+        mesh = cached_mesh((cand.replicas,), lambda: _mesh(cand))
         return measure_step(source, mesh, cand, seq, depth, explain)
 
 
