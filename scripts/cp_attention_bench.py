@@ -1,4 +1,4 @@
-"""One GPU: the attention a context-parallel rank runs, against unsplit causal attention (issue 37, item 5).
+"""One GPU: the attention a context-parallel rank runs, against unsplit causal attention.
 
 A CP rank's attention is its ``seq / cp`` zig-zag queries against the whole sequence's keys and values
 (``shardwise.models.context_parallel.attend_gathered``: each query chunk against the keys before it,

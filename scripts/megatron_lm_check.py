@@ -5,7 +5,7 @@ Every rank imports ``pretrain_gpt.py`` from the Megatron-LM tree given by
 after those imports, where docs/megatron.md puts the one added line. Then, for each
 command line of :data:`CASES` (a tiny GPT, mock data, Megatron-FSDP with every
 sharding strategy, with and without ``--use-cpu-initialization``, with
-``--overlap-grad-reduce --overlap-param-gather``, HSDP), Megatron-LM's own:
+``--overlap-grad-reduce --overlap-param-gather``, HSDP, NCCL user buffers), Megatron-LM's own:
 
 1. ``parse_args`` + ``validate_args`` + ``set_global_variables`` on ``pretrain_gpt.py``'s
    command line, ``_initialize_distributed`` (model-parallel groups from the arguments)
@@ -73,6 +73,9 @@ CASES = {
     "zero1_overlap": f"--data-parallel-sharding-strategy optim {OVERLAP} --use-cpu-initialization",
     "zero0": "--data-parallel-sharding-strategy no_shard",
     "hsdp_overlap": f"{ZERO3} --num-distributed-optimizer-instances 2 {OVERLAP}",
+    # NCCL user buffers, as every published Megatron-FSDP configuration has them (0.19 turns on
+    # --fsdp-manual-registration and --fsdp-double-buffer with --use-nccl-ub itself; 0.16 needs the first)
+    "zero3_nccl_ub": f"{ZERO3} {OVERLAP} --use-nccl-ub --fsdp-manual-registration --fsdp-double-buffer",
 }
 
 

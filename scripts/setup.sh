@@ -65,3 +65,6 @@ fi
 
 echo "setup: installing shardwise (editable, with the test extra) into .venv"
 pip_install -e ".[test]"
+# torchtitan's model code and FSDP recipe for tests/clients/test_torchtitan.py, without its requirements
+# (wandb, datasets, torchdata, ...: see the test extra in pyproject.toml); never replaces torch
+pip_install --no-deps "torchtitan==0.3.0"

@@ -13,8 +13,10 @@
 * :mod:`.launch`: local worker processes watched like torchrun, error lines;
 * :mod:`.ckpt`: ``shardwise ckpt`` (info, verify, export);
 * :mod:`.bench`: ``shardwise bench`` (shardwise against FSDP2, DDP and
-  megatron-fsdp), plus the checkpoint benchmark (:mod:`.bench.checkpoint`)
-  and the ``--init-from`` load benchmark (:mod:`.bench.hf_load`).
+  megatron-fsdp); the stand-alone benchmarks live in the repository's
+  ``benchmarks/`` folder (``python -m benchmarks.<name>``);
+* :mod:`.memory`, :mod:`.pipeline_memory` and :mod:`.pipeline_order`: a run's memory estimate,
+  a pipeline rank's, and the order torch's pipeline schedules run a rank's chunks in.
 
 The library (``shardwise``'s engine modules, ``checkpoint/``, ``hf/``,
 ``megatron/``, ``models/``) never imports from here.

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, replace
 
 from .config import TrainConfig
 
-__all__ = ["LRSchedule", "lr_schedule", "resumed_schedule", "lr_at"]
+__all__ = ["LRSchedule", "lr_schedule", "resumed_schedule"]
 
 
 @dataclass(frozen=True)
@@ -93,9 +93,4 @@ def resumed_schedule(saved: LRSchedule | None, cfg: TrainConfig, step: int) -> L
     if step < saved.warmup_end and step < fresh.warmup_end:  # still warming up: go on to the peak
         return replace(fresh, start=step, start_lr=lr_now, note=note)
     return replace(fresh, start=step, start_lr=lr_now, warmup_end=step, top=lr_now, note=note)
-
-
-def lr_at(cfg: TrainConfig, step: int) -> float:
-    """The learning rate of a new run at ``step`` (1-based)."""
-    return lr_schedule(cfg)(step)
 

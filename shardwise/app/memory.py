@@ -1,4 +1,4 @@
-"""Memory of a training run of the reference GPT, estimated before launch (issue 13 item 5).
+"""Memory of a training run of the reference GPT, estimated before launch.
 
 ``estimate_for_run`` adds the model's activations (:func:`activation_bytes`)
 to the engine's buffers (:mod:`shardwise.app.memory_estimate`) at the moments of one step

@@ -21,7 +21,7 @@ under ``no_sync``). On top, per micro-batch of each local stage
   the stage is set up, and keeps them; they count for every micro-batch.
 
 The schedule decides how many chunks are in flight at once
-(:mod:`shardwise.engine.pipeline_order`); the peak is the heaviest such moment plus one
+(:mod:`shardwise.app.pipeline_order`); the peak is the heaviest such moment plus one
 layer's backward working set (or the loss backward's, on the last stage).
 ``return_outputs=True`` (``schedule.step``'s default) also keeps every
 micro-batch's logits on the last stage until the step returns them.
@@ -36,7 +36,7 @@ import torch
 
 from .memory_estimate import MemoryEstimate, combine, state_phases
 from ..models import GPTConfig, stage_indices, stage_layer_counts
-from ..engine.pipeline_order import in_flight_peak, rank_order
+from .pipeline_order import in_flight_peak, rank_order
 from .memory import _DTYPES, OPTIMIZER_TEMPS, activation_bytes, gpt_units
 
 __all__ = ["StageActivations", "stage_activations", "estimate_pipeline_rank", "estimate_pipeline"]

@@ -81,7 +81,7 @@ RENDEZVOUS_S = 600.0  # how long ranks may take to meet at start (imports, data)
 
 def _pipeline_estimates(cfg: TrainConfig, model_cfg: GPTConfig, world: int, fused: bool) -> tuple[list, str]:
     """Each pipeline rank's memory estimate for ``--pp`` (shardwise.app.pipeline_memory), or ``([], why not)``."""
-    from ..engine.pipeline_order import PIPELINE_SCHEDULES
+    from .pipeline_order import PIPELINE_SCHEDULES
     from .pipeline_memory import estimate_pipeline
     from .pipeline_train import parse_split, schedule_name
 
@@ -110,7 +110,7 @@ def _pipeline_estimate(cfg: TrainConfig, model_cfg: GPTConfig, world: int, fused
 def _fused(cfg: TrainConfig, device_type: str) -> bool:
     """AdamW's fused kernel on the GPU (no temporaries; it takes the clipping factor) and for offloaded
     state, where torch's default CPU AdamW is a per-tensor loop 3.4x slower (python -m
-    shardwise.app.bench.cpu_adam, docs/performance.md); the default on CPU runs."""
+    benchmarks/cpu_adam.py, docs/performance.md); the default on CPU runs."""
     return bool(cfg.offload) or device_type == "cuda"
 
 

@@ -71,7 +71,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from ..engine.model_ops import sharded_state
+from ..engine.model_ops import sharded_state, sharding_plan
 from .integrity import read_dcp_metadata
 from .rng_state import capture_rng_state, restore_rng_state
 
@@ -172,7 +172,7 @@ def describe_model(model: nn.Module) -> dict:
     """JSON-friendly facts: tensors (shape, dtype, kind), tied aliases, mesh and placements."""
     from ..engine.placements import STRATEGY_PLACEMENTS, describe
 
-    plan = sharded_state(model_parts(model)[0]).plan
+    plan = sharding_plan(model_parts(model)[0])
     tensors, aliases = model_tensors(model)
     params = {_clean(n): p for part in model_parts(model) for n, p in part.named_parameters()}
     described = {}

@@ -27,7 +27,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOp
 
 from .mesh import AxisGroup
 
-__all__ = ["StagingPool", "StaticStagingPool", "StreamSet", "Collectives", "gather_pieces", "reduce_scatter_pieces", "all_reduce_chain",
+__all__ = ["StagingPool", "GraphSafeStagingPool", "StreamSet", "Collectives", "gather_pieces", "reduce_scatter_pieces", "all_reduce_chain",
            "all_reduce_max", "InFlight"]
 
 
@@ -67,7 +67,7 @@ class StagingPool:
         self._free = {}
 
 
-class StaticStagingPool(StagingPool):
+class GraphSafeStagingPool(StagingPool):
     """A staging pool for graph-safe mode: every buffer it ever made stays, and each step gets them back in the
     same order, so a step reads and writes the same addresses as the one before (a CUDA graph replays them).
 
@@ -101,7 +101,7 @@ class StaticStagingPool(StagingPool):
 class StreamSet:
     """The side streams of one sharded model (none on CPU) and its staging buffers.
 
-    ``graph_safe``: the staging buffers are static (``StaticStagingPool``) and the groups keep every buffer
+    ``graph_safe``: the staging buffers are static (``GraphSafeStagingPool``) and the groups keep every buffer
     allocated (``fully_shard(graph_safe=True)``).
     """
 
@@ -110,7 +110,7 @@ class StreamSet:
         self.gather = torch.cuda.Stream(device=device) if self.cuda else None
         self.reduce = torch.cuda.Stream(device=device) if self.cuda else None
         self.graph_safe = graph_safe
-        self.pool = StaticStagingPool() if graph_safe else StagingPool()
+        self.pool = GraphSafeStagingPool() if graph_safe else StagingPool()
 
     @contextlib.contextmanager
     def on(self, stream: "torch.cuda.Stream | None") -> Iterator[None]:
@@ -243,6 +243,9 @@ def all_reduce_max(t: torch.Tensor, axes: Sequence[AxisGroup]) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=axis.group)
 
 
+_NO_POOL = contextlib.nullcontext()  # reusable: entering it allocates nothing and costs nothing
+
+
 class Collectives:
     """How a group's buffers move between placements: the three transitions, one mesh axis at a time.
 
@@ -250,8 +253,14 @@ class Collectives:
     in another dtype) without touching the groups (an FP8 gather is ``gather`` of
     uint8 slots after one ``all_reduce_max`` of the amaxes, ``quantized_gather``); pass one to
     ``fully_shard(collectives=...)``. The default is the coalesced per-parameter
-    collectives above.
+    collectives above. ``buffers()`` is where the device buffers these collectives read
+    and write come from (``shardwise.engine.nccl_buffers``: a memory pool registered with NCCL).
     """
+
+    def buffers(self) -> contextlib.AbstractContextManager:
+        """The context every device buffer of a group is allocated under (weights, gathered weights, gradients,
+        staging temporaries, a freed buffer taken back): PyTorch's caching allocator, as it is, by default."""
+        return _NO_POOL
 
     def gather(self, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], axis: AxisGroup) -> None:
         """All-gather each ``ins[i]`` over ``axis`` into ``outs[i]`` (rank-major)."""

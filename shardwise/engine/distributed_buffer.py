@@ -107,18 +107,28 @@ class Levels:
     # ------------------------------------------------------------- new buffers
     def empty(self, level: int, dtype: torch.dtype) -> "DistributedBuffer":
         """A buffer of ``level`` on the device, uninitialized (``EMPTY``)."""
-        flat = torch.empty(self.layouts[level].total, dtype=dtype, device=self.device)
-        return DistributedBuffer(self, level, flat, BufferState.EMPTY)
+        return DistributedBuffer(self, level, self.new(self.layouts[level].total, dtype), BufferState.EMPTY)
 
     def zeros(self, level: int, dtype: torch.dtype) -> "DistributedBuffer":
-        flat = torch.zeros(self.layouts[level].total, dtype=dtype, device=self.device)
-        return DistributedBuffer(self, level, flat)
+        return DistributedBuffer(self, level, self.new(self.layouts[level].total, dtype).zero_())
+
+    def new(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat device tensor (uninitialized) from where the collectives want their buffers
+        (``Collectives.buffers``): every device allocation of a group's buffers goes through here,
+        ``take`` or ``DistributedBuffer.alloc``."""
+        with self.collectives.buffers():
+            return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A staging-pool temporary of ``numel`` elements (allocated as :meth:`new` where the pool has no spare)."""
+        with self.collectives.buffers():
+            return self.streams.pool.take(numel, dtype, self.device)
 
     def staged(self, level: int, dtype: torch.dtype, staged: list) -> "DistributedBuffer":
         """A buffer of ``level`` on a staging-pool temporary (appended to ``staged``: it goes back to the
         pool once the compute stream has waited for what reads it)."""
         total = self.layouts[level].total
-        buffer = self.streams.pool.take(total, dtype, self.device)
+        buffer = self.take(total, dtype)
         staged.append(buffer)
         return DistributedBuffer(self, level, buffer[:total], BufferState.EMPTY)
 
@@ -240,7 +250,7 @@ class DistributedBuffer:
     def cast(self, dtype: torch.dtype, staged: list) -> "DistributedBuffer":
         """This buffer cast into a staging-pool temporary (appended to ``staged``)."""
         numel = self.flat.numel()
-        buffer = self.levels.streams.pool.take(numel, dtype, self.levels.device)
+        buffer = self.levels.take(numel, dtype)
         staged.append(buffer)
         source = buffer[:numel]
         source.copy_(self.flat)
@@ -255,7 +265,8 @@ class DistributedBuffer:
     def alloc(self) -> None:
         """Take the storage back (uninitialized) after ``free``."""
         flat = self.flat
-        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        with self.levels.collectives.buffers():
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
         self.state = BufferState.EMPTY
 
     def storage_bytes(self) -> int:
@@ -284,9 +295,9 @@ class DistributedBuffer:
             else:
                 total, dtype = levels.layouts[level - 1].total, views[0].dtype
                 if levels.streams.graph_safe:  # static addresses: the pool's (given back with the flight)
-                    temp = levels.streams.pool.take(total, dtype, levels.device)
+                    temp = levels.take(total, dtype)
                 else:
-                    temp = torch.empty(total, dtype=dtype, device=levels.device)
+                    temp = levels.new(total, dtype)
                 temps.append(temp)
                 out_views = levels.layouts[level - 1].views(temp)
             _move(levels.collectives.gather, *levels.paired(level, out_views, views), levels.axes[level - 1])
@@ -343,7 +354,7 @@ class DistributedBuffer:
                 out, out_views = into.flat, into.views()
             else:
                 total = levels.layouts[level].total
-                buffer = levels.streams.pool.take(total, flat.dtype, levels.device)
+                buffer = levels.take(total, flat.dtype)
                 staged.append(buffer)
                 out = buffer[:total]
                 out_views = levels.layouts[level].views(out)

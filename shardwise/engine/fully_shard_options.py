@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-if TYPE_CHECKING:  # layer 2 types; this module sits in layer 1 beside rank_consistency, which reads it
+if TYPE_CHECKING:  # types only (layer 2 with rank_consistency, which reads it)
     from .collectives import Collectives
     from .offload import OffloadPolicy
     from .placements import AxisPlacements
@@ -34,9 +34,9 @@ class FullyShardOptions:
     strategy: str | int | None = None
     outer_dp_sharding_strategy: str | None = None
     unit_modules: Iterable[UnitSpec] | UnitSpec | None = None
-    mixed_precision: MixedPrecisionPolicy | None = None
+    mixed_precision: MixedPrecisionPolicy | None = None  # the engine's policy (torch's mp_policy translated)
     init_fn: Callable[[nn.Module, torch.device], None] | None = None
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | int | None = None
     prefetch: bool = True
     tp_axis: str = "tp"
     expert_mesh: DeviceMesh | None = None
@@ -48,6 +48,10 @@ class FullyShardOptions:
     offload_policy: OffloadPolicy | None = None
     collectives: Collectives | None = None
     graph_safe: bool = False
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None
+    ignored_params: frozenset | None = None
+    sync_module_states: bool = False
+    check_module_states: bool = True
 
     def must_agree(self) -> dict[str, Any]:
         """The options every rank of a mesh must pass alike that the consistency check does not
@@ -56,4 +60,5 @@ class FullyShardOptions:
 
 
 # Options that change the collectives' schedule or sizes: a rank that differs here hangs or corrupts.
-_AGREED = ("mixed_precision", "reshard_after_forward", "prefetch", "gradient_reduction", "bucket_size", "graph_safe")
+_AGREED = ("mixed_precision", "reshard_after_forward", "prefetch", "gradient_reduction", "bucket_size", "graph_safe",
+           "sync_module_states")

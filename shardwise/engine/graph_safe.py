@@ -2,7 +2,7 @@
 
 A captured graph replays fixed kernels on fixed addresses with no host in the
 loop. Graph-safe mode makes the engine's own part of a step that way (static
-buffers, ``StaticStagingPool``; ``shardwise.engine.cuda_graphs`` captures it); these
+buffers, ``GraphSafeStagingPool``; ``shardwise.engine.cuda_graphs`` captures it); these
 features put the host or data-dependent sizes back into the step, so they are
 refused by name when the model is wrapped, never found out at capture.
 """

@@ -23,6 +23,7 @@ from .device import device_for
 from .placements import AxisPlacements
 
 __all__ = [
+    "named_mesh",
     "AxisGroup",
     "ShardingPlan",
     "build_dp_mesh",
@@ -32,6 +33,8 @@ __all__ = [
     "check_mesh_ranks_and_group_ranks_are_consistent",
     "DENSE",
     "EXPERT",
+    "LOCAL_EXPERT",
+    "EXPERT_CHOICES",
     "PLAN_CHOICES",
     "experts_by_mark",
 ]
@@ -110,6 +113,20 @@ def fold_context_parallel(mesh: DeviceMesh, cp_axis: str = "cp", inner_axis: str
             [mesh.size(names.index(n)) for n in names[i + 2:]]
     return DeviceMesh.from_group(groups, mesh.device_type, mesh=mesh.mesh.reshape(shape),
                                  mesh_dim_names=tuple(order))
+
+
+def named_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh`` itself when its axes have names, else the same process groups under FSDP2's reading of an
+    unnamed mesh: 1-D ``("dp_shard",)``, 2-D ``("dp_replicate", "dp_shard")`` (replicate, then shard)."""
+    if mesh.mesh_dim_names is not None:
+        return mesh
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"an unnamed mesh must be 1-D (FSDP) or 2-D (HSDP), got {mesh.ndim}-D; name its axes "
+                         "(mesh_dim_names) to say which are data-parallel")
+    names = ("dp_shard",) if mesh.ndim == 1 else ("dp_replicate", "dp_shard")
+    groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+    return DeviceMesh.from_group(groups if mesh.ndim > 1 else groups[0], mesh.device_type, mesh=mesh.mesh,
+                                 mesh_dim_names=names)
 
 
 def build_expert_mesh(ep: int, device_type: str | None = None, inner_axis: str = "dp_shard", ep_axis: str = "ep") -> DeviceMesh:
@@ -210,9 +227,12 @@ class ShardingPlan:
         ]
         self.opt_axis_names = [a.name for a in opt_axes]
         self._dt_mesh: DeviceMesh | None = None
+        self._local_meshes: dict[frozenset, DeviceMesh] = {}
         self.dp_size = math.prod(a.size for a in self.axes.values())
 
-    def dtensor_spec(self, model_parallel_dims: Mapping[str, int] = {}) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    def dtensor_spec(
+        self, model_parallel_dims: Mapping[str, int] = {}, local_axes: Sequence[str] = ()
+    ) -> tuple[DeviceMesh, tuple[Placement, ...]]:
         """The mesh and placements of a parameter's DTensors (its optimizer placement).
 
         DTensor applies ``Shard`` placements left to right, each one splitting
@@ -221,8 +241,11 @@ class ShardingPlan:
         DTensor's mesh lists its axes in that order: model-parallel, replicated,
         then sharded data-parallel axes. It is the given mesh when that is its
         order already, else the same process groups in the new order.
+        ``local_axes`` are model-parallel axes over which each rank holds a tensor
+        of its own (not a slice of one global tensor): they are left out of the
+        mesh, which then spans only the ranks that share this rank's tensor.
         """
-        mesh = self._dtensor_mesh()
+        mesh = self._dtensor_mesh(frozenset(local_axes))
         out = []
         for name in mesh.mesh_dim_names:
             if name in model_parallel_dims:
@@ -233,7 +256,9 @@ class ShardingPlan:
                 out.append(Replicate())
         return mesh, tuple(out)
 
-    def _dtensor_mesh(self) -> DeviceMesh:
+    def _dtensor_mesh(self, without: frozenset = frozenset()) -> DeviceMesh:
+        if without:
+            return self._local_mesh(without)
         if self._dt_mesh is None:
             names = list(self.mesh_axes)
             sharded = set(self.opt_axis_names)
@@ -253,6 +278,30 @@ class ShardingPlan:
                 )
         return self._dt_mesh
 
+    def _local_mesh(self, without: frozenset) -> DeviceMesh:
+        """The DTensor mesh without the axes in ``without``: this rank's row of the mesh across them (the
+        same process groups as the full mesh's other axes), its axes in the DTensor order."""
+        unknown = sorted(without - set(self.model_parallel))
+        if unknown:
+            raise ValueError(f"local axes {unknown} are not model-parallel axes of this mesh ({list(self.model_parallel)})")
+        mesh = self._local_meshes.get(without)
+        if mesh is None:
+            names = list(self.mesh_axes)
+            table, coordinate = self.mesh.mesh, self.mesh.get_coordinate()
+            for i in reversed(range(len(names))):
+                if names[i] in without:
+                    table = table.select(i, coordinate[i])
+            kept = [n for n in names if n not in without]
+            sharded = set(self.opt_axis_names)
+            order = [n for n in kept if n not in sharded] + [n for n in self.opt_axis_names if n in kept]
+            table = table.permute([kept.index(n) for n in order]).contiguous()
+            groups = [self.mesh.get_group(n) for n in order]
+            mesh = self._local_meshes[without] = DeviceMesh.from_group(
+                groups if len(groups) > 1 else groups[0], self.mesh.device_type, mesh=table,
+                mesh_dim_names=tuple(order),
+            )
+        return mesh
+
     def global_shape(self, local: torch.Size, model_parallel_dims: Mapping[str, int]) -> torch.Size:
         shape = list(local)
         for name, dim in model_parallel_dims.items():
@@ -264,8 +313,15 @@ class ShardingPlan:
 DENSE = "dense"
 """``plan_fn``'s answer for a parameter sharded over ``fully_shard``'s ``mesh``."""
 EXPERT = "expert"
-"""``plan_fn``'s answer for a parameter sharded over ``fully_shard``'s ``expert_mesh``."""
-PLAN_CHOICES = (DENSE, EXPERT)
+"""``plan_fn``'s answer for a parameter sharded over ``fully_shard``'s ``expert_mesh``: one EP rank's slice of
+the experts stacked along dim 0 (its DTensor's global tensor holds every EP rank's experts)."""
+LOCAL_EXPERT = "local_expert"
+"""``plan_fn``'s answer for an expert parameter sharded over ``fully_shard``'s ``expert_mesh`` that is this EP
+rank's own tensor, not a slice of a stacked one (Megatron-Core's ``local_experts.<i>``: a different expert on
+each EP rank): its DTensors leave the ``ep_axis`` out of their mesh, so each is that one tensor sharded over
+the expert-data-parallel ranks, as Megatron-FSDP hands out its experts."""
+EXPERT_CHOICES = (EXPERT, LOCAL_EXPERT)
+PLAN_CHOICES = (DENSE, EXPERT, LOCAL_EXPERT)
 
 
 def experts_by_mark(fqn: str, param: torch.Tensor) -> str:

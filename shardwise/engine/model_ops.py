@@ -4,7 +4,10 @@ A face drives a model that :func:`shardwise.fully_shard` wrapped through these
 functions and the methods ``fully_shard`` adds to the model (``no_sync``,
 ``zero_grad_buffer``, ``mark_weights_modified``, ...). It never reads a
 parameter group's buffers or the hooks' bookkeeping itself, so the engine can
-change those without breaking a face.
+change those without breaking a face: what :func:`sharded_state` returns is an
+opaque handle to a face, whose questions about it (the plan, the groups'
+parameters, where gradients are handed out) are the functions here.
+``tests/test_layering.py`` holds the faces to that.
 """
 
 from __future__ import annotations
@@ -16,15 +19,21 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from .fully_shard import _STATE_ATTR, ShardedState
+from .mesh import ShardingPlan
+from .sharded_module import STATE_ATTR as _STATE_ATTR
+from .sharded_state import ShardedState
 
 __all__ = [
     "ShardedState",
     "sharded_state",
     "is_sharded",
+    "sharding_plan",
+    "parameter_groups",
+    "set_grad_attribute",
+    "add_grad_alias",
     "wait_for_reductions",
     "install_grads",
-    "install_static_grads",
+    "install_graph_safe_grads",
     "zero_grads_in_place",
     "finish_grad_accumulation",
     "split_backward_input",
@@ -54,6 +63,48 @@ def is_sharded(model: nn.Module) -> bool:
     return getattr(model, _STATE_ATTR, None) is not None
 
 
+def sharding_plan(model: nn.Module) -> ShardingPlan:
+    """The model's data-parallel plan (its mesh, and the placements on each axis) as ``fully_shard`` resolved it
+    for the parameters no expert mesh holds: what a checkpoint describes the model by."""
+    return sharded_state(model).plan
+
+
+def parameter_groups(model: nn.Module) -> list[tuple[tuple[nn.Parameter, ...], torch.dtype]]:
+    """``(parameters, compute dtype)`` of each parameter group, in the engine's order (units, then the root).
+
+    The parameters are the model's (the sharded main-weight DTensors an optimizer steps), each in one group;
+    the dtype is the one forward computes in. What Megatron's optimizer lists as ``parameter_groups``.
+    """
+    return [(tuple(g.sharded_params), g.compute_dtype) for g in sharded_state(model).groups]
+
+
+def set_grad_attribute(model: nn.Module, name: str) -> None:
+    """Hand each finished main grad out as ``param.<name>`` instead of ``param.grad``.
+
+    ``"grad"`` (the default) is a copy cast to the main weights' dtype where the main grads have another, as
+    Megatron-FSDP casts; any other name gets the main grads uncast, in their own dtype (Megatron's
+    precision-aware optimizer reads ``.decoupled_grad``), and ``.grad`` stays ``None``.
+    """
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"set_grad_attribute: name={name!r} is not an attribute name (e.g. 'decoupled_grad')")
+    for group in sharded_state(model).groups:
+        group.grad_attr = name
+
+
+def add_grad_alias(model: nn.Module, name: str) -> None:
+    """Declare ``name`` an attribute of the gathered compute parameters that aliases their ``.grad``.
+
+    The engine drops it with ``.grad`` once it has read the gradient, so no full gradient outlives its
+    reduction (Megatron's fused wgrad kernels keep ``.main_grad`` pointing at what they wrote).
+    """
+    if not isinstance(name, str) or not name.isidentifier() or name == "grad":
+        raise ValueError(f"add_grad_alias: name={name!r} is not an attribute name other than 'grad' "
+                         "(e.g. 'main_grad')")
+    for group in sharded_state(model).groups:
+        if name not in group.grad_aliases:
+            group.grad_aliases = group.grad_aliases + (name,)
+
+
 def wait_for_reductions(model: nn.Module) -> None:
     """Wait for every gradient reduction still in flight.
 
@@ -75,7 +126,7 @@ def install_grads(model: nn.Module) -> None:
         unit.install_grads()
 
 
-def install_static_grads(model: nn.Module) -> None:
+def install_graph_safe_grads(model: nn.Module) -> None:
     """Graph-safe mode: point every trainable parameter's ``.grad`` at its gradient buffer again.
 
     A replayed graph writes the step's gradients into the same buffers every time but runs no
@@ -85,7 +136,7 @@ def install_static_grads(model: nn.Module) -> None:
     Groups that have not reduced yet are left alone.
     """
     for group in sharded_state(model).groups:
-        group.install_static_grads()
+        group.install_graph_safe_grads()
 
 
 def zero_grads_in_place(model: nn.Module) -> None:

@@ -52,7 +52,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
@@ -122,11 +122,15 @@ class ShardedPipelineStage(PipelineStage):
                 stage_backward_weight(iter(compute_parameters(self.submod)), bwd_kwargs["param_groups"])
                 reduce_weight_grads(self.submod)
                 return None, None
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            # torch's own stage would take its FSDPModule branch (the submodule is one): FSDP2's no-sync keeps
+            # every micro-batch's gradients unsharded in the compute dtype; no_sync above accumulates them
+            # reduced, in the main grads' dtype
+            return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                  bwd_kwargs["input_values"]), None
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         finish_grad_accumulation(self.submod)
-        super().perform_reduce_grad(grad_scale_factor)  # divides .grad by the micro-batch count
+        self.scale_grads(grad_scale_factor)  # divides .grad by the micro-batch count (not FSDP2's reduce point)
 
     # torch infers shapes (unless given input_args/output_args) with a real forward and
     # backward on the first step: that backward accumulates without finalizing, and what it

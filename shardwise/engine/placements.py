@@ -160,3 +160,45 @@ def describe(placements: Mapping[str, AxisPlacements]) -> str:
         return "S" if isinstance(p, Shard) else "R" if isinstance(p, Replicate) else "P"
 
     return " ".join(f"{axis}[{','.join(short(x) for x in p)}]" for axis, p in placements.items())
+
+
+# Axis names that mean model parallelism wherever they appear: never taken for data-parallel axes by default.
+_MODEL_PARALLEL_NAMES = ("tp", "ep", "pp", "cp", "etp", "expert_tp")
+
+
+def resolve_axis_placements(
+    axis_names: Sequence[str] | None,
+    placements,
+    strategy: StrategyLike | None,
+    outer_dp_sharding_strategy: StrategyLike | None,
+    model_parallel_axes: Sequence[str] = ("tp",),
+) -> dict[str, AxisPlacements]:
+    """Each data-parallel axis's placements from ``fully_shard``'s arguments, for a mesh with these axis names
+    (``None``: the default 1-D ``dp_shard`` mesh). The one resolution the build and the rank-consistency check
+    share. Without ``placements``, a mesh with one data-parallel axis takes ``strategy`` (ZeRO-3 by default) on
+    it, and one with two is hybrid, whatever their names (FSDP2's 2-D mesh: the first axis replicates, HSDP,
+    or takes ``outer_dp_sharding_strategy``; the second takes ``strategy``)."""
+    if placements is not None and (strategy is not None or outer_dp_sharding_strategy is not None):
+        raise ValueError("pass either placements=... or strategy=/outer_dp_sharding_strategy=, not both")
+    if placements is None:
+        outer = outer_dp_sharding_strategy
+        if axis_names is None and outer is not None:
+            raise ValueError(
+                f"outer_dp_sharding_strategy={outer!r} needs a 2-D mesh with axes ('dp_outer', 'dp_shard'); "
+                "pass mesh=shardwise.build_dp_mesh(outer=N)"
+            )
+        chosen = strategy if strategy is not None else 3
+        data = None if axis_names is None else [n for n in axis_names if n not in tuple(model_parallel_axes) + ("cp",)]
+        if data is not None and any(n in _MODEL_PARALLEL_NAMES for n in data):
+            data = None  # an axis named like a model-parallel one that tp_axis/ep_axis do not name: say so later
+        if data is not None and len(data) == 2:
+            return strategy_placements(chosen, outer if outer is not None else "no_shard",
+                                       inner_axis=data[1], outer_axis=data[0])
+        if data is not None and len(data) == 1 and outer is None:
+            return strategy_placements(chosen, inner_axis=data[0])
+        return strategy_placements(chosen, outer)
+    if isinstance(placements, (str, int)):
+        return strategy_placements(placements, inner_axis=axis_names[-1] if axis_names else "dp_shard")
+    if isinstance(placements, Mapping):
+        return normalize_placements(placements)
+    raise TypeError(f"placements={placements!r} must be a strategy name or a dict of axis -> AxisPlacements")

@@ -1,12 +1,20 @@
-"""Mixed-precision policy: which dtype each of the engine's buffers uses."""
+"""Mixed-precision policy: which dtype each of the engine's buffers uses.
+
+shardwise's own ``MixedPrecisionPolicy`` names every buffer; torch FSDP2's
+``MixedPrecisionPolicy`` (``torch.distributed.fsdp``) is accepted as it is by
+``fully_shard(mp_policy=...)`` and read with torch's meaning
+(:func:`from_torch_policy`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
-__all__ = ["MixedPrecisionPolicy"]
+__all__ = ["MixedPrecisionPolicy", "from_torch_policy", "cast_floating"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -17,56 +25,89 @@ class MixedPrecisionPolicy:
 
     param_dtype: dtype of the model weights that forward and backward compute
         with (``None`` keeps each parameter's own dtype).
-    main_params_dtype: dtype of the main weights the optimizer updates.
+    main_params_dtype: dtype of the main weights the optimizer updates
+        (``None``, the default, keeps each parameter's own dtype, as FSDP2 does:
+        a bf16 parameter stays bf16; ``torch.float32`` keeps fp32 main weights
+        for low-precision parameters).
     main_grads_dtype: dtype gradients are accumulated in (and handed to the
-        optimizer in).
+        optimizer in); ``None`` is the main weights' dtype.
     grad_comm_dtype: dtype gradients travel in during reduction
-        (``None`` = ``main_grads_dtype``; bf16 halves the traffic).
-    reduce_dtype: torch FSDP2's name for ``grad_comm_dtype`` (the dtype of the
-        gradient reduce-scatter / all-reduce), so its policies carry over; give
-        one of the two. Unlike torch, leaving both out reduces in
-        ``main_grads_dtype`` (fp32), not in ``param_dtype``.
-    output_dtype, cast_forward_inputs: torch FSDP2's other two fields, not built
-        here (shardwise casts neither the inputs nor the outputs of forward):
-        refused by name unless left out (or ``cast_forward_inputs=False``).
+        (``None`` = the main grads' dtype; bf16 halves the traffic).
+    reduce_dtype: torch FSDP2's name for ``grad_comm_dtype``; give one of the
+        two. (torch's own policy class, whose ``reduce_dtype=None`` means
+        ``param_dtype``, is read with that meaning by ``fully_shard``.)
+    output_dtype: forward's floating outputs of every unit are cast to it
+        (``None``: left as computed).
+    cast_forward_inputs: every unit casts the floating tensors among its
+        forward's inputs to ``param_dtype`` (token ids are left alone).
     """
 
     param_dtype: torch.dtype | None = None
-    main_params_dtype: torch.dtype = torch.float32
-    main_grads_dtype: torch.dtype = torch.float32
+    main_params_dtype: torch.dtype | None = None
+    main_grads_dtype: torch.dtype | None = None
     grad_comm_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
-    cast_forward_inputs: bool | None = None
+    cast_forward_inputs: bool = False
 
     def __post_init__(self):
-        if self.output_dtype is not None:
-            raise NotImplementedError(
-                f"MixedPrecisionPolicy(output_dtype={self.output_dtype}) is not built: shardwise does not cast "
-                "forward's outputs; cast them in the model (or the loss) instead")
-        if self.cast_forward_inputs:
-            raise NotImplementedError(
-                "MixedPrecisionPolicy(cast_forward_inputs=True) is not built: shardwise does not cast forward's "
-                "inputs to param_dtype (token ids need no cast); cast floating inputs yourself, or leave it out")
         if self.reduce_dtype is not None:
             if self.grad_comm_dtype is not None and self.grad_comm_dtype != self.reduce_dtype:
                 raise ValueError(
                     f"MixedPrecisionPolicy(reduce_dtype={self.reduce_dtype}, grad_comm_dtype={self.grad_comm_dtype}): "
                     "two names for the gradient reduction's dtype that disagree; give one")
             object.__setattr__(self, "grad_comm_dtype", self.reduce_dtype)
-        for field in ("param_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
+        for field in ("param_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype", "output_dtype"):
             value = getattr(self, field)
-            if value is None and field in ("param_dtype", "grad_comm_dtype"):
-                continue
-            if value not in _FLOATS:
+            if value is not None and value not in _FLOATS:
                 raise ValueError(
                     f"MixedPrecisionPolicy.{field}={value!r} is not a floating dtype "
                     f"the engine can shard; use one of {[str(d) for d in _FLOATS]}"
                 )
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(f"MixedPrecisionPolicy.cast_forward_inputs={self.cast_forward_inputs!r} must be a bool")
 
     def compute_dtype(self, original: torch.dtype) -> torch.dtype:
         return self.param_dtype or original
 
-    @property
-    def comm_dtype(self) -> torch.dtype:
-        return self.grad_comm_dtype or self.main_grads_dtype
+    def main_dtype(self, original: torch.dtype) -> torch.dtype:
+        """The main weights' dtype for a parameter of dtype ``original``."""
+        return self.main_params_dtype or original
+
+    def main_grad_dtype(self, original: torch.dtype) -> torch.dtype:
+        return self.main_grads_dtype or self.main_dtype(original)
+
+    def comm_dtype(self, original: torch.dtype) -> torch.dtype:
+        return self.grad_comm_dtype or self.main_grad_dtype(original)
+
+    def cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """``(args, kwargs)`` with floating tensors cast to ``param_dtype`` when the policy says so."""
+        if not self.cast_forward_inputs or self.param_dtype is None:
+            return args, kwargs
+        return cast_floating((args, kwargs), self.param_dtype)
+
+    def cast_output(self, output: Any) -> Any:
+        return output if self.output_dtype is None else cast_floating(output, self.output_dtype)
+
+
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with every floating-point tensor cast to ``dtype`` (others untouched)."""
+    def cast(x):
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x
+    return pytree.tree_map(cast, tree)
+
+
+def from_torch_policy(policy: Any) -> MixedPrecisionPolicy:
+    """torch FSDP2's ``MixedPrecisionPolicy`` as the engine's, with torch's meaning.
+
+    FSDP2 keeps each sharded parameter (so the optimizer's weights and grads)
+    in its own dtype, computes in ``param_dtype`` and reduces in
+    ``reduce_dtype``, which ``None`` makes ``param_dtype``.
+    """
+    param_dtype = policy.param_dtype
+    return MixedPrecisionPolicy(
+        param_dtype=param_dtype,
+        grad_comm_dtype=policy.reduce_dtype or param_dtype,
+        output_dtype=policy.output_dtype,
+        cast_forward_inputs=bool(policy.cast_forward_inputs),
+    )

@@ -40,11 +40,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from .fully_shard_options import FullyShardOptions
-from .mesh import EXPERT, PLAN_CHOICES, experts_by_mark
+from .mesh import EXPERT_CHOICES, experts_by_mark
 from .placements import describe as describe_placements
-from .placements import normalize_placements, strategy_placements
+from .placements import resolve_axis_placements
+from .resolution import plan_choice, resolve_units
 
 __all__ = ["check_rank_consistency", "describe", "first_difference", "raise_together"]
 
@@ -148,44 +150,22 @@ def _given_strategy(placements, strategy, outer) -> str:
     return ", ".join(given) + (" (the default, ZeRO-3)" if placements is None and strategy is None else "")
 
 
-def _resolve(mesh, placements, strategy, outer) -> Optional[dict]:
+def _resolve(mesh, placements, strategy, outer, model_parallel_axes=("tp",)) -> Optional[dict]:
     """``fully_shard``'s placement resolution, without raising (``None`` for invalid arguments)."""
-    names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else None
+    names = None
+    if mesh is not None:
+        names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else \
+            (("dp_shard",) if mesh.ndim == 1 else ("dp_replicate", "dp_shard"))
     try:
-        if placements is not None and (strategy is not None or outer is not None):
-            raise ValueError("both given")
-        if placements is None:
-            chosen = strategy if strategy is not None else 3
-            if outer is None and names is not None and len(names) == 1:
-                resolved = strategy_placements(chosen, inner_axis=names[0])
-            else:
-                resolved = strategy_placements(chosen, outer)
-        elif isinstance(placements, (str, int)):
-            resolved = strategy_placements(placements, inner_axis=names[-1] if names else "dp_shard")
-        elif isinstance(placements, Mapping):
-            resolved = normalize_placements(placements)
-        else:
-            raise TypeError(type(placements).__name__)
-        return resolved
+        return resolve_axis_placements(names, placements, strategy, outer, model_parallel_axes)
     except (ValueError, TypeError, IndexError):
         return None
 
 
 def _unit_names(module: nn.Module, unit_modules) -> tuple[str, ...]:
-    if unit_modules is None:
-        return ()
-    specs = [unit_modules] if isinstance(unit_modules, (type, nn.Module)) else list(unit_modules)
-    classes = tuple(s for s in specs if isinstance(s, type))
-    instances = {id(s) for s in specs if isinstance(s, nn.Module)}
-    names = [
-        name
-        for name, sub in module.named_modules()
-        if sub is not module and (id(sub) in instances or (classes and isinstance(sub, classes)))
-    ]
-    found = {id(sub) for _, sub in module.named_modules()}
-    names += [f"<{type(s).__name__} instance outside the model>" for s in specs if isinstance(s, nn.Module) and id(s) not in found]
-    names += [f"<{s!r}>" for s in specs if not isinstance(s, (type, nn.Module))]
-    return tuple(names)
+    """The names of the modules ``fully_shard`` will make units (``resolution.resolve_units``)."""
+    names = {id(m): name for name, m in module.named_modules()}
+    return tuple(names[id(m)] for m in resolve_units(module, unit_modules))
 
 
 def _describe_params(module: nn.Module) -> tuple:
@@ -213,14 +193,8 @@ def _expert_params(module: nn.Module, expert_mesh: Optional[DeviceMesh], plan_fn
     plan_fn = experts_by_mark if plan_fn is None else plan_fn
     if not callable(plan_fn):
         return ()  # fully_shard names the bad argument itself
-    experts = []
-    for name, param in module.named_parameters(remove_duplicate=False):
-        choice = plan_fn(name, param)
-        if not isinstance(choice, str) or choice not in PLAN_CHOICES:
-            raise ValueError(f"plan_fn returned {choice!r} for parameter {name!r}; it must return one of {list(PLAN_CHOICES)}")
-        if choice == EXPERT:
-            experts.append(name)
-    return tuple(experts)
+    return tuple(name for name, param in module.named_parameters(remove_duplicate=False)
+                 if plan_choice(plan_fn, name, param) in EXPERT_CHOICES)
 
 
 def describe(module: nn.Module, options: FullyShardOptions) -> dict:
@@ -246,7 +220,30 @@ def describe(module: nn.Module, options: FullyShardOptions) -> dict:
         "params": _describe_params(module),
         "units": _unit_names(module, o.unit_modules),
         "expert_params": _expert_params(module, o.expert_mesh, o.plan_fn),
+        # Under TP, replicated parameters may differ across the TP group until the build syncs them.
+        "values": () if o.sync_module_states or not o.check_module_states
+        or o.tp_axis in ((o.mesh and o.mesh.mesh_dim_names) or ())
+        else _checksums(module, o.expert_mesh, o.plan_fn),
     }
+
+
+def _checksums(module: nn.Module, expert_mesh, plan_fn) -> tuple:
+    """``(name, sum in float64)`` of every parameter all data-parallel ranks must hold alike: not yet sharded,
+    materialized, and neither a tensor-parallel slice nor an expert (those differ across their ranks by
+    design). One reduction per parameter and one host read for all, so weights loaded on one rank only
+    (FSDP1's ``sync_module_states`` habit) are caught before they are mixed row by row."""
+    experts = set(_expert_params(module, expert_mesh, plan_fn))
+    names, sums, seen = [], [], set()
+    for name, p in module.named_parameters():
+        if (id(p) in seen or p.is_meta or isinstance(p, DTensor) or name in experts
+                or getattr(p, "tensor_model_parallel", False)):
+            continue
+        seen.add(id(p))
+        names.append(name)
+        sums.append(p.detach().sum(dtype=torch.float64))
+    if not sums:
+        return ()
+    return tuple(zip(names, torch.stack(sums).cpu().tolist()))
 
 
 def _digest(description: dict) -> str:
@@ -301,6 +298,11 @@ def first_difference(a: dict, b: dict, ra: int, rb: int) -> Optional[str]:
             if name not in ua:
                 return f"module {name!r} is a unit (unit_modules) on rank {rb} but not on rank {ra}"
         return f"the units are {list(ua)} on rank {ra} but {list(ub)} on rank {rb}"
+    for (name, u), (_, v) in zip(a.get("values", ()), b.get("values", ())):
+        if u != v and not (u != u and v != v):  # NaN sums agree
+            return (f"parameter {name!r} holds other values on rank {rb} than on rank {ra} (sums {v!r} and {u!r}): "
+                    "load the same weights on every rank before fully_shard, or pass sync_module_states=True to "
+                    f"broadcast the first rank's")
     xa, xb = a.get("expert_params", ()), b.get("expert_params", ())
     if xa != xb:
         for name, mine, theirs in [(n, ra, rb) for n in xa if n not in xb] + [(n, rb, ra) for n in xb if n not in xa]:
@@ -401,10 +403,13 @@ def _ep_problem(module: nn.Module, mesh, expert_mesh, tp_axis: str, ep_axis: str
             if mesh is not None and tp_axis in (mesh.mesh_dim_names or ()):
                 dense_dp //= mesh.size(list(mesh.mesh_dim_names).index(tp_axis))
             expert_dp = len(expert) // len(ep_row)
-            if dense_dp % expert_dp:
+            if tp_axis in enames:  # expert tensor parallelism: its TP axis is no data parallelism
+                expert_dp //= expert_mesh.size(enames.index(tp_axis))
+            # (more expert than dense data parallelism is right where expert TP is smaller than TP)
+            if dense_dp % expert_dp and expert_dp % dense_dp:
                 return (
                     f"the expert mesh's data-parallel size {expert_dp} does not divide the dense data-parallel "
-                    f"size {dense_dp}"
+                    f"size {dense_dp}, nor the other way round"
                 )
     for prefix, sub in module.named_modules():
         where = f"module {prefix or '<root>'!r}"

@@ -18,7 +18,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["mark_replaced", "check_optimizer_params"]
+__all__ = ["mark_replaced", "is_replaced", "check_optimizer_params"]
 
 _MARK = "_shardwise_replaced_by"
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()  # -> its groups
@@ -32,6 +32,11 @@ def mark_replaced(param: torch.Tensor, by: str) -> None:
     setattr(param, _MARK, by)
     if _hook is None:
         _hook = register_optimizer_step_pre_hook(_check_at_first_step)
+
+
+def is_replaced(param: torch.Tensor, by: str) -> bool:
+    """Whether ``mark_replaced(param, by)`` marked ``param`` (``"fully_shard"``: an earlier call took its values)."""
+    return getattr(param, _MARK, None) == by
 
 
 def _check_at_first_step(optimizer, args, kwargs) -> None:

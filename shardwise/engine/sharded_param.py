@@ -28,13 +28,16 @@ class ParamRef:
 
     ``model_parallel_dims`` maps a model-parallel mesh axis (``tp``, ``ep``) to
     the dimension along which the local parameter is one slice of the global
-    tensor; the DTensors then describe the global tensor.
+    tensor; the DTensors then describe the global tensor. ``local_axes`` are
+    model-parallel axes over which each rank holds a tensor of its own (a
+    Megatron-Core local expert over ``ep``): its DTensors' mesh leaves them out.
     """
 
     fqn: str
     param: nn.Parameter
     holders: list[tuple[nn.Module, str]]
     model_parallel_dims: dict[str, int] = field(default_factory=dict)
+    local_axes: list[str] = field(default_factory=list)
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -60,7 +63,7 @@ class ShardedParam:
         self.rows = self.shape[0]
         self.pieces: list[RowPiece] = nested_chunks(self.rows, [(a.size, a.index) for a in plan.opt_axes])
         self.global_shape = plan.global_shape(self.shape, ref.model_parallel_dims)
-        self.mesh, self.placements = plan.dtensor_spec(ref.model_parallel_dims)
+        self.mesh, self.placements = plan.dtensor_spec(ref.model_parallel_dims, ref.local_axes)
         self._specs: dict[torch.dtype, DTensorSpec] = {}  # the DTensor face per dtype (dtensor)
 
     @property

@@ -19,6 +19,7 @@ from .backward_steps import BackwardSteps
 from .collectives import InFlight, StreamSet
 from .param_group import ParamGroup
 from .mesh import ShardingPlan
+from .param_adoption import adopt_module_params
 from .unit import Unit
 
 __all__ = ["ShardedState", "opaque_to_compiler"]
@@ -60,6 +61,9 @@ class ShardedState:
 
     def __init__(self, root: Unit, units: list[Unit], plan: ShardingPlan, streams: StreamSet, prefetch: bool):
         self.root = root
+        root.is_root = True
+        for unit in units:
+            unit.is_root = False
         self.units = units
         self.plan = plan
         self.streams = streams
@@ -78,6 +82,14 @@ class ShardedState:
         # A split backward's input pass (a zero-bubble pipeline schedule): the weight gradients come
         # in a later pass, so no unit reduces in this one (see reduce_weight_grads).
         self.defer_reduction = False
+        # Whether this backward came through the root's outputs. A backward that did not (torchtitan's chunked
+        # loss runs one per chunk through the output head alone) reduces only the units it reached.
+        self.root_in_backward = False
+        # FSDP2's set_is_last_backward, kept for what reads it: every backward's end waits for its reductions here
+        self.is_last_backward = True
+        self.post_optim_event = None  # FSDP2's set_post_optim_event: the next gathers wait on it
+        self.hook_handles: list = []  # removed when an ancestor's fully_shard adopts these units
+        self.applying = False  # inside a unit's nn.Module._apply (to_empty, to, ...): adopt once, at the outermost
         # Every hook is opaque to torch.compile, made once: a compiled region that reaches one
         # (the module's forward hooks, autograd's callbacks under a compiled backward) runs it
         # eagerly and whole. The forward hooks shadow the methods, so fully_shard registers these.
@@ -114,6 +126,9 @@ class ShardedState:
     def root_pre_forward(self, module, args, kwargs):
         if _in_backward():
             return args, kwargs
+        self.adopt_module_params()
+        self._wait_post_optim_event()
+        args, kwargs = self._cast_inputs(self.root, args, kwargs)
         for g in self.groups:
             g.refresh_model_weights()
         self.root.start_unshard()
@@ -128,7 +143,14 @@ class ShardedState:
     def root_post_forward(self, module, args, output):
         if _in_backward():
             return output
-        self.root.use_sharded()
+        output = self._cast_output(self.root, output)
+        for unit in self.units:  # a unit some of whose modules did not run (fully_shard([norm, head]), head later)
+            if unit.in_forward:
+                self._end_unit_forward(unit)
+        if self.root.reshard_after_forward:
+            self.root.reshard()
+        else:
+            self.root.use_sharded()
         if not self.order_recorded and self.forward_order:
             self.order_recorded = True
         hooked = torch.is_grad_enabled() and self._hook_outputs(output, self._root_pre_backward_hook)
@@ -138,6 +160,7 @@ class ShardedState:
         return output
 
     def on_root_pre_backward(self, grad):
+        self.root_in_backward = True
         self._queue_final_callback()
         # Another micro-batch's backward may have ended since this forward (a pipeline
         # schedule runs several forwards before their backwards) and freed the root's
@@ -146,57 +169,70 @@ class ShardedState:
             group.finish_unshard()
         if self.prefetch and self.forward_order:
             last = self.forward_order[-1]  # the first unit backward needs: gather it under the loss's backward
-            if last.ran_with_grad and not last.gathered_for_backward:
+            if last.ran_with_grad and not last.gathered_for_backward and last.settings.unshard_in_backward:
                 last.start_unshard()
 
     # ---------------------------------------------------------------- units
     def unit_pre_forward(self, unit: Unit, module, args, kwargs):
         recompute = _in_backward()
+        entering = recompute or not unit.in_forward  # the first of the unit's modules to run in this forward
+        if entering and not recompute:
+            unit.in_forward = True
+            unit.modules_to_run = {id(m) for m in unit.modules}
+        args, kwargs = self._cast_inputs(unit, args, kwargs)
         unit.unshard()
-        if not recompute:
+        if entering and not recompute:
             if not self.order_recorded:
                 if id(unit) not in self._order_index:
                     self._order_index[id(unit)] = len(self.forward_order)
                     self.forward_order.append(unit)
             elif self.prefetch:
-                nxt = self._neighbour(unit, +1)
-                if nxt is not None:
+                for nxt in self._prefetch_targets(unit, forward=True):
                     nxt.start_unshard()
         if torch.is_grad_enabled():
             unit.ran_with_grad = True
             flat, spec = pytree.tree_flatten((args, kwargs))
             positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-            if positions:
+            if positions and entering:
                 outs = _PostBackward.apply(self, unit, recompute, *[flat[i] for i in positions])
                 for i, t in zip(positions, outs):
                     flat[i] = t
                 if not recompute:
                     unit.pending_backward += 1
                 args, kwargs = pytree.tree_unflatten(flat, spec)
-        elif self.grad_forward and not recompute:
+        elif self.grad_forward and entering and not recompute:
             unit.expected_recompute += 1
         return args, kwargs
 
     def unit_post_forward(self, unit: Unit, module, args, output):
+        output = self._cast_output(unit, output)
         if not _in_backward():
-            if unit.reshard_after_forward:
-                unit.reshard()
-            else:
-                unit.use_sharded()
+            unit.modules_to_run.discard(id(module))
+            if unit.in_forward and not unit.modules_to_run:  # the last of the unit's modules to run
+                self._end_unit_forward(unit)
         if torch.is_grad_enabled():
             self._hook_outputs(output, self._unit_pre_backward_hooks[id(unit)])
         return output
 
+    def _end_unit_forward(self, unit: Unit) -> None:
+        unit.in_forward = False
+        unit.modules_to_run = set()
+        if unit.reshard_after_forward:
+            unit.reshard()
+        else:
+            unit.use_sharded()
+
     def on_unit_pre_backward(self, unit: Unit) -> None:
         self._queue_final_callback()
+        if unit.settings.unshard_in_backward:
+            unit.unshard()  # a no-op when still gathered (explicit unshard(), no reshard after forward)
         if unit.gathered_for_backward:
             return
         unit.gathered_for_backward = True
-        unit.unshard()
         if self.prefetch:
-            prev = self._neighbour(unit, -1)
-            if prev is not None and prev.ran_with_grad and not prev.gathered_for_backward:
-                prev.start_unshard()
+            for prev in self._prefetch_targets(unit, forward=False):
+                if prev.ran_with_grad and not prev.gathered_for_backward and prev.settings.unshard_in_backward:
+                    prev.start_unshard()
 
     def on_post_backward(self, unit: Unit, recompute: bool) -> None:
         # A non-reentrant recompute's autograd function never runs backward, so only
@@ -207,15 +243,16 @@ class ShardedState:
             unit.pending_backward -= 1
         if unit.pending_backward > 0 or unit.expected_recompute > 0 or unit.reduced:
             return
-        if not self.defer_reduction:
+        if not self.defer_reduction and unit.settings.requires_gradient_sync:
             self._reduce(unit)
-        unit.reshard()
+        if unit.settings.reshard_after_backward:
+            unit.reshard()
 
     def _reduce(self, unit: Unit) -> None:
         # Let the compute stream catch up with the previous reduction before its
         # flat buffer is released; it has had a whole unit's backward to finish.
         self._land_in_flight()
-        self.in_flight = unit.reduce_grads(finalize=self.sync_grads)
+        self.in_flight = unit.reduce_grads(finalize=self.sync_grads and unit.settings.requires_all_reduce)
 
     def _land_in_flight(self) -> None:
         """Wait for the reductions in flight; step the groups that have a backward optimizer."""
@@ -233,10 +270,29 @@ class ShardedState:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward_callback)
 
     def _finish_backward(self) -> None:
+        whole = self.root_in_backward
+        self.root_in_backward = False
+        self.callback_queued = False
+        if not whole:
+            self._finish_partial_backward()
+            return
         if not self.defer_reduction:
             self._reduce_all()
         self._end_window()
-        self.callback_queued = False
+
+    def _finish_partial_backward(self) -> None:
+        """The end of a backward that did not pass through the root's outputs (a chunked loss's backward
+        through the output head): land what the units it reached reduced, install their grads, and leave
+        every other unit's forward bookkeeping for the backward still to come."""
+        self._land_in_flight()
+        self.backward_steps.join()
+        for unit in self.all_units:
+            if unit.reduced:
+                if self.sync_grads:
+                    unit.install_grads()
+                if unit.settings.reshard_after_backward:
+                    unit.reshard()
+            unit.reset_iteration(keep_forward_counts=True, keep_forward_state=not unit.reduced)
 
     def _reduce_order(self) -> list[Unit]:
         """The units in the order a backward reaches them (reverse forward order; unseen units, then the root)."""
@@ -246,23 +302,27 @@ class ShardedState:
     def _end_window(self) -> None:
         """What ends a backward's reductions: every unit resharded and its iteration counts reset."""
         for unit in self.all_units:
-            unit.reshard()
+            if unit.settings.reshard_after_backward:
+                unit.reshard()
             # Under no_sync other micro-batches' forwards may still await their backward (a
             # pipeline schedule): their counts stay; the step's end (sync) forgets stale ones.
-            unit.reset_iteration(keep_forward_counts=not self.sync_grads)
+            unit.reset_iteration(keep_forward_counts=not (self.sync_grads and unit.settings.requires_gradient_sync))
         self.streams.pool.clear()
 
     def _reduce_all(self) -> None:
         """Reduce every unit holding gradients not yet reduced; wait; install ``.grad`` when syncing."""
         for unit in self._reduce_order():
+            if not unit.settings.requires_gradient_sync:  # FSDP2's no-sync: grads stay unsharded, accumulating
+                continue
             # grads from a forward before the last backward's end count too (pipeline micro-batches)
             if (unit.ran_with_grad or any(g.has_unsharded_grads() for g in unit.groups)) and not unit.reduced:
                 self._reduce(unit)
-            elif not unit.ran_with_grad and self.sync_grads:
+            elif not unit.ran_with_grad and self.sync_grads and unit.settings.requires_all_reduce:
                 self.in_flight.extend(unit.finalize_idle_groups())
         self._land_in_flight()
         self.backward_steps.join()  # every group is stepped before anything reads weights or grads again
-        late = [u.name for u in self.all_units if any(g.has_unsharded_grads() for g in u.groups)]
+        late = [u.name for u in self.all_units if u.settings.requires_gradient_sync
+                and any(g.has_unsharded_grads() for g in u.groups)]
         if late:
             raise RuntimeError(
                 f"gradients reached units {late} after their gradients were reduced in this backward; "
@@ -310,6 +370,42 @@ class ShardedState:
         self.streams.pool.clear()
 
     # ------------------------------------------------------------- helpers
+    def _prefetch_targets(self, unit: Unit, forward: bool) -> list[Unit]:
+        """The units to start gathering once ``unit`` starts: the ones set with FSDP2's
+        ``set_modules_to_{forward,backward}_prefetch``, else the neighbour in the recorded order."""
+        chosen = unit.settings.forward_prefetch if forward else unit.settings.backward_prefetch
+        if chosen is not None:
+            return chosen
+        neighbour = self._neighbour(unit, +1 if forward else -1)
+        return [] if neighbour is None else [neighbour]
+
+    @staticmethod
+    def _cast_inputs(unit: Unit, args, kwargs):
+        policy = unit.settings.policy
+        return (args, kwargs) if policy is None else policy.cast_inputs(args, kwargs)
+
+    @staticmethod
+    def _cast_output(unit: Unit, output):
+        policy = unit.settings.policy
+        return output if policy is None else policy.cast_output(output)
+
+    def _wait_post_optim_event(self) -> None:
+        event, self.post_optim_event = self.post_optim_event, None
+        if event is not None and self.streams.gather is not None:  # CPU: the optimizer step already returned
+            self.streams.gather.wait_event(event)
+
+    def reset_iteration_state(self) -> None:
+        """After a forward or backward that raised: forget the step's bookkeeping and its unreduced grads."""
+        self.in_flight = []
+        self.callback_queued = self.root_in_backward = False
+        for unit in self.all_units:
+            unit.modules_to_run.clear()
+            unit.reshard()
+            unit.reset_iteration()
+            for group in unit.groups:
+                group.discard_unsharded_grads()
+        self.streams.pool.clear()
+
     @staticmethod
     def _hook_outputs(output, hook: Callable) -> bool:
         hooked = False
@@ -318,6 +414,37 @@ class ShardedState:
                 t.register_hook(hook)
                 hooked = True
         return hooked
+
+    def adopt_module_params(self, deep: bool = False, strict_dtype: bool = False) -> None:
+        """Take parameters the user replaced in the modules (``load_state_dict(assign=True)``, ``to_empty``,
+        setattr) into the engine (``param_adoption``) instead of training tensors forward never reads. Every
+        root forward checks identities (cheap); ``deep`` (after ``_apply`` and loads) also storage."""
+        for g in self.groups:
+            adopt_module_params(g, deep, strict_dtype)
+
+    def after_load_state_dict(self) -> None:
+        self.adopt_module_params(deep=True)
+        self.mark_weights_modified()
+
+    def reduce_unit_now(self, unit: Unit) -> None:
+        """FSDP2's ``FSDPParamGroup.post_backward`` called by hand (torch's pipeline stage at its reduce-grad
+        point): reduce what the unit's gathered parameters accumulated."""
+        if any(g.has_unsharded_grads() for g in unit.groups) and not unit.reduced:
+            self._reduce(unit)
+        if unit.settings.reshard_after_backward:
+            unit.reshard()
+
+    def finish_manual_reduction(self) -> None:
+        """After ``reduce_unit_now`` on the units: wait, install ``.grad``, end the window (FSDP2's
+        ``_root_post_backward_final_callback`` called by hand)."""
+        if self.callback_queued:  # inside a backward: its own end does this
+            return
+        self._land_in_flight()
+        self.backward_steps.join()
+        if self.sync_grads:
+            for unit in self.all_units:
+                unit.install_grads()
+        self._end_window()
 
     def mark_weights_modified(self) -> None:
         for g in self.groups:

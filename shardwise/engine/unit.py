@@ -1,12 +1,16 @@
-"""A unit: a module whose parameter groups are gathered, freed and reduced together.
+"""A unit: the module (or modules) whose parameter groups are gathered, freed and reduced together.
 
-The unit keeps the per-iteration bookkeeping the hooks need: how many of its
-forward calls still owe a backward (a module may run twice in one forward),
-whether it was gathered for backward, and whether its gradients were reduced.
+One ``fully_shard`` call makes one unit (``fully_shard([norm, head])``: one
+unit of two modules). The unit keeps the per-iteration bookkeeping the hooks
+need: how many of its forward calls still owe a backward (a module may run
+twice in one forward), whether it was gathered for backward, whether its
+gradients were reduced; and the settings FSDP2's ``FSDPModule`` methods
+change per unit (``UnitSettings``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch.nn as nn
@@ -14,28 +18,64 @@ import torch.nn as nn
 from .collectives import InFlight
 from .param_group import ParamGroup
 
-__all__ = ["Unit"]
+__all__ = ["Unit", "UnitSettings"]
+
+
+@dataclass
+class UnitSettings:
+    """What a unit does at each point of a step; FSDP2's per-module setters change these.
+
+    ``reshard_after_forward`` ``None`` means: after forward unless the unit is its model's root.
+    """
+
+    reshard_after_forward: bool | None = True
+    reshard_after_backward: bool = True
+    requires_gradient_sync: bool = True  # False: grads stay unsharded and accumulate (no communication)
+    requires_all_reduce: bool = True  # False: reduce-scatter, but leave the replicas' all-reduce for later
+    unshard_in_backward: bool = True  # False: backward does not gather the weights (it never reads them)
+    forward_prefetch: list["Unit"] | None = None  # None: the next unit in the recorded forward order
+    backward_prefetch: list["Unit"] | None = None  # None: the previous unit in that order
+    policy: object = None  # the unit's MixedPrecisionPolicy: cast_forward_inputs / output_dtype
+    extra: dict = field(default_factory=dict)
 
 
 class Unit:
-    def __init__(self, name: str, module: nn.Module, groups: Sequence[ParamGroup], reshard_after_forward: bool):
+    def __init__(self, name: str, module: nn.Module | Sequence[nn.Module], groups: Sequence[ParamGroup],
+                 reshard_after_forward: bool | None, settings: UnitSettings | None = None):
         self.name = name or "<root>"
-        self.module = module
+        self.modules = list(module) if isinstance(module, (list, tuple)) else [module]
+        self.module = self.modules[0]
         self.groups = list(groups)
-        self.reshard_after_forward = reshard_after_forward and any(
-            not g.persistent_unsharded for g in self.groups
-        )
+        self.settings = settings or UnitSettings()
+        self.settings.reshard_after_forward = reshard_after_forward
+        self.is_root = False  # the unit whose module is its model's root (set by the state that holds it)
+        # FSDP2's group forward: a unit's forward starts at the first of its modules to run (the weights are
+        # gathered, the backward hook set) and ends after the last (or at the root's forward end)
+        self.in_forward = False
+        self.modules_to_run: set[int] = set()
         self.reset_iteration()
 
-    def reset_iteration(self, keep_forward_counts: bool = False) -> None:
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Whether forward's end frees the gathered weights (never when nothing is sharded)."""
+        setting = self.settings.reshard_after_forward
+        wanted = (not self.is_root) if setting is None else bool(setting)
+        return wanted and any(not g.persistent_unsharded for g in self.groups)
+
+    def reset_iteration(self, keep_forward_counts: bool = False, keep_forward_state: bool = False) -> None:
         """Forget this backward's bookkeeping; ``keep_forward_counts`` keeps what forwards whose
-        backward is still to come owe (several micro-batches in flight, under ``no_sync``)."""
+        backward is still to come owe (several micro-batches in flight, under ``no_sync``);
+        ``keep_forward_state`` also keeps that the unit ran forward with grad (a later backward
+        of the same step still reduces it)."""
         if not keep_forward_counts:
             self.pending_backward = 0  # grad-enabled forward calls whose post-backward has not fired
             # Forwards run without grad inside a grad-enabled root forward: reentrant
             # checkpointing, which re-runs each of them (with grad) inside backward.
             self.expected_recompute = 0
-        self.ran_with_grad = False
+        if not keep_forward_state:
+            self.ran_with_grad = False
+            self.in_forward = False
+            self.modules_to_run = set()
         self.gathered_for_backward = False
         self.reduced = False
 

@@ -29,20 +29,23 @@ from torch.distributed.tensor import DTensor
 from ..engine.model_ops import ShardedState, load_full_state_dict, sharded_state, zero_grads_in_place
 from ..engine.fully_shard import fully_shard
 from ..engine.materialize import MetaInitializer, has_meta_tensors
-from ..engine.mesh import DENSE, EXPERT, default_device_type
+from ..engine.mesh import DENSE, EXPERT, LOCAL_EXPERT, default_device_type
 from ..engine.placements import AxisPlacements
 from ..engine.precision import MixedPrecisionPolicy
 from ..engine.registry import LAYER, module_types
 from .config import OUTER_SHARDING_STRATEGIES, DistributedDataParallelConfig, TransformerConfig
-from .megatron_lm_run import SWIGLU_FSDP_DTENSOR, check_megatron_lm_run
+from .dist_index import attach_checkpoint_attributes, tensor_parallel_attributes
 from .options import UnsupportedMegatronOption
 from .meshes import _DATA_PARALLEL_PLACEMENTS, EP_AXIS, INNER_AXIS, OUTER_AXIS, TP_AXIS
 from .buffer_view import ParamAndGradBufferView
+from .fine_grained import fine_grained_units
+from .nccl_ub import user_buffers
 from .grads import grads_of
 from .main_dtypes import mixed_precision_for
 from .process_groups import group_size
 
-__all__ = ["MegatronFSDPLevel", "_BaseDataParallel", "_ShardedDataParallel", "expert_plan_fn", "is_expert_param", "logger"]
+__all__ = ["MegatronFSDPLevel", "_BaseDataParallel", "_ShardedDataParallel", "expert_plan_fn", "is_expert_param",
+           "local_expert_fqns", "logger", "plan_fn_for"]
 
 # Megatron-Core marks the parameters Megatron-FSDP manages with this attribute; its optimizer
 # (grad-norm, zero counting) then reads their gradients' local shards and reduces the norm over
@@ -161,6 +164,35 @@ def expert_plan_fn(fqn: str, param: torch.Tensor) -> str:
     return EXPERT if is_expert_param(fqn, param) else DENSE
 
 
+def local_expert_fqns(module: nn.Module) -> frozenset[str]:
+    """The parameters of Megatron-Core's expert modules (``...mlp.experts``: ``SequentialMLP``'s
+    ``local_experts.<i>.*``, ``TEGroupedMLP``'s ``weight<i>``), named as in ``module``.
+
+    There each expert is a tensor of its own, and ``local_experts.<i>`` is a different expert on
+    each expert-parallel rank (Megatron-LM's ``handle_experts_in_state_dict`` renames it to
+    ``i + ep_rank x local experts`` when it saves), so it is handed out as Megatron-FSDP hands it
+    out: one tensor sharded over the expert-data-parallel ranks only (:data:`LOCAL_EXPERT`).
+    Other expert modules (shardwise's MoE) stack every EP rank's experts along dim 0.
+    """
+    found = set()
+    for name, sub in module.named_modules():
+        if name.rsplit(".", 1)[-1] == "experts" and type(sub).__module__.startswith("megatron.core."):
+            found.update(f"{name}.{n}" for n, _ in sub.named_parameters(remove_duplicate=False))
+    return frozenset(found)
+
+
+def plan_fn_for(module: nn.Module):
+    """The ``plan_fn`` the face hands ``fully_shard`` for ``module``: :func:`expert_plan_fn`, with
+    Megatron-Core's experts (:func:`local_expert_fqns`) each EP rank's own tensors."""
+    local = local_expert_fqns(module)
+
+    def plan_fn(fqn: str, param: torch.Tensor) -> str:
+        choice = expert_plan_fn(fqn, param)
+        return LOCAL_EXPERT if choice == EXPERT and fqn in local else choice
+
+    return plan_fn
+
+
 def _has_expert_params(module: nn.Module) -> bool:
     """Whether some parameter is an expert weight (what the face puts on the expert mesh)."""
     return any(is_expert_param(name, p) for name, p in module.named_parameters())
@@ -205,21 +237,26 @@ def _model_parallel_sizes(cfg: TransformerConfig, pg) -> _ModelParallelSizes:
 def _unbuilt_model_parallelism(sizes: _ModelParallelSizes, module: nn.Module) -> Optional[tuple[str, int, str]]:
     """``(field, value, why)`` for a tensor/expert-parallel combination the engine cannot shard yet.
 
-    Built: TP alone; EP alone; TP with EP when the experts are whole on each EP
-    rank (``expert_tensor_parallel_size=1``: the dense layers split over ``tp``,
-    the experts over ``ep``, as Megatron runs MoE models); with one EP rank,
-    experts next to TP of the same expert-TP size.
+    Built: TP alone; EP alone; Megatron-Core's expert layers (:func:`local_expert_fqns`) at any expert
+    TP size, with or without EP (their expert mesh has a ``tp`` axis over ``expt_tp``, as
+    Megatron-FSDP's ``[expt_dp, expt_tp]``); other experts (shardwise's MoE, whose experts are
+    stacked and not split by TP) whole on each EP rank (``expert_tensor_parallel_size=1``) next to
+    TP, or, with one EP rank, next to TP of the same expert-TP size.
     """
-    experts = _has_expert_params(module)
-    if experts and sizes.ep > 1 and sizes.expert_tp > 1:
+    experts = [n for n, p in module.named_parameters() if is_expert_param(n, p)]
+    if not experts or set(experts) <= local_expert_fqns(module):
+        return None
+    if sizes.ep > 1 and sizes.expert_tp > 1:
         hint = (f"; next to tensor_model_parallel_size={sizes.tp}, set expert_tensor_parallel_size=1 (whole "
-                "experts on each expert-parallel rank)" if sizes.tp > 1 else "")
+                "experts on each expert-parallel rank)" if sizes.tp > 1 else "; set expert_tensor_parallel_size=1")
         return ("expert_tensor_parallel_size", sizes.expert_tp,
-                "expert tensor parallelism (TP inside the expert mesh) with expert parallelism is not built yet" + hint)
-    if experts and sizes.tp > 1 and sizes.ep == 1 and sizes.expert_tp != sizes.tp:
+                f"expert tensor parallelism (TP inside the expert mesh) of {experts[0]!r} (not a Megatron-Core "
+                "expert layer's: its experts are stacked, not split by TP) is not built yet" + hint)
+    if sizes.tp > 1 and sizes.ep == 1 and sizes.expert_tp != sizes.tp:
         return ("expert_tensor_parallel_size", sizes.expert_tp,
-                f"experts next to tensor_model_parallel_size={sizes.tp} are only built with the same "
-                "expert tensor-parallel size (experts split like the dense layers, over the same TP group)")
+                f"experts other than Megatron-Core's next to tensor_model_parallel_size={sizes.tp} are only built with "
+                f"the same expert tensor-parallel size (experts split like the dense layers, over the same TP group); "
+                f"set expert_tensor_parallel_size={sizes.tp}")
     return None
 
 
@@ -290,24 +327,11 @@ class MegatronFSDPLevel(nn.Module):
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
         """What Megatron-LM saves of an unwrapped chunk: this level's state dict (``module.<model key>``).
 
-        Refused for gated linear units: see :func:`refuse_swiglu_checkpoint`.
+        Under ``--swiglu`` Megatron-LM's ``handle_swiglu_in_state_dict`` then cuts each
+        ``linear_fc1`` into ``_w`` / ``_v`` halves from the parameters' Megatron-FSDP
+        attributes (:mod:`shardwise.megatron.dist_index`).
         """
-        refuse_swiglu_checkpoint(self.config)
         return self.state_dict(prefix=prefix, keep_vars=keep_vars)
-
-
-def refuse_swiglu_checkpoint(config: Any) -> None:
-    """Refuse Megatron-LM's ``fsdp_dtensor`` save/load of a ``--swiglu`` model, by name, before it fails obscurely.
-
-    Megatron-LM builds its ``fsdp_dtensor`` state (save and load alike) from this
-    level's ``state_dict_for_save_checkpoint``, then, under ``--swiglu``, its
-    ``handle_swiglu_in_state_dict`` cuts every ``linear_fc1`` weight/bias into
-    ``_w``/``_v`` halves from Megatron-FSDP's own parameter attributes
-    (``megatron_fsdp_slice``, ``megatron_fsdp_dist_index``) and rebuilds them with
-    Megatron-FSDP's uneven-DTensor metadata; shardwise's parameters carry neither.
-    """
-    if getattr(config, "gated_linear_unit", False):
-        raise UnsupportedMegatronOption(SWIGLU_FSDP_DTENSOR)
 
 
 class _ShardedDataParallel(_BaseDataParallel):
@@ -348,7 +372,6 @@ class _ShardedDataParallel(_BaseDataParallel):
         :meth:`zero_grad_buffer` and :class:`ParamAndGradBufferView` for what changes around it."""
         self.graph_mode = graph_mode
         module = self.sharded_model
-        check_megatron_lm_run(getattr(self, "config", None))
         initializer = None
         if has_meta_tensors(module):
             if not init_on_meta:
@@ -360,11 +383,17 @@ class _ShardedDataParallel(_BaseDataParallel):
             device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
             initializer = MetaInitializer(module, device)
             initializer.plan()
+        tp_attributes = tensor_parallel_attributes(module)
+        ddp_config = getattr(self, "ddp_config", None)
+        buffers = user_buffers(ddp_config, (mesh, expert_mesh), type(self).__name__)  # nccl_ub: NCCL's pool
+        units = list(unit_types)
+        if getattr(ddp_config, "megatron_fsdp_enable_fine_grained_param_gather", False):
+            units = fine_grained_units(module, units)  # each unit's submodules, gathered one by one
         fully_shard(
             module,
             mesh,
             placements=placements,
-            unit_modules=list(unit_types) or None,
+            unit_modules=units or None,
             mixed_precision=policy,
             init_fn=initializer,
             prefetch=prefetch,
@@ -374,14 +403,18 @@ class _ShardedDataParallel(_BaseDataParallel):
             ep_axis=EP_AXIS,
             gradient_reduction=gradient_reduction,
             bucket_size=bucket_size,
-            plan_fn=expert_plan_fn,
+            plan_fn=plan_fn_for(module),
+            collectives=buffers,
             graph_safe=graph_mode,
+            check_module_states=False,  # data-parallel ranks may differ until broadcast_params (--data-parallel-random-init)
         )
         if initializer is not None:
             initializer.finish()
         for param in module.parameters():
             setattr(param, FSDP_PARAM_ATTR, True)
-        self.param_and_grad_buffer = ParamAndGradBufferView(module, rebuild_now=not graph_mode)
+        attach_checkpoint_attributes(module, tp_attributes)
+        self.param_and_grad_buffer = ParamAndGradBufferView(module, rebuild_now=not graph_mode, ddp_config=ddp_config,
+                                                            user_buffers=buffers)
 
     @property
     def sharded_state(self) -> ShardedState:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..engine.model_ops import refresh_model_weights, sharded_state
+from ..engine.model_ops import parameter_groups, refresh_model_weights
+from .nccl_ub import register_manually
 
 __all__ = ["ParamAndGradBufferView", "ParameterGroupView"]
 
@@ -33,18 +34,17 @@ class ParameterGroupView:
 class ParamAndGradBufferView:
     """Megatron-FSDP's ``param_and_grad_buffer`` API over a model that ``fully_shard`` wrapped."""
 
-    def __init__(self, module: nn.Module, rebuild_now: bool = True):
+    def __init__(self, module: nn.Module, rebuild_now: bool = True, ddp_config=None, user_buffers=None):
         self._module = module
+        self._ddp_config = ddp_config
+        self._user_buffers = user_buffers  # the chunk's NcclUserBuffers (nccl_ub on NCCL), else None
         # CUDA-graph mode: the rebuild belongs to the next forward (inside Megatron-LM's captured
         # iteration, so every replay redoes it), never to the eager optimizer step.
         self._rebuild_now = rebuild_now
 
     @property
     def parameter_groups(self) -> list[ParameterGroupView]:
-        return [
-            ParameterGroupView(tuple(group.sharded_params), group.compute_dtype)
-            for group in sharded_state(self._module).groups
-        ]
+        return [ParameterGroupView(params, dtype) for params, dtype in parameter_groups(self._module)]
 
     def copy_main_weights_to_model_weights(self) -> None:
         """Rebuild the compute weights from the main weights the optimizer just stepped.
@@ -61,9 +61,6 @@ class ParamAndGradBufferView:
             self._module.mark_weights_modified()
 
     def manual_buffer_registration(self) -> None:
-        """Megatron-LM calls this under ``--use-nccl-ub --fsdp-manual-registration``; not built."""
-        raise NotImplementedError(
-            "param_and_grad_buffer.manual_buffer_registration(): NCCL user-buffer registration is not built in "
-            "shardwise (its buffers come from PyTorch's allocator); drop --use-nccl-ub and "
-            "--fsdp-manual-registration (nccl_ub / fsdp_manual_registration are refused at wrap time)"
-        )
+        """Register the chunk's NCCL user-buffer pool now (Megatron-LM calls it after the first iteration under
+        ``--use-nccl-ub``): see :func:`shardwise.megatron.nccl_ub.register_manually`."""
+        register_manually(self._ddp_config, self._user_buffers)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..engine.model_ops import compute_parameters, sharded_state
+from ..engine.model_ops import add_grad_alias, compute_parameters, set_grad_attribute
 
 __all__ = ["hand_out_decoupled_grads", "give_compute_params_main_grad", "check_grads_finite", "grads_of",
            "wire_megatron_grads"]
@@ -34,8 +34,7 @@ FSDP_PARAM_ATTR = "__fsdp_param__"
 
 def hand_out_decoupled_grads(module: nn.Module) -> None:
     """The finished main grads go to ``param.decoupled_grad``, uncast, and ``.grad`` stays ``None``."""
-    for group in sharded_state(module).groups:
-        group.grad_attr = DECOUPLED_GRAD
+    set_grad_attribute(module, DECOUPLED_GRAD)
 
 
 def _main_grad(param: nn.Parameter) -> torch.Tensor:
@@ -57,8 +56,7 @@ def give_compute_params_main_grad(module: nn.Module) -> None:
     for param in compute_parameters(module):
         setattr(param, FSDP_PARAM_ATTR, True)
         param.get_main_grad = types.MethodType(_main_grad, param)
-    for group in sharded_state(module).groups:
-        group.grad_aliases = tuple(set(group.grad_aliases) | {"main_grad"})
+    add_grad_alias(module, "main_grad")
 
 
 def grads_of(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

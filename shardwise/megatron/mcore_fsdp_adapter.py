@@ -23,6 +23,12 @@ the rest over ``dp_cp``); the model must be built with ``pg_collection``'s
 stage's chunk over that stage's ``dp_cp``, one wrapper per virtual chunk).
 Not built yet, and rejected by field name: TP together with EP, expert tensor
 parallelism, and (V2) pipeline or context parallelism.
+
+The module also carries every other name the adapter's API page documents
+(the mesh and placement helpers, meta-device materialization, RNG state, the
+module logger), for tools built on Megatron-Core that import them from here;
+each is the shardwise code that does the work (the same object, or a thin call
+into it), never a second copy.
 """
 
 from __future__ import annotations
@@ -32,13 +38,59 @@ from typing import List, Optional, Type
 import torch
 import torch.nn as nn
 
-from .base import _BaseDataParallel
+from ..engine.materialize import materialize_meta_module, materialize_owned_meta_modules
+from ..engine.placements import AxisPlacements
+from ..engine.rng import get_rng_state_dict, load_rng_state_dict
+from .base import _BaseDataParallel, logger  # noqa: F401  (the page's module logger)
 from .config import DistributedDataParallelConfig, TransformerConfig
+from . import meshes
+from .meshes import (  # noqa: F401  (the page documents these names in this module)
+    _DATA_PARALLEL_PLACEMENTS,
+    _build_hybrid_dp_mesh,
+    _check_mesh_ranks_and_group_ranks_are_consistent,
+    _get_dp_tp_mesh,
+    _get_hsdp_tp_mesh,
+)
 from .process_groups import ProcessGroupCollection
 from .v1 import FullyShardedDataParallelV1
 from .v2 import FullyShardedDataParallelV2
 
 __all__ = ["FullyShardedDataParallel"]
+
+# How one mesh axis places each of MFSDP's three buffers (parameter, gradient, optimizer): the engine's.
+_AxisPlacements = AxisPlacements
+
+
+def _build_expert_mesh_and_placements(config, ddp_config, pg_collection, device_type: str):
+    """Build the expert-DP mesh and placements, or return neither when EP is disabled (``meshes``'s, with no
+    model to look for expert parameters in)."""
+    return meshes._build_expert_mesh_and_placements(config, ddp_config, pg_collection, device_type)
+
+
+# ------------------------------------------------------------------ meta init and RNG
+def _materialize_meta_module(module: nn.Module, device: Optional[torch.device]) -> None:
+    """Materialize and initialize one module's direct meta parameters (and buffers)."""
+    materialize_meta_module(module, device)
+
+
+def _materialize_owned_meta_modules(module: nn.Module, device: Optional[torch.device]) -> None:
+    """Materialize meta parameters reachable from one FSDP unit.
+
+    Each module's ``reset_parameters()`` runs before the unit is sharded, so a reset
+    that initializes in place (PyTorch) and one that replaces its ``Parameter`` via
+    ``setattr`` (Transformer Engine) both end in the parameters that get sharded.
+    """
+    materialize_owned_meta_modules(module, device)
+
+
+def _get_rng_state_dict() -> dict:
+    """Python, NumPy, torch CPU, CUDA (where present) and tensor-parallel tracker RNG states."""
+    return get_rng_state_dict()
+
+
+def _load_rng_state_dict(rng_state_dict: dict) -> None:
+    """Restore what :func:`_get_rng_state_dict` captured."""
+    load_rng_state_dict(rng_state_dict)
 
 
 # ------------------------------------------------------------------ factory

@@ -42,6 +42,7 @@ __all__ = [
     "_get_hsdp_tp_mesh",
     "_build_hybrid_dp_mesh",
     "_get_edp_ep_mesh",
+    "_get_edp_ep_etp_mesh",
     "_build_dense_mesh",
     "_build_expert_mesh_and_placements",
     "_check_model_groups",
@@ -277,15 +278,35 @@ def _hybrid_table(gathered: list, me: int) -> list[list[int]]:
     return table
 
 
-def _build_expert_mesh_and_placements(config, ddp_config, pg_collection, device_type: str):
-    """The ``(expert_dp, ep)`` mesh expert parameters are sharded over and its placements, or
-    ``(None, None)`` when EP is off.
+def _get_edp_ep_etp_mesh(expt_dp_group, ep_group, expt_tp_group) -> torch.Tensor:
+    """This rank's (expert data parallel, expert parallel, expert tensor parallel) rank table, checked
+    against the three groups (Megatron's expert order ``(rest, edp, ep, etp)``, slowest first). A
+    collective over the default group: a mismatch on any rank raises on every rank."""
+    return _together(_edp_ep_etp_table, expt_dp_group, ep_group, expt_tp_group)
+
+
+def _edp_ep_etp_table(expt_dp_group, ep_group, expt_tp_group) -> torch.Tensor:
+    sizes = (group_size(expt_dp_group), group_size(ep_group), group_size(expt_tp_group))
+    table = _rank_table(sizes, ("expt_dp", "ep", "expt_tp"))  # rest, edp, ep, etp
+    _check_axis(table, 1, expt_dp_group, "expert data-parallel group")
+    _check_axis(table, 2, ep_group, "expert-parallel group")
+    _check_axis(table, 3, expt_tp_group, "expert tensor-parallel group")
+    return _this_ranks_block(table)
+
+
+def _build_expert_mesh_and_placements(config, ddp_config, pg_collection, device_type: str, module=None):
+    """The ``(expert_dp, ep)`` mesh expert parameters are sharded over (``(expert_dp, ep, tp)`` with
+    expert tensor parallelism, its ``tp`` axis over ``pg_collection.expt_tp``) and its placements, or
+    ``(None, None)`` when the experts are sharded like the dense parameters.
 
     Each EP rank holds different experts, so they are replicated (and sharded by
     FSDP) over ``expt_dp`` only, with the expert strategy
     (``expert_data_parallel_sharding_strategy``, else the dense one); ``ep`` is
-    the model-parallel axis the engine places expert slices on. Both groups are
-    checked against Megatron's expert rank layout.
+    the model-parallel axis the engine places expert slices on. Megatron-FSDP's
+    expert mesh is ``[expt_dp, expt_tp]``: an expert-TP size other than TP's
+    (Megatron-LM's ``--expert-tensor-parallel-size``) needs this mesh even with one
+    EP rank. Every group is checked against Megatron's expert rank layout.
+    ``module``: without expert parameters there is no expert mesh.
     """
     instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)
     outer = getattr(pg_collection, "inter_dist_opt", None)
@@ -298,7 +319,12 @@ def _build_expert_mesh_and_placements(config, ddp_config, pg_collection, device_
             f"{instances})"
         )
     ep_size = max(getattr(config, "expert_model_parallel_size", 1) or 1, group_size(getattr(pg_collection, "ep", None)))
-    if ep_size <= 1:
+    expt_tp = getattr(pg_collection, "expt_tp", None)
+    etp = group_size(expt_tp)
+    other_tp = expt_tp is not None and etp != group_size(getattr(pg_collection, "tp", None))
+    if ep_size <= 1 and not other_tp:
+        return None, None
+    if module is not None and not any(".experts." in f".{n}" for n, _ in module.named_parameters()):
         return None, None
     expt_dp = getattr(pg_collection, "expt_dp", None)
     if expt_dp is None:
@@ -306,7 +332,7 @@ def _build_expert_mesh_and_placements(config, ddp_config, pg_collection, device_
             f"expert_model_parallel_size={ep_size} needs the expt_dp process group in pg_collection"
         )
     ep_group = getattr(pg_collection, "ep", None)
-    if group_size(ep_group) != ep_size:
+    if group_size(ep_group) != ep_size or (ep_group is None and ep_size > 1):
         found = None if ep_group is None else group_size(ep_group)
         raise ValueError(f"expert_model_parallel_size={ep_size} needs pg_collection.ep with {ep_size} ranks, got {found}")
     strategy = getattr(ddp_config, "expert_data_parallel_sharding_strategy", None) or getattr(
@@ -316,9 +342,21 @@ def _build_expert_mesh_and_placements(config, ddp_config, pg_collection, device_
         raise ValueError(
             f"expert_data_parallel_sharding_strategy={strategy!r} is not one of {list(_DATA_PARALLEL_PLACEMENTS)}"
         )
-    table = _get_edp_ep_mesh(expt_dp, ep_group, group_size(getattr(pg_collection, "expt_tp", None)))
-    mesh = _from_groups([expt_dp, ep_group], table, (EXPERT_AXIS, EP_AXIS), device_type)
+    if ep_group is None:  # one EP rank: this rank alone (Megatron's ep group at EP 1), made by every rank
+        ep_group = _single_rank_group()
+    if etp > 1:
+        table = _get_edp_ep_etp_mesh(expt_dp, ep_group, expt_tp)
+        mesh = _from_groups([expt_dp, ep_group, expt_tp], table, (EXPERT_AXIS, EP_AXIS, TP_AXIS), device_type)
+    else:
+        table = _get_edp_ep_mesh(expt_dp, ep_group, etp)
+        mesh = _from_groups([expt_dp, ep_group], table, (EXPERT_AXIS, EP_AXIS), device_type)
     return mesh, {EXPERT_AXIS: _DATA_PARALLEL_PLACEMENTS[strategy]}
+
+
+def _single_rank_group():
+    """This rank's own one-rank group (every rank makes every one, as ``new_subgroups`` does)."""
+    group, _ = dist.new_subgroups(group_size=1)
+    return group
 
 
 def _group_attr(module: nn.Module, names: Sequence[str]):
@@ -331,22 +369,27 @@ def _group_attr(module: nn.Module, names: Sequence[str]):
     return None
 
 
-def _check_model_groups(module: nn.Module, tp_group, ep_group) -> None:
+def _check_model_groups(module: nn.Module, tp_group, ep_group, expert_tp_group=None) -> None:
     """Check that the model was built with the adapter's tensor- and expert-parallel groups.
 
     A module holding tensor-parallel parameters (``tensor_model_parallel=True``)
     and a ``tp_group`` / ``group`` attribute must use the ranks of the mesh's
-    ``tp`` axis (``pg_collection.tp``); a module with an ``ep_group`` attribute
-    those of the ``ep`` axis. ``None`` means a single rank: a model built without
-    TP under ``tensor_model_parallel_size=2`` holds whole tensors, which would be
-    read as halves. ``ValueError`` names the module and both rank lists.
+    ``tp`` axis (``pg_collection.tp``), or, for an expert's (parameters under
+    ``.experts.``), those of ``expert_tp_group`` (``pg_collection.expt_tp``) when
+    given; a module with an ``ep_group`` attribute those of the ``ep`` axis.
+    ``None`` means a single rank: a model built without TP under
+    ``tensor_model_parallel_size=2`` holds whole tensors, which would be read as
+    halves. ``ValueError`` names the module and both rank lists.
     """
     checks = []
     for name, sub in module.named_modules():
-        own = sub._parameters.values()
-        if any(p is not None and getattr(p, "tensor_model_parallel", False) for p in own):
+        own = [(n, p) for n, p in sub._parameters.items() if p is not None]
+        if any(getattr(p, "tensor_model_parallel", False) for _, p in own):
             found = _group_attr(sub, ("tp_group", "group"))
-            if found is not None:
+            expert = any(".experts." in f".{name}.{n}" for n, _ in own)
+            if found is not None and expert and expert_tp_group is not None:
+                checks.append((name, found, expert_tp_group, "expert tensor-parallel", "expt_tp"))
+            elif found is not None:
                 checks.append((name, found, tp_group, "tensor-parallel", "tp"))
         found = _group_attr(sub, ("ep_group",))
         if found is not None:

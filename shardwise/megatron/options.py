@@ -90,13 +90,18 @@ def graph_mode(ddp_config: Any) -> bool:
     return bool(getattr(ddp_config, "megatron_fsdp_cuda_graph_mode", False))
 
 
-# Megatron's per-layer graphs (local, transformer_engine) capture each layer's forward alone; the full
-# iteration is built, on a graph-safe wrapper only.
+# Any CUDA graph (Megatron-LM's full iteration, or its per-layer graphs: local, transformer_engine) replays
+# the wrapper's buffers at their captured addresses: only a graph-safe wrapper keeps them there, which is what
+# megatron_fsdp_cuda_graph_mode asks for (Megatron-LM 0.19 sets it for every --cuda-graph-impl but none).
 UNCAPTURABLE_GRAPH = When(
-    "'local', 'transformer_engine', or 'full_iteration' without megatron_fsdp_cuda_graph_mode",
+    "not 'none' without megatron_fsdp_cuda_graph_mode",
     lambda v: v not in (None, "none"),
-    given=lambda sources: _read_name(sources, TC, "cuda_graph_impl") != "full_iteration"
-    or not graph_mode(sources.get(DDP)))
+    given=lambda sources: not graph_mode(sources.get(DDP)))
+GRAPH_WITHOUT_GRAPH_MODE = When("set without megatron_fsdp_cuda_graph_mode", lambda v: bool(v),
+                                given=lambda sources: not graph_mode(sources.get(DDP)))
+PER_LAYER_GRAPHS = ("local", "transformer_engine")
+WITHOUT_NCCL_UB = When("True without nccl_ub", lambda v: bool(v),
+                       given=lambda sources: not _read_name(sources, DDP, "nccl_ub"))
 
 
 @dataclass(frozen=True)
@@ -114,11 +119,25 @@ class Option:
 
 
 _CUDA_GRAPHS = refused(
-    "per-layer CUDA graphs capture each layer's forward without the wrapper's gathers and reductions around it; "
-    "only Megatron-LM's full-iteration graph is built", "use --cuda-graph-impl full_iteration (0.19) or none")
-_ALLOCATOR = ignored("an allocation strategy for Megatron-FSDP's own communication buffers; shardwise's "
-                     "come from PyTorch's caching allocator, the numbers are the same")
+    "a CUDA graph replays the wrapper's gathers and reductions at the addresses it captured, which only the "
+    "graph-safe wrapper keeps (megatron_fsdp_cuda_graph_mode=True; Megatron-LM 0.19 sets it for any "
+    "--cuda-graph-impl, 0.16's Megatron-FSDP has no such mode)",
+    "set megatron_fsdp_cuda_graph_mode=True (Megatron-LM 0.19 does with --cuda-graph-impl) or leave CUDA "
+    "graphs off")
+_ALLOCATOR = ignored("an allocation strategy for Megatron-FSDP's own communication buffers (persistent double "
+                     "buffers); shardwise's come from PyTorch's caching allocator (with nccl_ub from its NCCL "
+                     "pool), where a freed buffer is reused by the next of its size; the numbers are the same")
 _FSDP_DOES_NOT_READ = "Megatron-FSDP does not read it either (plain DDP's option)"
+_EP_OVERLAP = refused(
+    "Megatron's EP-overlap schedule (pipeline_parallel/combined_1f1b.py, 0.19) calls each layer's submodules "
+    "itself, interleaving one micro-batch's forward with another's backward, and finds the data-parallel "
+    "wrapper by class (find_megatron_fsdp: isinstance MegatronFSDP) to call its per-layer release hooks and "
+    "_replace_param_with_raw_if_needed; on a shardwise chunk find_megatron_fsdp returns None (measured with "
+    "megatron-core 0.19.2), so the schedule would run without them (not built)",
+    "drop --overlap-moe-expert-parallel-comm and --delay-wgrad-compute")
+_DELAY_WGRAD = refused(
+    "Megatron-Core allows it only with overlap_moe_expert_parallel_comm (TransformerConfig asserts so), "
+    "which is refused", "drop --delay-wgrad-compute")
 
 OPTIONS: tuple[Option, ...] = (
     # ------------------------------------------------ DistributedDataParallelConfig
@@ -186,15 +205,12 @@ OPTIONS: tuple[Option, ...] = (
         "the mean over data-parallel ranks is the same whether divided before or inside the collective")),
     Option(DDP, "gradient_reduce_div_fusion", "", ignored(
         "how the mean is fused into the reduction; the mean is the same"), when=FALSE),
-    Option(DDP, "reduce_scatter_with_fp32_accumulation", "--ddp-reduce-scatter-with-fp32-accumulation", refused(
-        "fp32 accumulation inside a low-precision reduce-scatter is not built",
-        "set --megatron-fsdp-grad-comm-dtype fp32 (megatron_fsdp_grad_comm_dtype=torch.float32)")),
+    Option(DDP, "reduce_scatter_with_fp32_accumulation", "--ddp-reduce-scatter-with-fp32-accumulation", ignored(
+        _FSDP_DOES_NOT_READ + "; the reduction dtype is megatron_fsdp_grad_comm_dtype")),
     Option(DDP, "param_name_patterns_for_fp32_local_accumulation",
-           "--ddp-param-name-patterns-for-fp32-local-accumulation", refused(
-               "per-parameter fp32 accumulation is not built; gradients use megatron_fsdp_main_grads_dtype",
-               "set --megatron-fsdp-main-grads-dtype fp32 for every parameter"), releases="0.19"),
-    Option(DDP, "delay_wgrad_compute", "--delay-wgrad-compute", refused(
-        "delayed weight-gradient computation is not built", "drop --delay-wgrad-compute")),
+           "--ddp-param-name-patterns-for-fp32-local-accumulation", ignored(
+               _FSDP_DOES_NOT_READ + "; gradients accumulate in megatron_fsdp_main_grads_dtype"), releases="0.19"),
+    Option(DDP, "delay_wgrad_compute", "--delay-wgrad-compute", _DELAY_WGRAD),
     Option(DDP, "fp8_param_gather", "--fp8-param-gather", refused(
         "fp8 parameter gathers (Transformer Engine fp8 parameters) are not built", "drop --fp8-param-gather")),
     Option(DDP, "fp4_param_gather", "--fp4-param-gather", refused(
@@ -209,19 +225,27 @@ OPTIONS: tuple[Option, ...] = (
         "zero_grad_buffer zeroes the gradients in place (.grad stays installed for the optimizer after a "
         "replay); the optimizer step only marks the compute weights changed, the next forward rebuilds "
         "them in place; gradient accumulation works as in eager mode (no_sync, or every micro-batch syncing "
-        "and adding to the installed .grad); what cannot be captured is refused by name (the graph-mode table below)"),
+        "and adding to the installed .grad); what cannot be captured is refused by name (the graph-mode table "
+        "below). With --cuda-graph-impl local / transformer_engine (per-layer graphs, which Megatron-LM captures "
+        "around each layer) the same graph-safe wrapper, as Megatron-FSDP 0.19 runs for any graph impl"),
         releases="0.19"),
     Option(DDP, "megatron_fsdp_enable_fine_grained_param_gather", "--megatron-fsdp-enable-fine-grained-param-gather",
-           refused("per-submodule parameter gathers are not built; shardwise gathers per unit",
-                   "drop --megatron-fsdp-enable-fine-grained-param-gather"), releases="0.19"),
-    Option(DDP, "nccl_ub", "--use-nccl-ub", refused(
-        "NCCL user-buffer registration is not built: shardwise's buffers come from PyTorch's allocator",
-        "drop --use-nccl-ub (it also turns on fsdp_manual_registration and fsdp_double_buffer)")),
+           implemented("per-submodule gathers: the units are the submodules of each fsdp_unit_modules module that "
+                       "hold parameters directly, each gathered before its own forward, freed after it and "
+                       "reduced after its own backward (megatron/fine_grained.py); the numbers are the same"),
+           releases="0.19"),
+    Option(DDP, "nccl_ub", "--use-nccl-ub", implemented(
+        "on NCCL every device buffer of the chunk (weights, gathered weights, gradients, staging) comes from one "
+        "torch.cuda.MemPool over ProcessGroupNCCL.mem_allocator (ncclMemAlloc), registered with the NCCL "
+        "communicators of the chunk's data-parallel groups by register_mem_pool (engine/nccl_buffers.py): at "
+        "wrap time, or with fsdp_manual_registration when Megatron-LM calls param_and_grad_buffer."
+        "manual_buffer_registration(); on gloo it has no effect, said by one INFO line at wrap time")),
     Option(DDP, "fsdp_manual_registration", "--fsdp-manual-registration (set by --use-nccl-ub in 0.19)", refused(
-        "manual NCCL buffer registration is not built (param_and_grad_buffer.manual_buffer_registration() "
-        "raises)", "drop --fsdp-manual-registration and --use-nccl-ub")),
-    Option(DDP, "disable_symmetric_registration", "--disable-symmetric-registration", ignored(
-        "only matters with nccl_ub, which is refused")),
+        "with nccl_ub it defers registering the pool to param_and_grad_buffer.manual_buffer_registration(), which "
+        "Megatron-LM calls after the first iteration; without nccl_ub there is no pool (Megatron-LM asserts the same)",
+        "add --use-nccl-ub, or drop --fsdp-manual-registration"), when=WITHOUT_NCCL_UB),
+    Option(DDP, "disable_symmetric_registration", "--disable-symmetric-registration", implemented(
+        "with nccl_ub: plain NCCL user-buffer registration instead of symmetric (window) registration")),
     Option(DDP, "fsdp_double_buffer", "--fsdp-double-buffer (set by --use-nccl-ub in 0.19)", _ALLOCATOR),
     Option(DDP, "megatron_fsdp_max_pool_double_buffer", "--megatron-fsdp-max-pool-double-buffer", _ALLOCATOR,
            releases="0.19"),
@@ -238,7 +262,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(TC, "expert_model_parallel_size", "--expert-model-parallel-size", implemented(
         "experts over an (expert_dp, ep) mesh; must match pg_collection.ep")),
     Option(TC, "expert_tensor_parallel_size", "--expert-tensor-parallel-size", implemented(
-        "with EP: 1 (whole experts); expert TP inside the expert mesh is refused by name")),
+        "Megatron-Core's expert layers: any size, over an (expert_dp, ep, tp) mesh with tp over expt_tp "
+        "(Megatron-FSDP's [expt_dp, expt_tp]); shardwise's stacked experts: 1 with EP, else refused by name")),
     Option(TC, "num_moe_experts", "--num-experts", implemented("experts are the parameters under '.experts.'")),
     Option(TC, "pipeline_model_parallel_size", "--pipeline-model-parallel-size", implemented(
         "one wrapper per stage's chunk, sharded over that stage's dp_cp; must match pg_collection.pp"),
@@ -259,19 +284,17 @@ OPTIONS: tuple[Option, ...] = (
     Option(TC, "perform_initialization", "", ignored("read by Megatron's layers when they are built"),
            when=FALSE),
     Option(TC, "gated_linear_unit", "--swiglu", ignored("the layout of the fc1 weight; sharded like any other "
-                                                       "(Megatron-LM's fsdp_dtensor save/load of it is refused at the "
-                                                       "first save: base.refuse_swiglu_checkpoint)")),
+                                                       "(Megatron-LM's fsdp_dtensor checkpoints split it into _w/_v "
+                                                       "halves from the parameters' megatron_fsdp_slice and "
+                                                       "megatron_fsdp_dist_index: megatron/dist_index.py)")),
     Option(TC, "gradient_accumulation_fusion", "on by default; --no-gradient-accumulation-fusion", implemented(
         "the compute weights get __fsdp_param__ and get_main_grad() (their .grad): Megatron's linear layers "
         "write the fused weight gradient there and the engine reduces it")),
     Option(TC, "defer_embedding_wgrad_compute", "--defer-embedding-wgrad-compute", refused(
         "finalize_model_grads then writes the output layer's gradient into the sharded weight's main_grad, "
         "which shardwise does not keep", "drop --defer-embedding-wgrad-compute")),
-    Option(TC, "delay_wgrad_compute", "--delay-wgrad-compute", refused(
-        "delayed weight-gradient computation is not built", "drop --delay-wgrad-compute")),
-    Option(TC, "overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm", refused(
-        "it needs per-submodule parameter gathers, which are not built",
-        "drop --overlap-moe-expert-parallel-comm")),
+    Option(TC, "delay_wgrad_compute", "--delay-wgrad-compute", _DELAY_WGRAD),
+    Option(TC, "overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm", _EP_OVERLAP),
     Option(TC, "fp8", "--fp8-format", refused(
         "Transformer Engine fp8 layers have not run under shardwise (not built or tested yet)",
         "drop --fp8-format (shardwise's own fp8: shardwise.engine.fp8 with torchao)"), when=NOT_NONE),
@@ -279,8 +302,8 @@ OPTIONS: tuple[Option, ...] = (
         "fp8 parameters are not built", "drop --fp8-param-gather")),
     Option(TC, "fp4", "--fp4-format", refused("fp4 compute is not built", "drop --fp4-format"), when=NOT_NONE),
     Option(TC, "fp4_param", "--fp4-param-gather", refused("fp4 parameters are not built", "drop --fp4-param-gather")),
-    Option(TC, "enable_cuda_graph", "--enable-cuda-graph", _CUDA_GRAPHS),
-    Option(TC, "external_cuda_graph", "--external-cuda-graph", _CUDA_GRAPHS),
+    Option(TC, "enable_cuda_graph", "--enable-cuda-graph", _CUDA_GRAPHS, when=GRAPH_WITHOUT_GRAPH_MODE),
+    Option(TC, "external_cuda_graph", "--external-cuda-graph", _CUDA_GRAPHS, when=GRAPH_WITHOUT_GRAPH_MODE),
     Option(TC, "cuda_graph_impl", "--cuda-graph-impl", _CUDA_GRAPHS, when=UNCAPTURABLE_GRAPH),
     # ------------------------------------------------ the constructor's arguments
     Option(ARG, "fsdp_unit_modules", "", implemented(
@@ -303,8 +326,12 @@ _GRAPH_TODO = "leave CUDA graphs off for this run (--cuda-graph-impl none)"
 # What a captured full iteration cannot hold, refused at wrap time when megatron_fsdp_cuda_graph_mode=True.
 GRAPH_MODE: tuple[Option, ...] = (
     Option(DDP, "check_for_nan_in_grad", "on by default; --no-check-for-nan-in-loss-and-grad", refused(
-        "the NaN check reads its verdict on the host inside finish_grad_sync, which a CUDA graph cannot hold",
-        "pass --no-check-for-nan-in-loss-and-grad (Megatron-LM requires it with full_iteration)"), releases="0.19"),
+        "the NaN check reads its verdict on the host inside finish_grad_sync, which a captured iteration cannot "
+        "hold (per-layer graphs leave finish_grad_sync eager: allowed there)",
+        "pass --no-check-for-nan-in-loss-and-grad (Megatron-LM requires it with full_iteration)"),
+        when=When("True, unless the graphs are per-layer (cuda_graph_impl local / transformer_engine)", lambda v: bool(v),
+                  given=lambda sources: _read_name(sources, TC, "cuda_graph_impl") not in PER_LAYER_GRAPHS),
+        releases="0.19"),
     Option(TC, "num_moe_experts", "--num-experts", refused(
         "dynamic MoE routing gives each expert a data-dependent number of tokens (sizes read on the host)",
         _GRAPH_TODO), when=NOT_NONE, releases="0.19"),

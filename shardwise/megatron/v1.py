@@ -80,6 +80,7 @@ class _DistIndex:
     expert_placements: Optional[dict] = None
     ep_group: Optional[dist.ProcessGroup] = None
     expert_dp_group: Optional[dist.ProcessGroup] = None
+    expert_tp_group: Optional[dist.ProcessGroup] = None
     pp_group: Optional[dist.ProcessGroup] = None  # this chunk's pipeline: its stage's peers on other stages
 
 
@@ -236,7 +237,7 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
                     "tensor_model_parallel_size=%d: the tensor-parallel layout of %s is unknown; they are "
                     "treated as replicated over the TP ranks (initialized from TP rank 0)", sizes.tp, unknown,
                 )
-        _check_model_groups(module, index.tp_group, index.ep_group)
+        _check_model_groups(module, index.tp_group, index.ep_group, index.expert_tp_group)
         # With per-token losses Megatron sums gradients over the data-parallel ranks and then
         # scales them by 1 / (total tokens) in scale_gradients.
         self._shard(
@@ -317,7 +318,8 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         else:
             ranks = _get_dp_tp_mesh(dp_group, tp_group)
         mesh = _build_dense_mesh(pg_collection, hybrid, self.device_type)
-        expert_mesh, expert_placements = _build_expert_mesh_and_placements(cfg, ddp, pg_collection, self.device_type)
+        expert_mesh, expert_placements = _build_expert_mesh_and_placements(cfg, ddp, pg_collection, self.device_type,
+                                                                          self.sharded_model)
         self.tp_group = tp_group
         return _DistIndex(
             mesh=mesh,
@@ -329,6 +331,7 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
             expert_mesh=expert_mesh,
             expert_placements=expert_placements,
             ep_group=getattr(pg_collection, "ep", None),
+            expert_tp_group=getattr(pg_collection, "expt_tp", None),
             expert_dp_group=getattr(pg_collection, "expt_dp", None) if expert_mesh is not None else None,
             pp_group=getattr(pg_collection, "pp", None),
         )

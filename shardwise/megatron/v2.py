@@ -84,7 +84,7 @@ class FullyShardedDataParallelV2(_ShardedDataParallel):
         hybrid = ddp.num_distributed_optimizer_instances > 1
         self.mesh = _build_dense_mesh(pg_collection, hybrid, device_type)
         self._grad_check_groups = (pg_collection.dp_cp, getattr(pg_collection, "tp", None))
-        self.moe_mesh, expert_placements = _build_expert_mesh_and_placements(cfg, ddp, pg_collection, device_type)
+        self.moe_mesh, expert_placements = _build_expert_mesh_and_placements(cfg, ddp, pg_collection, device_type, module)
         tp = group_size(getattr(pg_collection, "tp", None))
         if tp > 1:
             unknown = mark_tensor_parallel(module, annotate_tensor_parallelism(module))
@@ -93,7 +93,8 @@ class FullyShardedDataParallelV2(_ShardedDataParallel):
                     "tensor_model_parallel_size=%d: the tensor-parallel layout of %s is unknown; they are "
                     "treated as replicated over the TP ranks (initialized from TP rank 0)", tp, unknown,
                 )
-        _check_model_groups(module, getattr(pg_collection, "tp", None), getattr(pg_collection, "ep", None))
+        _check_model_groups(module, getattr(pg_collection, "tp", None), getattr(pg_collection, "ep", None),
+                            getattr(pg_collection, "expt_tp", None))
         if fsdp_unit_modules is None:
             fsdp_unit_modules = _present(module, _default_unit_types())
         self.fsdp_unit_modules = list(fsdp_unit_modules)

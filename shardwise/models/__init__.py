@@ -14,7 +14,7 @@ from .attention import Attention
 from .config import LAYER_KINDS, GPTConfig
 from .context_parallel import context_parallel_attention, zigzag_split, zigzag_unsplit
 from .gpt import GPT, LAYER_CLASSES, init_weights
-from .mamba import MambaLayer, chunked_scan, sequential_scan
+from .mamba import MambaLayer, chunked_scan
 from .mlp import MLP
 from .moe import MoE, Experts, load_balancing_loss
 from .norm_rope import RMSNorm, apply_rope, rope_tables
@@ -47,7 +47,7 @@ del _layer, _linear
 __all__ = [
     "GPT", "GPTConfig", "LAYER_KINDS", "LAYER_CLASSES", "UNIT_MODULES", "init_weights",
     "TransformerLayer", "MoETransformerLayer", "MambaLayer", "Attention", "MLP", "MoE", "Experts",
-    "RMSNorm", "rope_tables", "apply_rope", "chunked_scan", "sequential_scan", "load_balancing_loss",
+    "RMSNorm", "rope_tables", "apply_rope", "chunked_scan", "load_balancing_loss",
     "Linear", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "copy_to_tp_region", "reduce_from_tp_region", "gather_from_tp_region",
     "GPTStage", "pipeline_stage", "stage_layer_counts", "stage_indices", "StageInitializer",

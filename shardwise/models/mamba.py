@@ -8,8 +8,8 @@ Per head h with scalar decay ``A_h < 0``, input-dependent step ``dt`` and shared
 
 ``chunked_scan`` computes it in chunks of L steps: inside a chunk with masked
 cumulative decays (matmuls, parallel over time), across chunks with a short
-sequential loop over chunk-end states. ``sequential_scan`` is the plain loop,
-kept as the reference the tests compare against.
+sequential loop over chunk-end states (``tests/helpers/mamba_reference.py`` holds
+the plain step-by-step loop the tests compare it against).
 
 The layer: ``x + out_proj(scan(silu(conv(x_in))) * silu(z))`` after an RMSNorm,
 with a causal depthwise conv over the SSM inputs. It has no MLP of its own
@@ -29,24 +29,11 @@ from .config import GPTConfig
 from .norm_rope import RMSNorm
 from .tensor_parallel import Linear, scaled_init_std
 
-__all__ = ["MambaLayer", "chunked_scan", "sequential_scan"]
-
-
-def sequential_scan(x, dt, A, B, C):
-    """Reference recurrence. x [b,t,h,p], dt [b,t,h], A [h], B and C [b,t,n] -> y [b,t,h,p]."""
-    b, t, h, p = x.shape
-    state = x.new_zeros(b, h, p, B.shape[-1])
-    ys = []
-    for i in range(t):
-        decay = torch.exp(dt[:, i] * A)[:, :, None, None]
-        inject = (dt[:, i, :, None] * x[:, i])[..., None] * B[:, i, None, None, :]
-        state = decay * state + inject
-        ys.append(torch.einsum("bhpn,bn->bhp", state, C[:, i]))
-    return torch.stack(ys, dim=1)
+__all__ = ["MambaLayer", "chunked_scan"]
 
 
 def chunked_scan(x, dt, A, B, C, chunk: int):
-    """Same result as :func:`sequential_scan`, ``chunk`` time steps at a time."""
+    """The recurrence of the module docstring, ``chunk`` time steps at a time."""
     b, t, h, p = x.shape
     pad = (-t) % chunk  # dt = 0 on padding: no decay, no input
     if pad:

@@ -214,6 +214,15 @@ def test_profile_gathers_every_rank():
     assert out[0]["profiled_steps"] == 2
 
 
+def test_the_fsdp2_idiom_trains_as_the_one_call_form(tmp_path):
+    """``shardwise-fsdp2-idiom`` (fully_shard on each layer, the embedding and the head, then the root) builds
+    the same units as ``shardwise``'s one call: the same losses, bit for bit."""
+    runs = run_distributed(_bench_tiny, 2, str(tmp_path), "off", ("shardwise", "shardwise-fsdp2-idiom"))[0]
+    one_call, idiom = runs
+    assert one_call["status"] == idiom["status"] == "ok", runs
+    assert (idiom["loss_first"], idiom["loss_last"]) == (one_call["loss_first"], one_call["loss_last"])
+
+
 def _bench_tiny_offloaded(out: str):
     opts = tiny_options(["shardwise", "fsdp2"], 2, profile_steps=0, offload=0.5)
     return cli.worker(opts, out, "test")

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import REPO
 from tests.helpers.distributed import run_distributed
 from tests.helpers.train_runs import train_records
@@ -37,6 +39,7 @@ def _losses(out: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
 
 
+@pytest.mark.slow
 def test_train_resumes_from_the_latest_checkpoint_exactly(tmp_path):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     run_distributed(train_records, 2, [*ARGS, "--out-dir", str(straight)])

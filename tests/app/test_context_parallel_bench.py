@@ -1,4 +1,4 @@
-"""``shardwise bench --cp N`` (issue 37 item 2): refusals by flag and value before any process starts, and a
+"""``shardwise bench --cp N``: refusals by flag and value before any process starts, and a
 CP run on gloo that trains and reports its activations next to the estimate."""
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def test_cp_flags_are_refused_naming_flag_and_value(argv, message, capsys, tmp_p
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_cp2_bench_trains_and_reports_its_activations(tmp_path):
     out = tmp_path / "bench"
     assert main(SMALL + ["--nproc", "2", "--cp", "2", "--seq-len", "64", "--out", str(out)]) == 0

@@ -1,4 +1,4 @@
-"""``shardwise train --cp N`` (issue 37): refusals at start, the activation estimate, and a CP run that trains
+"""``shardwise train --cp N``: refusals at start, the activation estimate, and a CP run that trains
 as the data-parallel run over the same data ranks does."""
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def test_the_cp_activation_count_is_what_autograd_saves():
     assert counted < 0.6 * whole  # about half: each rank holds half of every sequence
 
 
+@pytest.mark.slow
 def test_cp2_dp2_trains_as_dp2_over_the_same_rows(tmp_path):
     argv = [*SMALL, "--steps", "3", "--strategy", "3"]
     cp = run_distributed(train_records, 4, [*argv, "--cp", "2", "--out-dir", str(tmp_path / "cp")])[0]

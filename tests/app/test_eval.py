@@ -124,6 +124,7 @@ def test_eval_leaves_training_exact_and_resumes_bit_exactly(text, tmp_path):
     assert [e.value for e in evals] == pytest.approx([r["eval_loss"] for r in resumed if "eval_loss" in r], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_command_line_run_tokenizes_once_and_reports_eval(text, tmp_path):
     """The launcher tokenizes before starting the workers; progress bar, summary, loss.png and TensorBoard."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -1,4 +1,4 @@
-"""The memory estimate printed before launch (issue 13 item 5): measured peaks, offload, strategies, fit check."""
+"""The memory estimate printed before launch: measured peaks, offload, strategies, fit check."""
 
 from __future__ import annotations
 

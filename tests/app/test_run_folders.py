@@ -160,6 +160,7 @@ def _train_then_list_threads(cfg, model_cfg, started_at):
         raise RuntimeError(f"threads of destroyed process groups still run after train(): {left}")
 
 
+@pytest.mark.slow
 def test_resume_on_one_rank_continues_the_whole_run(tmp_path, data):
     out = tmp_path / "run"
     cfg, model_cfg = resolve_config(TINY + ["--data", data, "--out-dir", str(out), "--steps", "2",
@@ -224,6 +225,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_kill_right_after_a_save_keeps_that_steps_metrics(tmp_path, data):
     from shardwise.app.launch import free_port
 

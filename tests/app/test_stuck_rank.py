@@ -110,6 +110,7 @@ def _stderr_lines(err: str) -> list[str]:
     return lines
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_ends_the_run_within_its_timeout(tmp_path, data):
     timeout_s, margin_s = 5, 20
     out = tmp_path / "run"
@@ -152,6 +153,7 @@ def _train_then_ctrl_c(out: Path, data: str, meanwhile=None) -> tuple[subprocess
     return proc, err
 
 
+@pytest.mark.slow
 def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, data):
     proc, err = _train_then_ctrl_c(tmp_path / "run", data)
     assert proc.returncode == 130, err
@@ -161,6 +163,7 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, data):
     assert not [line for line in lines if "error" in line], lines
 
 
+@pytest.mark.slow
 def test_sigusr1_prints_every_process_stack_and_the_run_goes_on(tmp_path, data):
     out = tmp_path / "run"
 

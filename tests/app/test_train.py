@@ -11,11 +11,11 @@ import torch
 
 from shardwise.app import cli
 from shardwise.app.data import TokenLoader, load_tokens, stdlib_corpus
-from shardwise.app.lr import lr_at
 from shardwise.app.train import ConfigError, main, resolve_config
 
 from tests.helpers import REPO
 from tests.helpers.distributed import run_distributed
+from tests.helpers.schedules import lr_at
 from tests.helpers.train_runs import train_records
 
 
@@ -26,6 +26,7 @@ def _env():
     return env
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_metrics_and_plot(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "shardwise", "train", "--preset", "tiny", "--steps", "4", "--nproc", "2",
@@ -57,6 +58,7 @@ def test_smoke_run_writes_metrics_and_plot(tmp_path):
     assert f"(of which {summary['startup_time_s']:.1f}s start-up before the first step" in proc.stdout
 
 
+@pytest.mark.slow
 def test_bad_data_path_fails_in_the_parent(tmp_path):
     cmd = [sys.executable, "-m", "shardwise", "train", "--data", str(tmp_path / "missing.txt")]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -129,6 +130,7 @@ print(json.dumps({"base": base, "peak": status("VmHWM:")}))
 """
 
 
+@pytest.mark.slow
 def test_export_streams_one_tensor_at_a_time(tmp_path):
     run_distributed(_big_source, 2, str(tmp_path / "ckpt"))
     # glibc otherwise keeps freed 16 MiB blocks in its heap (its mmap threshold grows after the

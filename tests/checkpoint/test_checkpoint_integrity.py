@@ -1,5 +1,5 @@
-"""Checkpoint integrity (issue 15): checksums, pruning, optimizer type, damaged files, shared folders, write errors;
-and checkpoints written before the standard-path rewrite (issue 11) still load.
+"""Checkpoint integrity: checksums, pruning, optimizer type, damaged files, shared folders, write errors;
+and checkpoints written before the standard-path rewrite still load.
 
 Each test failed before: corrupted bytes loaded silently, a kill while pruning could leave a folder with
 COMPLETE but without a shard, AdamW state went into SGD, a per-node folder was accepted at save, and a

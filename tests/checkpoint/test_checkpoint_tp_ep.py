@@ -1,4 +1,4 @@
-"""Issue 5 acceptance 3 with issue 6: checkpoints saved under TP x DP, EP x DP or TP x EP x DP load without them.
+"""Checkpoints saved under TP x DP, EP x DP or TP x EP x DP load without them.
 
 The checkpoint describes every tensor globally (data-parallel rows plus the
 tensor- or expert-parallel offset), so it loads into any other layout.
@@ -6,6 +6,7 @@ tensor- or expert-parallel offset), so it loads into any other layout.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -86,17 +87,20 @@ def _assert_same(saved, loaded):
             torch.testing.assert_close(got_states[name][key], value, rtol=0, atol=0, msg=f"{name}.{key}")
 
 
+@pytest.mark.slow
 def test_tp2_dp2_checkpoint_loads_at_tp1(tmp_path):
     saved = run_distributed(_save, 4, str(tmp_path), "tp")[0]
     _assert_same(saved, run_distributed(_load, 2, str(tmp_path), "tp", "optim_grads_params")[0])
     _assert_same(saved, run_distributed(_load, 1, str(tmp_path), "tp", "no_shard")[0])
 
 
+@pytest.mark.slow
 def test_ep2_dp2_checkpoint_loads_at_ep1(tmp_path):
     saved = run_distributed(_save, 4, str(tmp_path), "ep")[0]
     _assert_same(saved, run_distributed(_load, 2, str(tmp_path), "ep", "optim")[0])
 
 
+@pytest.mark.slow
 def test_tp2_ep2_dp2_checkpoint_loads_at_one_process(tmp_path):
     saved = run_distributed(_save, 4, str(tmp_path), "tpep")[0]
     _assert_same(saved, run_distributed(_load, 1, str(tmp_path), "tpep", "no_shard")[0])

@@ -159,6 +159,7 @@ def _one_process(path: str, saved: dict, saved_optim: dict, expected: tuple, exp
     _assert_continues("one process", got, model.state(), expected, expected_state)
 
 
+@pytest.mark.slow
 def test_a_pp2_dp2_checkpoint_loads_at_pp1_dp4_pp4_dp1_and_one_process_and_exports(tmp_path):
     root = tmp_path / "checkpoints"
     path, saved, saved_optim, expected, expected_state = run_distributed(_train_save_and_continue, 4, str(root))[0]

@@ -1,6 +1,6 @@
 """Names a torch FSDP2 user brings along mean what they mean in torch, or are refused saying what to write:
-``OffloadPolicy()``, ``MixedPrecisionPolicy(reduce_dtype=...)``, ``fully_shard`` on each layer then on the root,
-one full state dict function with one default, and a library name for the end of a script."""
+``OffloadPolicy()``, ``MixedPrecisionPolicy(reduce_dtype=...)``, one full state dict function with one default,
+and a library name for the end of a script. (``fully_shard``'s own FSDP2 face: ``test_fsdp2_face.py``.)"""
 
 from __future__ import annotations
 
@@ -28,39 +28,55 @@ def test_a_bare_offload_policy_is_refused_saying_both_meanings():
     assert shardwise.OffloadPolicy(units=["blocks.0"]).units == ["blocks.0"]
 
 
-def _fully_shard_refusal(**kwargs) -> str:
+def _offloaded_losses(offload_policy) -> tuple[list[float], list[bool]]:
     torch.manual_seed(0)
-    try:
-        shardwise.fully_shard(TinyLM(TinyConfig()).to(device()), unit_modules=[Block], **kwargs)
-    except (TypeError, ValueError) as e:
-        return str(e)
-    return "accepted"
+    model = shardwise.fully_shard(TinyLM(TinyConfig()).to(device()), unit_modules=[Block],
+                                  offload_policy=offload_policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(2):
+        tokens, targets = (t.to(device()) for t in batch(dist.get_rank() + 10 * step, 4, TinyConfig()))
+        loss = model(tokens, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, [g.offloaded for g in model.sharded_state.groups]
 
 
-def test_torch_offload_policies_passed_to_fully_shard_say_the_shardwise_spelling():
-    cpu, none = run_distributed(_fully_shard_refusal, 1, offload_policy=CPUOffloadPolicy())[0], \
-        run_distributed(_fully_shard_refusal, 1, offload_policy=TorchOffloadPolicy())[0]
-    assert "torch's CPUOffloadPolicy() is shardwise.OffloadPolicy(fraction=1.0)" in cpu, cpu
-    assert "torch's OffloadPolicy() (no offload) is offload_policy=None" in none, none
+def test_torchs_offload_policies_mean_what_they_mean_in_torch():
+    """``CPUOffloadPolicy()`` offloads every unit, as ``OffloadPolicy(fraction=1.0)``; torch's ``OffloadPolicy()``
+    offloads nothing, as ``None``: the same losses, bit for bit, and the same offloaded groups."""
+    torch_cpu = run_distributed(_offloaded_losses, 1, CPUOffloadPolicy())[0]
+    ours = run_distributed(_offloaded_losses, 1, shardwise.OffloadPolicy(fraction=1.0))[0]
+    torch_none = run_distributed(_offloaded_losses, 1, TorchOffloadPolicy())[0]
+    plain = run_distributed(_offloaded_losses, 1, None)[0]
+    assert torch_cpu == ours and any(torch_cpu[1])
+    assert torch_none == plain and not any(plain[1])
 
 
 # ------------------------------------------------------------------ MixedPrecisionPolicy
-def test_mixed_precision_takes_torchs_reduce_dtype_and_refuses_what_is_not_built():
+def test_mixed_precision_takes_torchs_field_names_and_builds_them():
     policy = shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    assert policy.comm_dtype == torch.bfloat16 and policy.grad_comm_dtype == torch.bfloat16
-    assert policy.main_grads_dtype == torch.float32  # reduced in bf16, accumulated (and stepped) in fp32
-    assert shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16).comm_dtype == torch.float32
-    assert shardwise.MixedPrecisionPolicy(reduce_dtype=torch.float32, grad_comm_dtype=torch.float32).comm_dtype \
-        == torch.float32
+    fp32 = torch.float32
+    assert policy.comm_dtype(fp32) == torch.bfloat16 and policy.grad_comm_dtype == torch.bfloat16
+    assert policy.main_grad_dtype(fp32) == fp32  # reduced in bf16, accumulated (and stepped) in fp32
+    assert shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16).comm_dtype(fp32) == fp32
+    assert shardwise.MixedPrecisionPolicy(reduce_dtype=fp32, grad_comm_dtype=fp32).comm_dtype(torch.bfloat16) == fp32
+    # a parameter keeps its own dtype (FSDP2), unless fp32 main weights are asked for
+    assert policy.main_dtype(torch.bfloat16) == torch.bfloat16
+    assert shardwise.MixedPrecisionPolicy(main_params_dtype=fp32).main_dtype(torch.bfloat16) == fp32
     with pytest.raises(ValueError, match="two names for the gradient reduction's dtype that disagree"):
         shardwise.MixedPrecisionPolicy(reduce_dtype=torch.bfloat16, grad_comm_dtype=torch.float32)
     with pytest.raises(ValueError, match="MixedPrecisionPolicy.grad_comm_dtype=torch.int8"):
         shardwise.MixedPrecisionPolicy(reduce_dtype=torch.int8)
-    with pytest.raises(NotImplementedError, match=r"output_dtype=torch.float32\) is not built"):
-        shardwise.MixedPrecisionPolicy(output_dtype=torch.float32)
-    with pytest.raises(NotImplementedError, match=r"cast_forward_inputs=True\) is not built"):
-        shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=True)
-    assert shardwise.MixedPrecisionPolicy(cast_forward_inputs=False).param_dtype is None  # what shardwise does
+    cast = shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=True,
+                                          output_dtype=torch.float32)
+    args, kwargs = cast.cast_inputs((torch.ones(2), torch.ones(2, dtype=torch.long)), {"x": torch.ones(1)})
+    assert [a.dtype for a in args] == [torch.bfloat16, torch.long] and kwargs["x"].dtype == torch.bfloat16
+    assert cast.cast_output({"y": torch.ones(1, dtype=torch.bfloat16)})["y"].dtype == torch.float32
+    with pytest.raises(TypeError, match="cast_forward_inputs=None must be a bool"):
+        shardwise.MixedPrecisionPolicy(cast_forward_inputs=None)
 
 
 def _grads_with(policy_kwargs: dict) -> dict:
@@ -81,25 +97,6 @@ def test_reduce_dtype_reduces_the_gradients_in_that_dtype():
     assert torch_name.keys() == ours.keys() == fp32.keys()
     assert all(torch.equal(torch_name[k], ours[k]) for k in ours)
     assert any(not torch.equal(torch_name[k], fp32[k]) for k in ours)  # the reduction really was bf16
-
-
-# ------------------------------------------------------------------ fully_shard per layer, then the root
-def _per_layer_then_root() -> str:
-    torch.manual_seed(0)
-    model = TinyLM(TinyConfig()).to(device())
-    for block in model.blocks:
-        shardwise.fully_shard(block)
-    try:
-        shardwise.fully_shard(model)
-    except ValueError as e:
-        return str(e)
-    return "accepted"
-
-
-def test_fully_shard_on_each_layer_then_the_root_says_what_to_write_instead():
-    message = run_distributed(_per_layer_then_root, 1)[0]
-    assert message.startswith("submodule 'blocks.0' (Block) is already sharded by shardwise.fully_shard"), message
-    assert "call fully_shard(model, unit_modules=[Block]) once, on the model before any layer was sharded" in message
 
 
 # ------------------------------------------------------------------ one full state dict

@@ -1,4 +1,4 @@
-"""Issue 37: FSDP with context parallelism (4 gloo processes).
+"""FSDP with context parallelism (4 gloo processes).
 
 The GPT's attention is split over ``cp`` (zig-zag chunks, ``models/context_parallel.py``)
 and ``fully_shard`` shards its parameters over ``dp_shard`` x ``cp`` folded into one
@@ -125,10 +125,12 @@ def _cp_dp(outer: bool, directory: str | None):
     return True
 
 
+@pytest.mark.slow
 def test_cp2_dp2_matches_single_process_and_its_checkpoint_loads_at_dp4(tmp_path):
     assert run_distributed(_cp_dp, 4, False, str(tmp_path)) == [True] * 4
 
 
+@pytest.mark.slow
 def test_cp2_hsdp2_matches_single_process():
     assert run_distributed(_cp_dp, 4, True, None) == [True] * 4
 
@@ -151,5 +153,6 @@ def _cp_tp():
     return True
 
 
+@pytest.mark.slow
 def test_cp2_tp2_matches_single_process():
     assert run_distributed(_cp_tp, 4) == [True] * 4

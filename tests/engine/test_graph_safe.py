@@ -17,12 +17,12 @@ import torch.distributed as dist
 
 from shardwise import (BackwardOptimizer, MixedPrecisionPolicy, OffloadPolicy, build_dp_mesh, capture_step,
                        clip_grad_norm_, fully_shard)
-from shardwise.engine.host_syncs import count_host_syncs
 from shardwise.engine.model_ops import sharded_state
 from shardwise.engine.param_group import RefreshState
 from shardwise.models import GPT, GPTConfig, TransformerLayer
 from tests.helpers.distributed import run_distributed
 from tests.helpers.graph_safe import engine_addresses
+from tests.helpers.host_syncs import count_host_syncs
 
 STEPS = 4
 CASES = [  # (strategy, outer (HSDP), grad_accum, activation checkpointing, clip, bf16)
@@ -279,19 +279,19 @@ def test_a_captured_step_copies_inputs_restores_grads_and_marks_weights_changed(
 
 
 def _static_grads_come_back():
-    from shardwise.engine.model_ops import install_static_grads
+    from shardwise.engine.model_ops import install_graph_safe_grads
 
     model = _wrap("optim_grads_params", None, False, False, True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _step(model, opt, 0, 1, False)
     kept = {n: (p.grad.to_local().data_ptr(), p.grad.full_tensor().clone()) for n, p in model.named_parameters()}
     opt.zero_grad(set_to_none=True)
-    install_static_grads(model)
+    install_graph_safe_grads(model)
     return all(p.grad is not None and p.grad.to_local().data_ptr() == kept[n][0]
                and torch.equal(p.grad.full_tensor(), kept[n][1]) for n, p in model.named_parameters())
 
 
-def test_install_static_grads_points_grad_at_the_kept_buffers_again():
+def test_install_graph_safe_grads_points_grad_at_the_kept_buffers_again():
     assert run_distributed(_static_grads_come_back, 2) == [True, True]
 
 

@@ -1,4 +1,4 @@
-"""Acceptance 1: every strategy trains to the reference's losses and parameters."""
+"""Every strategy trains to the reference's losses and parameters."""
 
 import pytest
 

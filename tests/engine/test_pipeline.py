@@ -224,6 +224,7 @@ def _trainable_groups():
     return sum(1 for g in sharded_state(part).groups if g.requires_grad)
 
 
+@pytest.mark.slow
 def test_a_stage_reduces_its_gradients_once_per_step():
     # no_shard keeps gradients Partial until finalized: one all-reduce per trainable group and step,
     # whatever the number of micro-batches (4 here); optim (ZeRO-1) one reduce-scatter instead.
@@ -265,5 +266,6 @@ def _save_pp2_dp2_then_load_at_dp4_and_one_process(path):
             assert torch.equal(plain[key], value), key
 
 
+@pytest.mark.slow
 def test_a_pp2_dp2_checkpoint_has_the_whole_models_names_and_loads_at_dp4_and_one_process(tmp_path):
     run_distributed(_save_pp2_dp2_then_load_at_dp4_and_one_process, 4, str(tmp_path / "ckpt"))

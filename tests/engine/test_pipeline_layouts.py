@@ -57,11 +57,13 @@ def _assert_every_last_stage_rank_checked(checked: list[int], pp: int = 2) -> No
     assert sum(checked) == len(checked) // pp * STEPS * MICRO_BATCHES, checked
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,strategy", [("1f1b", "optim_grads_params"), ("interleaved", "optim")])
 def test_pp2_dp1_tp2_trains_as_one_process(schedule, strategy):
     _assert_every_last_stage_rank_checked(run_distributed(_parity, 4, schedule, 2, strategy, tp=2))
 
 
+@pytest.mark.slow
 def test_pp2_hsdp_1x2_trains_as_one_process():
     # a (pp, dp_outer, dp_shard) = (2, 1, 2) mesh: each stage HSDP, sharded over dp_shard
     _assert_every_last_stage_rank_checked(run_distributed(_parity, 4, "gpipe", 2, "optim_grads_params", outer=1))
@@ -113,6 +115,7 @@ def _reductions_per_step():
     return groups, counts
 
 
+@pytest.mark.slow
 def test_a_zero_bubble_stage_reduces_its_gradients_once_per_step():
     # no_shard keeps gradients Partial: the weight passes accumulate, one all-reduce per group and step
     for groups, counts in run_distributed(_reductions_per_step, 4):

@@ -1,4 +1,4 @@
-"""``shardwise``'s top-level names: the small user set (issue 38 item 2), each documented, README's all there."""
+"""``shardwise``'s top-level names: the small user set, each documented, README's all there."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 5: FSDP composed with tensor parallel and expert parallel (4 gloo processes).
+"""FSDP composed with tensor parallel and expert parallel (4 gloo processes).
 
 Every rank trains the single-process TP=1/EP=1 reference on the whole global
 batch itself and compares losses and the gathered global state
@@ -80,6 +80,7 @@ def _tp_dp(strategy, outer):
     assert state_shapes == {k: tuple(v.shape) for k, v in reference.state.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,outer", [("optim_grads_params", None), ("optim", None), ("optim_grads_params", "no_shard")])
 def test_tp2_dp2_matches_tp1_single_process(strategy, outer):
     run_distributed(_tp_dp, 4, strategy, outer)
@@ -98,6 +99,7 @@ def _ep_dp(strategy):
     _train_and_compare(_config(**moe, ep_group=expert_mesh.get_group("ep")), wrap, _config(**moe))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
 def test_ep2_dp2_matches_ep1_single_process(strategy):
     run_distributed(_ep_dp, 4, strategy)
@@ -146,6 +148,7 @@ def _tp_ep_dp(strategy):
     torch.testing.assert_close(norm.cpu(), ref_norm.cpu(), rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads", "optim", "no_shard"])
 def test_tp2_ep2_dp2_matches_one_process(strategy):
     run_distributed(_tp_ep_dp, 4, strategy)
@@ -180,6 +183,7 @@ def _tp_marked_experts():
     return None
 
 
+@pytest.mark.slow
 def test_experts_marked_tensor_parallel_over_one_rank_wrap_and_over_two_are_refused():
     message = run_distributed(_tp_marked_experts, 4)[0]
     assert message is not None and "'layers.1.mlp.experts.w1'" in message and "over 2 ranks" in message, message
@@ -242,6 +246,7 @@ def _ep_dp_plan_fn():
     compare(sharded, reference)
 
 
+@pytest.mark.slow
 def test_plan_fn_puts_parameters_not_named_experts_on_the_expert_mesh():
     run_distributed(_ep_dp_plan_fn, 4)
 
@@ -262,6 +267,7 @@ def _mismatched_groups():
     return errors
 
 
+@pytest.mark.slow
 def test_inconsistent_meshes_are_rejected():
     errors = run_distributed(_mismatched_groups, 4)[0]
     assert "[0, 1]" in errors[0] and "[0, 2]" in errors[0]

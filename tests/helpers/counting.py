@@ -24,3 +24,42 @@ class CountingCollectives(shardwise.Collectives):
     def all_reduce(self, t, axes, average=True):
         self.calls["all_reduce"] += 1
         super().all_reduce(t, axes, average)
+
+
+class CollectiveLaunches:
+    """Collectives launched (``calls`` by kind) until ``close()``, for comparing FSDP2 and shardwise:
+    FSDP2's through ``torch.distributed`` (one flat buffer per group), shardwise's through its
+    ``Collectives`` object (one call per group and axis: one coalesced launch on NCCL; gloo has no
+    coalescing, so the engine then loops over the pieces inside that one call)."""
+
+    def __init__(self, impl: str):
+        import torch.distributed as dist
+
+        import shardwise
+
+        self.calls = {"gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        if impl == "fsdp2":
+            owner, names = dist, {"all_gather_single": "gather", "all_gather_into_tensor": "gather",
+                                  "reduce_scatter_single": "reduce_scatter",
+                                  "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce"}
+        else:
+            owner, names = shardwise.Collectives, {"gather": "gather", "reduce_scatter": "reduce_scatter",
+                                                   "all_reduce": "all_reduce"}
+        self.saved = []
+        for name, kind in names.items():
+            fn = getattr(owner, name, None)
+            if fn is None:
+                continue
+            self.saved.append((owner, name, fn))
+            setattr(owner, name, self._counting(fn, kind))
+
+    def _counting(self, fn, kind):
+        def counted(*args, **kwargs):
+            self.calls[kind] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    def close(self) -> dict:
+        for owner, name, fn in self.saved:
+            setattr(owner, name, fn)
+        return dict(self.calls)

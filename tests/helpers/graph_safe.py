@@ -18,7 +18,7 @@ def engine_addresses(model) -> dict:
     out = {}
     for group in state.groups:
         buffers = {"model_shard": group.model_shard, "main": group.main, "unsharded": group.unsharded,
-                   **group._static_grads}
+                   **group.window.graph_safe_buffers}
         out.update({f"{group.name}.{kind}": _address(t) for kind, t in buffers.items()})
     pool = state.streams.pool
     out["pool"] = sorted(b.data_ptr() for b in pool.buffers()) if hasattr(pool, "buffers") else None

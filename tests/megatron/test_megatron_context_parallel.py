@@ -1,4 +1,4 @@
-"""Issue 37 item 3: the Megatron face under context parallelism (4 gloo processes).
+"""The Megatron face under context parallelism (4 gloo processes).
 
 The groups are Megatron-Core's own (``parallel_state.initialize_model_parallel(context_parallel_size=2)``
 on gloo, then its ``ProcessGroupCollection.use_mpu_process_groups()``): ``dp_cp`` is every rank of a
@@ -200,6 +200,7 @@ def _with_megatron_groups(tp: int, cases) -> bool:
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [(1, "optim_grads_params"), (1, "optim"), (2, "optim_grads_params"), "per_token",
                                   "refusals"])
 def test_cp2_dp2_with_megatrons_groups(case):
@@ -209,6 +210,7 @@ def test_cp2_dp2_with_megatrons_groups(case):
     assert run_distributed(_with_megatron_groups, 4, 1, [case]) == [True] * 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [(1, "optim_grads_params"), (1, "optim")])
 def test_cp2_tp2_with_megatrons_groups_matches_one_process(case):
     assert run_distributed(_with_megatron_groups, 4, 2, [case]) == [True] * 4

@@ -17,7 +17,7 @@ Megatron's adapter loads into shardwise's chunk (and back) only if every key agr
   ``state_dict`` methods, ``unwrap_model``, ``DistributedOptimizer._param_name``.
   And a save at one data-parallel size loads at another bit for bit (parameters
   and Megatron's optimizer state), through ``dcp.save`` / ``dcp.load`` with those keys.
-- with ``MEGATRON_LM`` (a Megatron-LM tree; its requirements ``six`` and ``triton`` importable):
+- with ``SHARDWISE_MEGATRON_LM`` (a Megatron-LM tree; its requirements ``six`` and ``triton`` importable):
   Megatron-LM's own ``save_checkpoint`` and ``load_checkpoint`` (``scripts/megatron_lm_checkpoint.py``),
   saved on 2 gloo processes, loaded on 2 and on 1, bit for bit.
 """
@@ -222,33 +222,9 @@ def test_state_dict_keys_are_megatron_adapters_for_every_strategy():
     assert run_distributed(_keys, 2, CASES) == [CASES] * 2
 
 
+@pytest.mark.slow
 def test_state_dict_keys_are_megatron_adapters_under_hsdp():
     assert run_distributed(_keys, 4, HSDP) == [HSDP] * 4
-
-
-# ------------------------------------------------------------------ --swiglu: refused by name
-def _swiglu_checkpoint(version: int) -> tuple:
-    """(the refusal of the level's save state, what Megatron-Core's own SwiGLU split raises without it)."""
-    from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_swiglu_in_state_dict
-
-    from shardwise.megatron.options import UnsupportedMegatronOption
-
-    with _World():
-        config = _config(gated_linear_unit=True)
-        level = _shardwise_chunk(config, _ddp_config("optim_grads_params", 1, version), _model(config, seed=1)).module
-        with pytest.raises(UnsupportedMegatronOption) as refusal:
-            level.state_dict_for_save_checkpoint()
-        # the refusal's reason, checked on the installed megatron-core: its split needs Megatron-FSDP's attributes
-        with pytest.raises(AttributeError) as missing:
-            handle_swiglu_in_state_dict(level, level.state_dict(), None)
-    return str(refusal.value), str(missing.value)
-
-
-@pytest.mark.parametrize("version", [1, 2])
-def test_swiglu_fsdp_dtensor_checkpoint_is_refused_by_name(version):
-    for refusal, missing in run_distributed(_swiglu_checkpoint, 1, version):  # per rank: one is enough
-        assert "--swiglu" in refusal and "fsdp_dtensor" in refusal and "Instead" in refusal
-        assert "megatron_fsdp_slice" in missing
 
 
 # ------------------------------------------------------------------ save at one DP size, load at another
@@ -314,10 +290,11 @@ def test_fsdp_dtensor_checkpoint_loads_at_another_data_parallel_size(version, st
 
 
 # ------------------------------------------------------------------ Megatron-LM's own save/load
-TREES = [p for p in os.environ.get("MEGATRON_LM", "").split(os.pathsep) if p]
+TREES = [p for p in os.environ.get("SHARDWISE_MEGATRON_LM", "").split(os.pathsep) if p]
 
 
-@pytest.mark.skipif(not TREES, reason="MEGATRON_LM (a Megatron-LM tree, e.g. core_r0.16.0) not set; the keys "
+@pytest.mark.slow
+@pytest.mark.skipif(not TREES, reason="SHARDWISE_MEGATRON_LM (a Megatron-LM tree, e.g. core_r0.16.0) not set; the keys "
                                       "and DCP round trips above cover megatron-core's side")
 @pytest.mark.parametrize("tree", TREES or ["unset"])
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim"])

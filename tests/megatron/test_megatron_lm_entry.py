@@ -49,6 +49,7 @@ def test_the_record_is_of_the_scripts_command_lines():
         assert {k: c["cmdline"] for k, c in entry["cases"].items()} == cases, release
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not TREES, reason="SHARDWISE_MEGATRON_LM (a Megatron-LM tree) not set; CI covers the recorded "
                                       "configs: tests/megatron/test_megatron_lm_configs.py")
 @pytest.mark.parametrize("tree", TREES or ["unset"])

@@ -125,7 +125,7 @@ def test_refused_at_wrap_time_by_field_and_value(face, row, real):
 
 def _manual_registration(face):
     wrapped = _wrap(face, TransformerConfig(), _ddp(), TinyLM(TinyConfig()), build_process_groups())
-    with pytest.raises(NotImplementedError, match="--use-nccl-ub"):
+    with pytest.raises(RuntimeError, match="needs nccl_ub=True and fsdp_manual_registration=True"):
         wrapped.param_and_grad_buffer.manual_buffer_registration()
     return True
 
@@ -207,12 +207,12 @@ def test_auto_means_what_each_release_means(bf16):
     # 0.19 (and the mirror): None = the compute dtype; Megatron-LM's defaults are fp32 / auto / auto
     assert not hasattr(RealDDPConfig(), "megatron_fsdp_main_grads_dtype")  # the installed 0.16.1
     p = policy(DistributedDataParallelConfig(megatron_fsdp_main_params_dtype=None, grad_reduce_in_fp32=True))
-    assert (p.main_params_dtype, p.main_grads_dtype, p.comm_dtype) == (compute, compute, compute)
+    assert (p.main_params_dtype, p.main_grads_dtype, p.comm_dtype(compute)) == (compute, compute, compute)
     p = policy(DistributedDataParallelConfig(grad_reduce_in_fp32=True))  # 0.19's Megatron-FSDP ignores it
     assert (p.main_params_dtype, p.main_grads_dtype) == (torch.float32, compute)
     p = policy(DistributedDataParallelConfig(megatron_fsdp_main_grads_dtype=torch.float32,
                                              megatron_fsdp_grad_comm_dtype=torch.bfloat16))
-    assert (p.main_grads_dtype, p.comm_dtype) == (torch.float32, torch.bfloat16)
+    assert (p.main_grads_dtype, p.comm_dtype(torch.float32)) == (torch.float32, torch.bfloat16)
     # 0.16: preserve_fp32_weights and grad_reduce_in_fp32 decide
     p = policy(RealDDPConfig(grad_reduce_in_fp32=True))
     assert (p.main_params_dtype, p.main_grads_dtype) == (torch.float32, torch.float32)

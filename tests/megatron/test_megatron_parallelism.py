@@ -371,6 +371,7 @@ def _mesh_builders():
     assert _build_dense_mesh(hybrid, True, "cpu").mesh_dim_names == ("dp_outer", "dp_shard")  # no tp axis at TP=1
 
 
+@pytest.mark.slow
 def test_mesh_builders_check_groups_and_reject_inconsistent_ones():
     run_distributed(_mesh_builders, 4)
 
@@ -383,5 +384,6 @@ def _v1_rejects_inconsistent_hybrid_groups():
         FullyShardedDataParallelV1(TransformerConfig(), ddp, nn.Sequential(nn.Linear(4, 4)), device=torch.device("cpu"), pg_collection=bad)
 
 
+@pytest.mark.slow
 def test_v1_rejects_inconsistent_hybrid_groups():
     run_distributed(_v1_rejects_inconsistent_hybrid_groups, 4)

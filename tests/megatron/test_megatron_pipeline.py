@@ -273,6 +273,7 @@ def _parity(strategy: str, virtual: int, tied: bool = False) -> int:
     return 0 if own is None else sum(len(step) for step in own[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,virtual,tied", [
     ("optim", 1, False),  # ZeRO-1: the first stage reduces in its last backward, the second in start_grad_sync
     ("optim_grads_params", 1, False),  # ZeRO-3: reduce-scattered every micro-batch, the window closed once
@@ -306,6 +307,7 @@ def _refusals() -> list[str]:
         parallel_state.destroy_model_parallel()
 
 
+@pytest.mark.slow
 def test_pipeline_size_disagreeing_with_the_pp_group_and_v2_refuse_by_name():
     for v1_config, v2_config, v2_group in run_distributed(_refusals, 4):
         assert "pipeline_model_parallel_size=1 needs pg_collection.pp with 1 ranks, got 2 ranks" in v1_config

@@ -119,6 +119,7 @@ def _tp_dp(version, strategy, instances, outer, pattern):
     assert shapes == {k: tuple(v.shape) for k, v in reference.state.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "version,strategy,instances,outer,pattern",
     [
@@ -165,6 +166,7 @@ def _tp_state_dict(version):
     assert all(torch.equal(restored[k], original[k]) for k in original)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", [1, 2])
 def test_tp_state_dict_is_global_and_loads_full_tensors(version):
     run_distributed(_tp_state_dict, 4, version)
@@ -191,11 +193,13 @@ def _ep_dp(version, strategy, instances=1, expert_strategy=None):
     train_and_compare(gpt_config(ep_group=pg.ep, **MOE), wrap, gpt_config(**MOE), pg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version,strategy", [(1, "optim"), (2, "optim_grads"), (1, "optim_grads_params")])
 def test_ep2_dp2_matches_ep1_single_process(version, strategy):  # each strategy once, both faces (CI time)
     run_distributed(_ep_dp, 4, version, strategy)
 
 
+@pytest.mark.slow
 def test_ep_with_its_own_expert_strategy_and_hsdp():
     # dense: HSDP (dp_outer 2 x dp_shard 2); experts: ZeRO-1 over expt_dp (2 ranks)
     run_distributed(_ep_dp, 4, 1, "optim_grads_params", 2, "optim")
@@ -230,6 +234,7 @@ def _ep_per_token_loss():
     assert_close_states(shardwise.full_state_dict(wrapped.sharded_model), state_of(single))
 
 
+@pytest.mark.slow
 def test_ep_per_token_loss_sums_dense_and_expert_grads():
     run_distributed(_ep_per_token_loss, 4)
 
@@ -253,6 +258,7 @@ def _ep_broadcast_params():
         assert torch.equal(after[name], value), name
 
 
+@pytest.mark.slow
 def test_v1_broadcast_params_with_experts():
     run_distributed(_ep_broadcast_params, 4)
 
@@ -300,6 +306,7 @@ def _tp_ep_dp_case(pg, version, strategy):
     train_and_compare(gpt_config(tp_group=pg.tp, ep_group=pg.ep, **MOE), wrap, gpt_config(**MOE), pg)
 
 
+@pytest.mark.slow
 def test_tp2_ep2_with_megatrons_groups_matches_one_process():
     """V1 ZeRO-3 and V2 ZeRO-1, in one worker task (one parallel_state initialization)."""
     run_distributed(_tp_ep_dp, 4, [(1, "optim_grads_params"), (2, "optim")])
@@ -338,6 +345,7 @@ def _inconsistent_groups(version):
     return errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", [1, 2])
 def test_inconsistent_groups_and_meshes_are_rejected(version):
     errors = run_distributed(_inconsistent_groups, 4, version)

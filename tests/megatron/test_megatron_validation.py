@@ -149,9 +149,11 @@ def test_cuda_graph_impl():
     _rejects("cuda_graph_impl", config=TransformerConfig(cuda_graph_impl="full_iteration"))
 
 
-def test_nccl_ub_is_refused_with_or_without_symmetric_registration():
-    _rejects("nccl_ub", ddp=_ddp(nccl_ub=True))
-    _rejects("nccl_ub", ddp=_ddp(nccl_ub=True, disable_symmetric_registration=True))
+def test_nccl_ub_is_accepted_with_or_without_symmetric_registration():
+    # (what it does: tests/megatron/test_megatron_nccl_ub.py)
+    _validate(ddp=_ddp(nccl_ub=True))
+    _validate(ddp=_ddp(nccl_ub=True, disable_symmetric_registration=True, fsdp_manual_registration=True))
+    _rejects("fsdp_manual_registration", ddp=_ddp(fsdp_manual_registration=True))  # without nccl_ub: no pool
 
 
 @pytest.mark.parametrize("field,value", [("num_buckets", 4), ("suggested_communication_unit_size", 1 << 20)])

@@ -1,4 +1,4 @@
-"""Context parallelism in the model (issue 37): zig-zag chunks, attention and the GPT's loss under CP.
+"""Context parallelism in the model: zig-zag chunks, attention and the GPT's loss under CP.
 
 Attention under CP must equal attention over the whole sequence element-wise,
 forward and backward (fp32, 1e-6: a few fp32 epsilons of O(1) outputs; the

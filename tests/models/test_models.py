@@ -16,8 +16,9 @@ from shardwise.models import (
     chunked_scan,
     init_weights,
     load_balancing_loss,
-    sequential_scan,
 )
+
+from tests.helpers.mamba_reference import sequential_scan
 
 
 def small_config(**overrides):

@@ -207,6 +207,7 @@ def _tp_ep_moe(layout):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["aligned", "across"])
 def test_tp2_ep2_moe_dispatches_each_token_once(layout):
     assert run_distributed(_tp_ep_moe, 4, layout) == [True] * 4

@@ -44,7 +44,7 @@ from ...engine.teardown import destroy_process_groups
 from .fp8 import FP8_MODES
 from .graphs import GRAPH_MODES
 from .pipeline import MULTI_STAGE_SCHEDULES, format_pipeline_run, run_pipeline_benchmark
-from ...engine.pipeline_order import PIPELINE_SCHEDULES
+from ..pipeline_order import PIPELINE_SCHEDULES
 from .context_parallel import check_options as check_context_parallel_options
 from .context_parallel import format_context_parallel_run, run_context_parallel_benchmark
 from .runner import COMPILE_MODES, GRAD_COMM_DTYPES, BenchOptions, run_benchmark

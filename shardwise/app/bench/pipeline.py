@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...engine.device import device_for
-from ...engine.pipeline_order import textbook_bubble
+from ..pipeline_order import textbook_bubble
 from ..config import TrainConfig
 from ..pipeline_memory import estimate_pipeline_rank
 from ..pipeline_train import build_pipeline

@@ -33,7 +33,8 @@ from torch import nn
 
 __all__ = ["WRAPPERS", "DEFAULT_ORDER", "CEILING", "COMPILES", "LR", "CLIP_MODES", "make_optimizer", "make_clip",
            "unavailable_reason",
-           "wrapper_version", "compile_layers", "wrap_shardwise", "wrap_shardwise_optimizer_in_backward",
+           "wrapper_version", "compile_layers", "wrap_shardwise", "wrap_shardwise_fsdp2_idiom",
+           "wrap_shardwise_optimizer_in_backward",
            "wrap_fsdp2", "wrap_ddp", "wrap_none", "wrap_megatron_fsdp"]
 
 LR = 1e-4
@@ -113,14 +114,43 @@ def wrap_shardwise(model: nn.Module, device: torch.device, strategy: str = "opti
 
     unit_types = list(dict.fromkeys(type(m) for m in _layers(model)))
     units = unit_types + [m for m in (model.embed, model.output) if m is not None]
-    model = shardwise.fully_shard(
-        model, strategy=strategy, unit_modules=units,
+    model = shardwise.fully_shard(model, unit_modules=units, **_shardwise_options(
+        strategy, offload, grad_comm_dtype, graph_safe, bf16_main))
+    if compile is not None:  # the layers, as for the other wrappers (not the embedding or head)
+        shardwise.compile_units(model, modules=unit_types, **compile)
+    return model, make_optimizer(model.parameters(), device)
+
+
+def _shardwise_options(strategy: str, offload: float, grad_comm_dtype: torch.dtype | None, graph_safe: bool,
+                       bf16_main: bool) -> dict:
+    import shardwise
+
+    return dict(
+        strategy=strategy, graph_safe=graph_safe,
         mixed_precision=shardwise.MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, grad_comm_dtype=grad_comm_dtype,
             **({"main_params_dtype": torch.bfloat16, "main_grads_dtype": torch.bfloat16} if bf16_main else {})),
-        offload_policy=shardwise.OffloadPolicy(fraction=offload) if offload else None, graph_safe=graph_safe)
-    if compile is not None:  # the layers, as for the other wrappers (not the embedding or head)
-        shardwise.compile_units(model, modules=unit_types, **compile)
+        offload_policy=shardwise.OffloadPolicy(fraction=offload) if offload else None)
+
+
+def wrap_shardwise_fsdp2_idiom(model: nn.Module, device: torch.device, strategy: str = "optim_grads_params",
+                               compile: dict | None = None, offload: float = 0.0,
+                               grad_comm_dtype: torch.dtype | None = None, graph_safe: bool = False,
+                               bf16_main: bool = False):
+    """As :func:`wrap_shardwise`, written in FSDP2's idiom: ``shardwise.fully_shard`` on each layer, the
+    embedding and the output head, then on the root (the same units, so the same steps and numbers)."""
+    import shardwise
+
+    options = _shardwise_options(strategy, offload, grad_comm_dtype, graph_safe, bf16_main)
+    if options["offload_policy"] is not None:
+        raise ValueError("offload with the FSDP2 idiom: the offloaded fraction is chosen over the whole model, "
+                         "so use the 'shardwise' wrapper (one call) for --offload")
+    layers = _layers(model)
+    for module in layers + [m for m in (model.embed, model.output) if m is not None]:
+        shardwise.fully_shard(module, **options)
+    shardwise.fully_shard(model, **options)
+    if compile is not None:
+        shardwise.compile_units(model, modules=list(dict.fromkeys(type(m) for m in layers)), **compile)
     return model, make_optimizer(model.parameters(), device)
 
 
@@ -283,6 +313,7 @@ WRAPPERS: dict[str, Callable] = {
     "fsdp2": wrap_fsdp2,
     "fsdp2-fp8ag": wrap_fsdp2,  # with --fp8 tensorwise: torchao's FP8 all-gather (bench/fp8.py converts the model)
     "shardwise": wrap_shardwise,
+    "shardwise-fsdp2-idiom": wrap_shardwise_fsdp2_idiom,
     "shardwise-fp8ag": wrap_shardwise,  # with --fp8 tensorwise: shardwise gathering FP8 bytes
     "shardwise-obo": wrap_shardwise_optimizer_in_backward,
     "shardwise-bf16main": functools.partial(wrap_shardwise, bf16_main=True),  # the ceiling's recipe, against none
@@ -291,8 +322,8 @@ WRAPPERS: dict[str, Callable] = {
     "none": wrap_none,
     "none-fp32main": wrap_none_fp32_main,
 }
-COMPILES = ("fsdp2", "fsdp2-fp8ag", "shardwise", "shardwise-fp8ag", "shardwise-obo", "shardwise-bf16main", "ddp", "none",
-            "none-fp32main")  # the wrappers that take compile=
+COMPILES = ("fsdp2", "fsdp2-fp8ag", "shardwise", "shardwise-fsdp2-idiom", "shardwise-fp8ag", "shardwise-obo",
+            "shardwise-bf16main", "ddp", "none", "none-fp32main")  # the wrappers that take compile=
 
 
 def unavailable_reason(name: str, device: torch.device, compiled: bool = False, fp8: str = "off") -> str | None:

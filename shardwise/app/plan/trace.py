@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...engine.collectives import Collectives
+from ... import Collectives
 from ...engine.model_ops import compute_parameters
 from .candidates import Candidate
 from .live_bytes import LiveBytes

@@ -1,4 +1,4 @@
-"""The CPU AdamW benchmark (issue 13 item 2) on a tiny size: every variant measured, and they agree."""
+"""The CPU AdamW benchmark on a tiny size: every variant measured, and they agree."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from shardwise.app.bench.cpu_adam import APIS, VARIANTS, main, transformer_shapes
+from benchmarks.cpu_adam import APIS, VARIANTS, main, transformer_shapes
 
 
 def test_shapes_add_up():

@@ -4,7 +4,7 @@ A micro-batch's activations on a stage live from its forward to its backward,
 so a rank's activation peak is the most (stage, micro-batch) chunks whose
 forward ran and whose backward has not. That depends only on the schedule's
 order, derived here from the rules of ``torch.distributed.pipelining.schedules``
-(read from torch 2.13, ``tests/engine/test_pipeline_order.py`` compares with
+(read from torch 2.13, ``tests/app/test_pipeline_order.py`` compares with
 torch's own action lists):
 
 * ``gpipe``: every forward, then every backward: all ``m`` micro-batches in flight.
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["PIPELINE_SCHEDULES", "rank_order", "in_flight_peak", "in_flight_microbatches", "textbook_bubble"]
+__all__ = ["PIPELINE_SCHEDULES", "rank_order", "in_flight_peak", "textbook_bubble"]
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped_bfs")  # not yet: shardwise.engine.pipeline's zero-bubble ones
 _ONE_STAGE = ("gpipe", "1f1b")
@@ -120,11 +120,6 @@ def in_flight_peak(order: Sequence[tuple[str, int, int]],
             if live[j] < 0:
                 raise ValueError(f"the order runs a backward of local stage {j} before its forward")
     return best, at_best
-
-
-def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, n_microbatches: int, virtual: int = 1) -> int:
-    """The most (stage, micro-batch) chunks this rank holds activations of at once."""
-    return int(in_flight_peak(rank_order(schedule, pp, pp_rank, n_microbatches, virtual))[0])
 
 
 def textbook_bubble(pp: int, n_microbatches: int, virtual: int = 1) -> float:

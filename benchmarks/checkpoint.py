@@ -1,7 +1,7 @@
 """Time a checkpoint save, a resharded load and an export for a preset; report peak host memory.
 
-    python -m shardwise.app.bench.checkpoint --preset 1b --dir /tmp/ckpt            # one process per GPU
-    python -m shardwise.app.bench.checkpoint --preset tiny --nproc 2 --dir /tmp/c    # CPU, gloo
+    python -m benchmarks.checkpoint --preset 1b --dir /tmp/ckpt            # one process per GPU
+    python -m benchmarks.checkpoint --preset tiny --nproc 2 --dir /tmp/c    # CPU, gloo
 
 Each rank builds the preset's GPT, shards it (``--strategy``), takes one AdamW
 step so optimizer state exists, saves, then builds a fresh model sharded with
@@ -23,9 +23,10 @@ from dataclasses import fields
 import torch
 import torch.distributed as dist
 
-from ..launch import launch_local
-from ...engine.teardown import destroy_process_groups
-from ..memory import host_peak_bytes, host_resident_bytes, reset_host_peak
+from shardwise import destroy_process_groups
+from shardwise.app.launch import launch_local
+from shardwise.app.memory import host_peak_bytes, host_resident_bytes, reset_host_peak
+from shardwise.engine.model_ops import parameter_groups
 
 MIB = 2**20
 
@@ -49,7 +50,7 @@ def _build(args, strategy: str, device: torch.device):
 
 def _checksum(model, optimizer) -> torch.Tensor:
     """Sums over every main weight and optimizer value (identical whatever the sharding)."""
-    params = [p for group in model.sharded_state.groups for p in group.sharded_params]
+    params = [p for group, _ in parameter_groups(model) for p in group]
     total = torch.zeros(3, dtype=torch.float64, device=params[0].to_local().device)
     for param in params:
         state = optimizer.state.get(param, {})
@@ -143,7 +144,7 @@ print(json.dumps({"phase": "export bf16", "seconds": round(time.perf_counter() -
 """
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shardwise.app.bench.checkpoint",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.checkpoint",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="1b")
     parser.add_argument("--dir", required=True, help="checkpoint folder (use a local disk)")
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-export", action="store_true")
     args = parser.parse_args(argv)
     world = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() and not args.cpu else 2)
-    if launch_local(_worker, world, (args,), "shardwise.app.bench.checkpoint"):
+    if launch_local(_worker, world, (args,), "benchmarks.checkpoint"):
         return 1
     if not args.no_export:
         subprocess.run([sys.executable, "-c", _EXPORT, args.dir, os.path.join(args.dir, "export")], check=True)

@@ -1,7 +1,7 @@
 """Measure ``--init-from``: every rank reading its own rows vs every rank loading the whole file.
 
-    python -m shardwise.app.bench.hf_load --preset 1b --folder /tmp/hf-1b          # writes the folder first if missing
-    python -m shardwise.app.bench.hf_load --preset small --nproc 2 --json out.json
+    python -m benchmarks.hf_load --preset 1b --folder /tmp/hf-1b          # writes the folder first if missing
+    python -m benchmarks.hf_load --preset small --nproc 2 --json out.json
 
 The folder is shardwise's GPT preset saved in Hugging Face (Llama) format with
 random weights (``--max-shard-size`` shards, an index). Each mode runs in fresh
@@ -44,9 +44,9 @@ def write_random_folder(model_cfg, folder: Path, dtype: torch.dtype = torch.floa
                         max_shard_size: int | None = None, seed: int = 0) -> int:
     """A ``save_pretrained``-style folder of GPT config ``model_cfg`` as Llama/Mixtral, random normal weights
     (norms 1); one tensor in memory at a time. Returns the bytes of tensors written."""
-    from ...checkpoint.export import split_by_size, write_safetensors
-    from ...hf.mapping import gpt_hf_keys, gpt_to_hf_config
-    from ...models import GPT
+    from shardwise.checkpoint.export import split_by_size, write_safetensors
+    from shardwise.hf.mapping import gpt_hf_keys, gpt_to_hf_config
+    from shardwise.models import GPT
 
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in GPT(model_cfg).named_parameters()}
@@ -131,7 +131,7 @@ def _worker(mode: str, folder: str, model_cfg, result_dir: str) -> None:
 def _run_mode(mode: str, folder: Path, model_cfg, nproc: int, result_dir: Path) -> list[dict]:
     from shardwise.app.launch import launch_local
 
-    code = launch_local(_worker, nproc, (mode, str(folder), model_cfg, str(result_dir)), "shardwise.app.bench.hf_load")
+    code = launch_local(_worker, nproc, (mode, str(folder), model_cfg, str(result_dir)), "benchmarks.hf_load")
     if code != 0:
         raise SystemExit(f"mode {mode}: a rank failed (exit {code})")
     return [json.loads((result_dir / f"{mode}-{r}.json").read_text()) for r in range(nproc)]
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     from shardwise.app.presets import PRESETS
     from shardwise.checkpoint.export import parse_size
 
-    parser = argparse.ArgumentParser(prog="python -m shardwise.app.bench.hf_load", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hf_load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="1b", choices=sorted(PRESETS))
     parser.add_argument("--folder", default=None, help="the HF folder (written first when it has no config.json)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])

@@ -11,13 +11,9 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from shardwise.engine.pipeline import SCHEDULES
-from shardwise.engine.pipeline_order import (
-    PIPELINE_SCHEDULES,
-    in_flight_microbatches,
-    in_flight_peak,
-    rank_order,
-    textbook_bubble,
-)
+from shardwise.app.pipeline_order import PIPELINE_SCHEDULES, in_flight_peak, rank_order, textbook_bubble
+
+from tests.helpers.schedules import in_flight_microbatches
 
 SHAPES = [(pp, v, m) for pp in (1, 2, 3, 4) for v in (1, 2, 3) for m in (1, 2, 3, 4, 6, 8, 12)]
 

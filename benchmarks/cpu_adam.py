@@ -1,8 +1,8 @@
-"""How fast torch's AdamW steps on the CPU (issue 13 item 2): elements/s per variant, plain tensors and DTensors.
+"""How fast torch's AdamW steps on the CPU: elements/s per variant, plain tensors and DTensors.
 
-    python -m shardwise.app.bench.cpu_adam                                  # ~50M fp32 elements, torch's threads
-    python -m shardwise.app.bench.cpu_adam --threads 1,2 --out runs/cpu_adam
-    python -m shardwise.app.bench.cpu_adam --numel 200000 --tensors 20 --steps 2   # seconds
+    python -m benchmarks.cpu_adam                                  # ~50M fp32 elements, torch's threads
+    python -m benchmarks.cpu_adam --threads 1,2 --out runs/cpu_adam
+    python -m benchmarks.cpu_adam --numel 200000 --tensors 20 --steps 2   # seconds
 
 With ``OffloadPolicy`` the fp32 main weights, their gradients and AdamW's state
 live in host memory and the user's ``torch.optim.AdamW(model.parameters())``
@@ -398,7 +398,7 @@ def _names(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m shardwise.app.bench.cpu_adam",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_adam",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--numel", type=int, default=50_000_000, help="elements in all tensors together (default 50M)")

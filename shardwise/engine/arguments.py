@@ -1,0 +1,251 @@
+"""``fully_shard``'s arguments, checked and resolved before anything is sharded.
+
+In the order ``fully_shard`` runs them: the call's modules (one, or FSDP2's
+list; units of earlier calls to adopt), the policies (torch's classes or
+shardwise's), the option types, the plans (placements per axis, the dense and
+expert ``ShardingPlan``), the units, the parameters. Every refusal names the
+argument and its value; nothing here shards or communicates except the mesh
+built for ``mesh=None``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.fsdp import OffloadPolicy as TorchOffloadPolicy
+from torch.distributed.tensor import DTensor
+
+from .collectives import Collectives
+from .fully_shard_options import FullyShardOptions
+from .mesh import PLAN_CHOICES, ShardingPlan, build_dp_mesh, experts_by_mark, fold_context_parallel, named_mesh
+from .offload import OffloadPolicy
+from .param_group import SHARDED_MARK
+from .placements import normalize_placements, resolve_axis_placements
+from .precision import MixedPrecisionPolicy, from_torch_policy
+from .sharded_module import STATE_ATTR
+
+__all__ = [
+    "check_call",
+    "check_modules",
+    "resolve_policy",
+    "resolve_offload",
+    "check_options",
+    "build_plans",
+    "check_bucket_size",
+    "check_parameters",
+]
+
+_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ------------------------------------------------------------------ checks
+def check_call(module, dp_mesh_dims, unit_modules) -> list[nn.Module]:
+    """The modules of this call (one, or FSDP2's list); what ``fully_shard`` refuses before looking at them."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            "fully_shard(dp_mesh_dims=...) (a full SPMD mesh with DTensor parameters) is not built: pass the "
+            "data-parallel sub-mesh, mesh=spmd_mesh[dims], and the model's own parameters")
+    if len(modules) > 1 and unit_modules is not None:
+        raise ValueError("unit_modules= takes one module, not a list: call fully_shard on each unit instead")
+    return modules
+
+
+def check_modules(modules: list[nn.Module], state_attr: str = STATE_ATTR) -> list:
+    """Refuse what ``fully_shard`` cannot take: a non-module, the same module twice, a module already a unit,
+    a subtree already adopted by an ancestor's call (FSDP2 is applied bottom-up). The states of the units
+    inside the modules (earlier calls on submodules), which this call adopts."""
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"module must be an nn.Module or a list of them, got {type(m).__name__}")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError(f"fully_shard got the same module twice in {[type(m).__name__ for m in modules]}")
+    adopted: dict[int, object] = {}
+    for m in modules:
+        if hasattr(m, state_attr):
+            raise ValueError(f"module {type(m).__name__} is already sharded by shardwise.fully_shard (one unit "
+                             "per module: call fully_shard once on it)")
+        for name, sub in m.named_modules():
+            state = sub.__dict__.get(state_attr)
+            if state is None:
+                continue
+            if not any(sub is x for x in state.root.modules):
+                raise ValueError(
+                    f"submodule {name!r} ({type(sub).__name__}) was already taken in by the fully_shard call on "
+                    f"{state.root.module.__class__.__name__}: call fully_shard bottom-up, the inner modules first")
+            adopted[id(state)] = state
+    mine = {id(p) for state in adopted.values() for g in state.groups for p in g.sharded_params}
+    for m in modules:
+        for name, p in m.named_parameters():
+            if getattr(p, SHARDED_MARK, False) and id(p) not in mine:
+                raise ValueError(
+                    f"parameter {name!r} of {type(m).__name__} is already sharded, by the fully_shard call on an "
+                    "ancestor: call fully_shard bottom-up, the inner modules first")
+    return list(adopted.values())
+
+
+def resolve_policy(mp_policy, mixed_precision) -> MixedPrecisionPolicy:
+    """The engine's policy from ``mp_policy`` (torch's or shardwise's class) or ``mixed_precision`` (shardwise's)."""
+    if mp_policy is not None and mixed_precision is not None:
+        raise ValueError("pass mp_policy= (FSDP2's name) or mixed_precision=, not both")
+    policy = mp_policy if mp_policy is not None else mixed_precision
+    if policy is None or isinstance(policy, MixedPrecisionPolicy):
+        return policy or MixedPrecisionPolicy()
+    if isinstance(policy, TorchMixedPrecisionPolicy):
+        return from_torch_policy(policy)
+    raise TypeError(f"mp_policy must be a MixedPrecisionPolicy (torch.distributed.fsdp's or shardwise's), "
+                    f"got {type(policy).__name__}")
+
+
+def resolve_offload(offload_policy) -> OffloadPolicy | None:
+    """shardwise's ``OffloadPolicy`` from torch's (``OffloadPolicy()``: none; ``CPUOffloadPolicy``: everything)."""
+    if offload_policy is None or isinstance(offload_policy, OffloadPolicy):
+        return offload_policy
+    if isinstance(offload_policy, TorchCPUOffloadPolicy):
+        return OffloadPolicy(fraction=1.0, pin_memory=offload_policy.pin_memory)
+    if isinstance(offload_policy, TorchOffloadPolicy):
+        return None
+    raise TypeError(f"offload_policy must be an OffloadPolicy (torch.distributed.fsdp's or shardwise's) or None, "
+                    f"got {type(offload_policy).__name__}")
+
+
+def _check_argument_types(**arguments) -> None:
+    """Refuse values of the wrong type (``reshard_after_forward="no"`` is truthy)."""
+    for name, (value, kind) in arguments.items():
+        if not isinstance(value, kind):
+            raise TypeError(f"{name}={value!r} must be a {kind.__name__}")
+
+
+def check_options(options: FullyShardOptions) -> Callable:
+    """Refuse options of the wrong type; the ``plan_fn`` to use (``experts_by_mark`` by default)."""
+    reshard = options.reshard_after_forward
+    if reshard is not None and not isinstance(reshard, bool):
+        if isinstance(reshard, int):
+            raise NotImplementedError(
+                f"reshard_after_forward={reshard} (an int: reshard to a smaller group of ranks after forward) is "
+                "not built; pass True (free after forward), False (keep until backward) or None (FSDP2's default)")
+        raise TypeError(f"reshard_after_forward={reshard!r} must be a bool, None or an int")
+    shard_placement_fn, ignored = options.shard_placement_fn, options.ignored_params
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(f"shard_placement_fn={shard_placement_fn!r} must be a callable (param) -> Shard or None")
+    if ignored is not None and not all(isinstance(p, torch.Tensor) for p in ignored):
+        raise TypeError("ignored_params must be a set of the module's parameters")
+    _check_argument_types(
+        sync_module_states=(options.sync_module_states, bool),
+        prefetch=(options.prefetch, bool),
+        gradient_reduction=(options.gradient_reduction, str),
+        tp_axis=(options.tp_axis, str),
+        ep_axis=(options.ep_axis, str),
+    )
+    collectives = options.collectives
+    init_fn, plan_fn = options.init_fn, options.plan_fn
+    if collectives is not None and not isinstance(collectives, Collectives):
+        raise TypeError(f"collectives must be a shardwise.Collectives or None, got {type(collectives).__name__}")
+    if init_fn is not None and not callable(init_fn):
+        raise TypeError(f"init_fn={init_fn!r} must be a callable (module, device) or None")
+    if plan_fn is not None and not callable(plan_fn):
+        raise TypeError(f"plan_fn={plan_fn!r} must be a callable (fqn, param) -> {' or '.join(map(repr, PLAN_CHOICES))}")
+    return plan_fn or experts_by_mark
+
+
+def check_bucket_size(bucket_size: int | None) -> None:
+    if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1):
+        raise ValueError(f"bucket_size={bucket_size!r} must be a positive number of elements")
+
+
+def check_parameters(root: nn.Module, init_fn: Callable | None) -> None:
+    """Refuse parameters shardwise cannot shard, and meta parameters with nothing to materialize them."""
+    for name, p in root.named_parameters():
+        if isinstance(p, DTensor):  # sharded by an earlier fully_shard call on a submodule
+            continue
+        if p.dtype not in _FLOATING:
+            raise ValueError(
+                f"parameter {name!r} has dtype {p.dtype}, which shardwise cannot shard; "
+                f"supported parameter dtypes are {[str(d) for d in _FLOATING]}"
+            )
+        if p.dim() == 0:
+            raise ValueError(
+                f"parameter {name!r} is 0-dimensional; shardwise shards along dim 0, so store it with shape (1,)"
+            )
+    # Meta parameters without an init_fn stay on the meta device, sharded: model.to_empty(device=...) and the
+    # model's own initialisation then fill the shards (FSDP2's flow).
+
+
+# ------------------------------------------------------------------ plans
+def build_plans(options: FullyShardOptions) -> tuple[ShardingPlan, ShardingPlan | None]:
+    """The dense plan (over ``mesh``, built when ``None``) and the expert plan (with an ``expert_mesh``),
+    their gradients scaled for ``gradient_reduction``."""
+    tp_axis, ep_axis, gradient_reduction = options.tp_axis, options.ep_axis, options.gradient_reduction
+    expert_mesh, expert_placements = options.expert_mesh, options.expert_placements
+    mesh, placements = resolve_placements(options.mesh, options.placements, options.strategy,
+                                          options.outer_dp_sharding_strategy, (tp_axis, ep_axis))
+    names = mesh.mesh_dim_names or ()
+    plan = ShardingPlan(mesh, placements, model_parallel_axes=[tp_axis] if tp_axis in names else [])
+    expert_plan = _expert_plan(plan, placements, expert_mesh, expert_placements, ep_axis, tp_axis)
+    if gradient_reduction not in ("mean", "sum"):
+        raise ValueError(f"gradient_reduction={gradient_reduction!r} must be 'mean' or 'sum'")
+    if gradient_reduction == "sum":  # e.g. per-token losses normalized after the reduction
+        for p in (plan, expert_plan):
+            if p is not None:
+                p.grad_scale *= plan.dp_size
+    return plan, expert_plan
+
+
+# ------------------------------------------------------------------ placements, units, parameters
+def resolve_placements(mesh, placements, strategy, outer_dp_sharding_strategy,
+                       model_parallel_axes: tuple = ("tp",)) -> tuple[DeviceMesh, dict]:
+    """The mesh (FSDP2's unnamed meshes named, the default one built) and each data-parallel axis's placements
+    (``placements.resolve_axis_placements``)."""
+    if mesh is not None:
+        mesh = named_mesh(mesh)
+    placements = resolve_axis_placements(None if mesh is None else mesh.mesh_dim_names, placements, strategy,
+                                         outer_dp_sharding_strategy, model_parallel_axes)
+    if mesh is None:
+        if list(placements) != ["dp_shard"]:
+            raise ValueError(f"placements name axes {list(placements)}; pass a mesh that has them")
+        mesh = build_dp_mesh()
+    return _fold_context_parallel(mesh, placements)
+
+
+def _fold_context_parallel(mesh: DeviceMesh, placements: dict) -> tuple[DeviceMesh, dict]:
+    """A mesh with a ``cp`` axis shards over ``dp_shard`` x ``cp`` as one axis; ``dp_shard``'s placements
+    are that axis's."""
+    folded = fold_context_parallel(mesh)
+    if folded is mesh:
+        return mesh, placements
+    if "cp" in placements:
+        raise ValueError(f"placements name the context-parallel axis 'cp' ({placements['cp']}); it is folded into "
+                         "'dp_shard' and sharded with it: give 'dp_shard' the placements")
+    inner = next(n for n in folded.mesh_dim_names if n not in mesh.mesh_dim_names)
+    return folded, {inner if axis == "dp_shard" else axis: p for axis, p in placements.items()}
+
+
+def _expert_plan(plan, placements, expert_mesh, expert_placements, ep_axis, tp_axis="tp") -> ShardingPlan | None:
+    """The expert plan; a ``tp_axis`` on the expert mesh is expert tensor parallelism (its own group)."""
+    if expert_mesh is None:
+        return None
+    names = expert_mesh.mesh_dim_names or ()
+    if ep_axis not in names:
+        raise ValueError(f"expert_mesh axes {list(names)} have no expert-parallel axis ep_axis={ep_axis!r}")
+    model_parallel = [ep_axis] + ([tp_axis] if tp_axis in names else [])
+    if expert_placements is None:
+        missing = [n for n in names if n not in model_parallel and n not in placements]
+        if missing:
+            raise ValueError(
+                f"expert_mesh axes {missing} have no placements; pass expert_placements= for them"
+            )
+        expert_placements = {n: placements[n] for n in names if n not in model_parallel}
+    else:
+        expert_placements = normalize_placements(expert_placements)
+    expert = ShardingPlan(expert_mesh, expert_placements, model_parallel_axes=model_parallel)
+    # Every expert replica sees only its expert-data-parallel peers' tokens through the
+    # all-to-all; averaging over them and scaling by edp/dp averages over the global batch.
+    expert.grad_scale = expert.dp_size / plan.dp_size
+    return expert

@@ -1,0 +1,329 @@
+"""A parameter group's gradient window: from a step's first reduction to the ``.grad`` the optimizer reads.
+
+A window opens at the first reduction of a step (``reduce``), accumulates
+micro-batches (``no_sync``) at the gradient level, is finalized at the
+optimizer level when the last one syncs, and is installed as the sharded
+parameters' ``grad_attr`` (``install``). The buffers live only as long as
+the ``.grad`` DTensors that view them: once ``optimizer.zero_grad()`` drops
+those, the next window allocates afresh and its first reduction overwrites
+(no zero-fill); grads the user kept are accumulated onto. An offloaded
+group streams the finished shard to the host right behind its reduction.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+import torch
+
+from .collectives import InFlight
+from .distributed_buffer import BufferState, DistributedBuffer
+
+__all__ = ["GradState", "GradWindow"]
+
+
+class GradState(enum.Enum):
+    """Where a step's gradients are."""
+
+    IDLE = "idle"  # nothing in progress; ``.grad`` (if set) holds the last finished gradients
+    ACCUMULATING = "accumulating"  # micro-batches reduced into the accumulation buffer, window open
+    REDUCED = "reduced"  # the window is finalized; the grads wait to be installed as ``.grad``
+
+
+class GradWindow:
+    """The gradients of one ``ParamGroup`` (``group``: its levels, parameters, streams and dtypes).
+
+    ``state``: a ``GradState``. ``grad_acc``: the micro-batches' sum at the gradient level (Partial over
+    the axes that reduce later), ``None`` outside a window. ``main_grad``: the finalized gradients at the
+    optimizer level, until installed. ``main_grad_ref``: a weak reference to the flat main grads handed
+    out (the ``.grad`` the user may keep across steps). ``released``: what the reduce stream may still
+    read, kept alive by the next ``InFlight``. ``graph_safe_buffers``: graph-safe mode's kept buffers by kind
+    (``main_grad``, ``grad_acc``, ``grad_copy``). ``grad_attr``: where grads are handed out (``grad``,
+    or Megatron's ``decoupled_grad``, uncast); ``grad_aliases``: attributes of the gathered parameters
+    that alias their ``.grad`` (Megatron's ``main_grad``), dropped with it. The offload branch:
+    ``host_grad`` (the host buffer, reused), ``host_ready`` (the copy's event), ``host_kept`` (grads the
+    user kept, added to at install).
+    """
+
+    def __init__(self, group):  # its ParamGroup (which imports this module)
+        self.group = group
+        self.state = GradState.IDLE
+        self.grad_acc: DistributedBuffer | None = None
+        self.main_grad: DistributedBuffer | None = None
+        self.main_grad_ref: weakref.ref | None = None
+        self.released: tuple = ()
+        self.graph_safe_buffers: dict[str, torch.Tensor] = {}
+        self.grad_attr = "grad"
+        self.grad_aliases: tuple[str, ...] = ()
+        self.host_grad: torch.Tensor | None = None
+        self.host_ready: "torch.cuda.Event | None" = None
+        self.host_kept = None
+
+    @property
+    def grad_acc_flat(self) -> torch.Tensor | None:
+        return None if self.grad_acc is None else self.grad_acc.flat
+
+    @property
+    def main_grad_flat(self) -> torch.Tensor | None:
+        return None if self.main_grad is None else self.main_grad.flat
+
+    def kept_main_grad(self) -> torch.Tensor | None:
+        """The flat main grads last handed out, while the user still holds them."""
+        return self.main_grad_ref() if self.main_grad_ref is not None else None
+
+    def _open(self) -> None:
+        """Start accumulating a step's gradients.
+
+        The main-grad buffer lives only as long as the ``.grad`` DTensors that
+        view it: once ``optimizer.zero_grad()`` drops them it is freed, and the
+        next step allocates a fresh one that the first reduction overwrites
+        (no zero-fill). Grads the user kept are accumulated onto.
+        """
+        if self.state is GradState.REDUCED:  # the engine installs every finalized window first
+            raise RuntimeError(f"group {self.group.name}: a new accumulation window opened before the last one's "
+                               "gradients were installed; please report it with the model")
+        m = self.group.opt_level
+        cleared = [getattr(p, self.grad_attr, None) is None for p in self.group.sharded_params]
+        existing = self.main_grad_ref() if self.main_grad_ref is not None else None
+        if self.group.offloaded:  # the host grads the user kept are added to at install time
+            self.host_kept = None if all(cleared) or existing is None else (existing, cleared)
+            existing = None
+        if all(cleared) or existing is None or self.hands_out_copies:
+            # (grads handed out as cast copies hold the earlier windows' sum themselves: install adds to them)
+            self.main_grad = self._fresh("main_grad", m)  # the first reduction overwrites it
+            self.main_grad_ref = weakref.ref(self.main_grad.flat)
+        else:  # the kept grads, accumulated onto (those the user cleared restart from zero)
+            self.main_grad = DistributedBuffer(self.group.levels, m, existing)
+            for i, was_cleared in enumerate(cleared):
+                if was_cleared:
+                    self.main_grad.local(i).zero_()
+        if self.group.levels.same_layout(self.group.grad_level, m):  # the same level, or one buffer with it in all but name
+            self.grad_acc = self.main_grad
+        else:  # a Partial accumulation buffer of its own, restarted every window
+            self.grad_acc = self._fresh("grad_acc", self.group.grad_level)
+        self.state = GradState.ACCUMULATING
+
+    def _fresh(self, kind: str, level: int) -> DistributedBuffer:
+        """An ``EMPTY`` gradient buffer of ``level``: a new one, or in graph-safe mode the one this group made
+        at its first window (kept for good: the same addresses every step, whoever drops ``.grad``)."""
+        if not self.group.graph_safe:
+            return self.group.levels.empty(level, self.group.main_grad_dtype)
+        flat = self.graph_safe_buffers.get(kind)
+        if flat is None:
+            flat = self.graph_safe_buffers[kind] = self.group.levels.new(self.group.layouts[level].total,
+                                                                     self.group.main_grad_dtype)
+        return DistributedBuffer(self.group.levels, level, flat, BufferState.EMPTY)
+
+    def _flat_unsharded(self, staged: list) -> DistributedBuffer:
+        """The unsharded grads (zeros where missing) in one comm-dtype buffer, one kernel: the accumulation
+        buffer itself when that is a fresh one of level 0 and this dtype (ZeRO-0/1), else a staged one."""
+        acc = self.grad_acc
+        flat = acc if acc.takes(0, self.group.comm_dtype) else self.group.levels.staged(0, self.group.comm_dtype, staged)
+        grads = []
+        for param in self.group.unsharded_params:
+            grads.append(param.grad)
+            param.grad = None
+            for alias in self.grad_aliases:
+                setattr(param, alias, None)
+        flat.load(grads)
+        return flat
+
+    def reduce(self, finalize: bool) -> InFlight:
+        """Reduce this micro-batch's grads into the accumulation buffer; finalize at a step's end.
+
+        Returns the in-flight work; the caller waits on it before the optimizer
+        reads grads or before dropping the flat buffer it keeps alive.
+        """
+        if self.state is not GradState.ACCUMULATING:
+            self._open()
+        self.released = ()
+        staged: list = []
+        acc = self.grad_acc
+        flat = self._flat_unsharded(staged)
+        with self.group.streams.on(self.group.streams.reduce):
+            # the first micro-batch's reduction lands in the fresh accumulation buffer itself (when the
+            # grads were loaded into it, ZeRO-0/1, it holds them already and takes nothing more)
+            into = acc if acc.takes(self.group.grad_level, flat.flat.dtype) else None
+            shard = flat.reduce_scatter(self.group.grad_level, staged, into=into)
+            if self.group.grad_scale != 1.0:
+                shard.flat.mul_(self.group.grad_scale)
+            if shard is not acc:
+                acc.accumulate(shard)
+            if finalize:
+                self._finalize(staged)
+        return self._in_flight(staged)
+
+    def _in_flight(self, staged: list) -> InFlight:
+        event = self.group.streams.record(self.group.streams.reduce)
+        if self.group.offloaded and self.state is GradState.REDUCED:
+            self.host_ready = event  # the CPU may read the host grads once this has passed
+        flight = InFlight(event, keepalive=self.released, staged=tuple(staged), pool=self.group.streams.pool)
+        self.released = ()  # only the flight keeps them now: they go as soon as it is waited on
+        return flight
+
+    def finalize_without_new_grads(self) -> InFlight | None:
+        """End an accumulation window whose last micro-batch brought no grads to this group."""
+        if self.state is not GradState.ACCUMULATING:
+            return None
+        staged: list = []
+        with self.group.streams.on(self.group.streams.reduce):
+            self._finalize(staged)
+        return self._in_flight(staged)
+
+    def _finalize(self, staged: list) -> None:
+        acc, main_grad = self.grad_acc, self.main_grad
+        if self.group.sum_over_axes:  # partial sums across model-parallel ranks (sequence parallel)
+            acc.all_reduce(self.group.sum_over_axes, average=False)
+        if acc is main_grad:
+            main_grad.all_reduce(self.group.plan.finalize_allreduce_axes)
+        else:
+            into = main_grad if main_grad.takes(self.group.opt_level, acc.flat.dtype) else None
+            reduced = acc.reduce_scatter(self.group.opt_level, staged, into=into)
+            reduced.all_reduce(self.group.plan.finalize_allreduce_axes)
+            if reduced is not main_grad:
+                main_grad.accumulate(reduced)
+            # the reduce stream may still read it: the caller keeps it alive until it waits
+            self.released = (acc.flat,)
+        self.grad_acc = None
+        self.state = GradState.REDUCED
+        if self.group.offloaded:  # stream the finished shard to the host right behind its reduction
+            numel, dtype = main_grad.flat.numel(), main_grad.flat.dtype
+            if self.host_grad is None:
+                self.host_grad = self.group.host.empty(numel, dtype)
+            host = self.host_grad
+            if self.host_kept is not None:  # the user kept last step's grads there: add to them at install
+                host = torch.empty(numel, dtype=dtype)
+            self.main_grad = main_grad.copy_to(host)
+            self.released = self.released + (main_grad.flat,)
+
+    def discard(self) -> None:
+        """Drop installed grads and any accumulation still open (the next backward overwrites)."""
+        for param in self.group.sharded_params:
+            param.grad = None
+            if self.grad_attr != "grad":
+                setattr(param, self.grad_attr, None)
+        self.drop_accumulation()
+        self.host_ready = None
+        self.host_kept = None
+
+    def drop_accumulation(self) -> None:
+        """Forget the unsharded parameters' gradients and the step's accumulation buffers."""
+        for param in self.group.unsharded_params:
+            param.grad = None
+            for alias in self.grad_aliases:
+                setattr(param, alias, None)
+        self.grad_acc = None
+        self.main_grad = None
+        self.state = GradState.IDLE
+
+    @torch.no_grad()
+    def zero_in_place(self) -> None:
+        """Graph-safe mode's ``zero_grad``: zero the kept gradient buffer and the gradients handed out where
+        they are, never drop them; the next window adds onto those zeros.
+
+        A replayed graph runs no Python, so the ``.grad`` (or ``grad_attr``) tensors the optimizer reads
+        after a replay must be the very tensors the captured step wrote: they stay installed for good.
+        Also ends any ``no_sync`` accumulation left open, as :meth:`discard_grads` does.
+        """
+        self.drop_accumulation()
+        flat = self.graph_safe_buffers.get("main_grad")
+        handed = [getattr(p, self.grad_attr, None) for p in self.group.sharded_params]
+        handed = [g._local_tensor if hasattr(g, "_local_tensor") else g for g in handed if g is not None]
+        if flat is not None:
+            flat.zero_()
+            handed = [g for g in handed if g._base is not flat]  # views of the kept buffer: zeroed with it
+        handed = [g for g in handed if g.numel()]
+        if handed:
+            torch._foreach_zero_(handed)
+
+    def install(self) -> None:
+        """Expose the finalized main grads as the sharded parameters' ``.grad``.
+
+        Only the ``.grad`` DTensors keep the buffer alive from here on.
+        """
+        if self.state is not GradState.REDUCED:
+            return
+        if self.group.offloaded:
+            self._install_host()
+            return
+        flat, attr = self.main_grad.flat, self.grad_attr
+        if all(getattr(p, attr, None) is not None and getattr(p, attr)._local_tensor._base is flat
+               for p in self.group.sharded_params):
+            pass  # accumulated onto the grads already installed
+        else:
+            self._hand_out(self.main_grad.dtensors())
+        self.main_grad = None
+        self.state = GradState.IDLE
+        # An optimizer step on these grads may not show in any version counter: on CUDA, torch's
+        # default (foreach) AdamW over DTensors moved none (2 x H200, torch 2.11), so the next
+        # forward rebuilds the model weights whenever grads were handed out.
+        self.group.mark_weights_stale()
+
+    def install_graph_safe(self) -> None:
+        """Graph-safe mode: ``grad_attr`` views of the kept gradient buffer, or of the kept cast copies (after a
+        replay, which runs no Python)."""
+        flat = self.graph_safe_buffers.get("grad_copy" if self.hands_out_copies else "main_grad")
+        if flat is None or not self.group.requires_grad:
+            return
+        for param, grad in zip(self.group.sharded_params, DistributedBuffer(self.group.levels, self.group.opt_level, flat).dtensors()):
+            setattr(param, self.grad_attr, grad)
+
+    @property
+    def hands_out_copies(self) -> bool:
+        """Whether ``.grad`` is a copy of the main grads cast to the main weights' dtype (``.grad`` must have its
+        parameter's dtype), not a view of the main-grad buffer: then the copies, not the buffer, carry what earlier
+        windows accumulated, and every window starts the buffer afresh."""
+        return self.grad_attr == "grad" and self.group.main_grad_dtype != self.group.main_dtype
+
+    def _hand_out(self, grads) -> None:
+        """Set each sharded parameter's ``grad_attr`` to its main grad.
+
+        ``.grad`` must have its parameter's dtype: main grads of another dtype are
+        handed out as a cast copy (the grads a user kept across steps are added to);
+        graph-safe mode casts into a kept buffer, so the copies too keep their addresses.
+        """
+        if not self.hands_out_copies:
+            for param, grad in zip(self.group.sharded_params, grads):
+                setattr(param, self.grad_attr, grad)
+            return
+        copies = None  # graph-safe mode's kept copies, made only where some .grad was dropped
+        for i, (param, grad) in enumerate(zip(self.group.sharded_params, grads)):
+            if param.grad is not None:
+                param.grad.add_(grad.to(self.group.main_dtype))
+            elif not self.group.graph_safe:
+                param.grad = grad.to(self.group.main_dtype)
+            else:
+                copies = copies or self._graph_safe_copies()
+                copies[i].to_local().copy_(grad.to_local())
+                param.grad = copies[i]
+
+    def _graph_safe_copies(self) -> list:
+        """Graph-safe mode's cast ``.grad`` copies: DTensor views of one buffer of the main weights' dtype, made once."""
+        flat = self.graph_safe_buffers.get("grad_copy")
+        if flat is None:
+            flat = self.graph_safe_buffers["grad_copy"] = self.group.levels.new(
+                self.group.layouts[self.group.opt_level].total, self.group.main_dtype)
+        return DistributedBuffer(self.group.levels, self.group.opt_level, flat).dtensors()
+
+    def _install_host(self) -> None:
+        if self.host_ready is not None:
+            self.host_ready.synchronize()  # the host copy has landed
+            self.host_ready = None
+        kept = self.host_kept
+        if kept is not None:  # accumulate onto the grads the user did not clear
+            existing, cleared = kept
+            target = DistributedBuffer(self.group.levels, self.group.opt_level, existing)
+            for i, was_cleared in enumerate(cleared):
+                old, new = target.local(i), self.main_grad.local(i)
+                if was_cleared:
+                    old.copy_(new)
+                else:
+                    old.add_(new)
+            self.main_grad = target
+        self.host_kept = None
+        if kept is None or any(getattr(p, self.grad_attr, None) is None for p in self.group.sharded_params):
+            self._hand_out(self.main_grad.dtensors())
+        self.main_grad_ref = weakref.ref(self.main_grad.flat)
+        self.main_grad = None
+        self.state = GradState.IDLE
+        self.group.mark_weights_stale()

@@ -1,0 +1,98 @@
+"""What torch's own code reads of an FSDP2 module's state, answered by the engine.
+
+Two pieces of torch reach past ``FSDPModule``'s public methods into FSDP2's
+state: ``register_fsdp_forward_method`` (``_get_fsdp_state()._pre_forward`` /
+``_post_forward``) and the pipeline stage's reduce-grad point
+(``fully_shard.state(module)._state_ctx.all_states``, each state's
+``_fsdp_param_groups[i].post_backward()``, then
+``_root_post_backward_final_callback()``). :class:`TorchStateView` answers
+exactly those reads for one shardwise unit module, so torch's
+``PipelineStage`` and ``register_fsdp_forward_method`` drive shardwise units
+as they drive FSDP2's. :func:`install` registers it where
+``torch.distributed.fsdp.fully_shard.state(module)`` looks.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch.nn as nn
+from torch.distributed._composable.contract import STATE_KEY
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+__all__ = ["TorchStateView", "install"]
+
+
+class _UnitGroupView:
+    """One unit, read as torch reads an ``FSDPParamGroup``."""
+
+    def __init__(self, view: "TorchStateView"):
+        self._view = view
+
+    def post_backward(self) -> None:
+        self._view.state.reduce_unit_now(self._view.unit)
+
+    def lazy_init(self) -> None:
+        pass
+
+    def unshard(self, async_op: bool = False) -> None:
+        self._view.unit.start_unshard()
+
+    def wait_for_unshard(self) -> None:
+        self._view.unit.unshard()
+
+    def reshard(self) -> None:
+        self._view.unit.reshard()
+
+
+class TorchStateView:
+    """FSDP2's ``FSDPState`` of one unit module, as far as torch's own callers read it."""
+
+    def __init__(self, module: nn.Module, state_attr: str, unit_attr: str):
+        self._module, self._state_attr, self._unit_attr = module, state_attr, unit_attr
+
+    @property
+    def state(self):
+        return getattr(self._module, self._state_attr)
+
+    @property
+    def unit(self):
+        return getattr(self._module, self._unit_attr)
+
+    @property
+    def _fsdp_param_groups(self) -> list[_UnitGroupView]:
+        return [_UnitGroupView(self)]
+
+    @property
+    def _state_ctx(self) -> SimpleNamespace:
+        state = self.state
+        views = {}
+        for unit in state.all_units:
+            view = unit.module.__dict__.get(STATE_KEY, {}).get(torch_fully_shard.__wrapped__)
+            if isinstance(view, TorchStateView):
+                views[id(unit)] = view
+        return SimpleNamespace(all_states=list(views.values()), is_last_backward=state.is_last_backward)
+
+    def _root_post_backward_final_callback(self) -> None:
+        self.state.finish_manual_reduction()
+
+    def _pre_forward(self, module: nn.Module, args, kwargs):
+        state, unit = self.state, self.unit
+        if unit is state.root:
+            return state.root_pre_forward(module, args, kwargs)
+        return state.unit_pre_forward(unit, module, args, kwargs)
+
+    def _post_forward(self, module: nn.Module, args, output):
+        state, unit = self.state, self.unit
+        if unit is state.root:
+            return state.root_post_forward(module, args, output)
+        return state.unit_post_forward(unit, module, args, output)
+
+    def _reset_iter_state(self) -> None:
+        self.state.reset_iteration_state()
+
+
+def install(module: nn.Module, state_attr: str, unit_attr: str) -> None:
+    """Make ``torch.distributed.fsdp.fully_shard.state(module)`` answer with the engine's view."""
+    module.__dict__.setdefault(STATE_KEY, {})[torch_fully_shard.__wrapped__] = TorchStateView(
+        module, state_attr, unit_attr)
