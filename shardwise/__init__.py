@@ -24,19 +24,6 @@ from .engine.state_dict import full_state_dict
 from .engine.teardown import destroy_process_groups
 
 
-def plan(model, **kwargs):
-    """Per-GPU peak memory, step time, tokens/s/GPU and MFU of every configuration of a training run, ranked,
-    before it runs: ``shardwise.plan("8b", gpus=64, gpu="H100", seq=8192, global_batch=128)``.
-
-    ``model``: a preset name, a Hugging Face config folder, a shape dict (``layers, hidden, heads, ffn, vocab``),
-    a ``GPTConfig``, or an ``nn.Module`` factory (with ``unit_modules=`` and ``inputs=``). Memory is traced
-    from the model wrapped by ``fully_shard`` in a simulated world of that size; the arguments and the result
-    (``Plan``: ``rows``, ``recommended``, ``why()``) are ``shardwise.app.plan.api.plan``'s (docs/plan.md).
-    """
-    from .app.plan.api import plan as _plan  # the application layer, loaded only when planning
-
-    return _plan(model, **kwargs)
-
 __all__ = [
     # wrapping
     "fully_shard",
@@ -60,6 +47,4 @@ __all__ = [
     # state and teardown
     "full_state_dict",
     "destroy_process_groups",
-    # before a run
-    "plan",
 ]

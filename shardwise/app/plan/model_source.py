@@ -30,14 +30,14 @@ class ModelSource:
     """A model the planner can build, wrap and run one step of.
 
     build(depth, activation_checkpointing) -> module (``depth`` None: the whole model; only sources with
-    ``layers`` take another). units(module) -> what ``fully_shard(unit_modules=...)`` gets. inputs(micro_batch,
+    ``layers`` take another). unit_spec(module) -> what ``fully_shard(unit_modules=...)`` gets. inputs(micro_batch,
     seq) -> forward's arguments; forward returns the loss (a tensor; reduced by ``sum`` when not a scalar).
     flops_per_token(seq): training FLOPs (forward and backward) per token, MFU's numerator.
     """
 
     name: str
     build: Callable[[int | None, bool], nn.Module]
-    units: Callable[[nn.Module], list]
+    unit_spec: Callable[[nn.Module], list]
     inputs: Callable[[int, int], tuple]
     flops_per_token: Callable[[int], float]
     layers: int | None = None  # identical layers: depth can be reduced and extended

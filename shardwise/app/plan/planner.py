@@ -1,4 +1,4 @@
-"""``shardwise.plan(...)``: every candidate's memory (traced) and step time (modelled), ranked, one recommended.
+"""``shardwise.app.plan.plan(...)``: every candidate's memory (traced) and step time (modelled), ranked, one recommended.
 
 A candidate that does not fit the GPU's memory (less ``headroom`` for the allocator and NCCL) is listed but
 never recommended; the rest are ranked by tokens per second per GPU. The recommendation says which term of

@@ -166,7 +166,7 @@ def unit_costs(source, seq: int, checkpointing: bool) -> list[UnitCost]:
         if model.output is not None:
             out.append(UnitCost("output", count(model.output), 2.0 * count(model.output)))
         return out
-    specs = source.units(model)
+    specs = source.unit_spec(model)
     classes = tuple(s for s in specs if isinstance(s, type))
     chosen = [m for m in model.modules() if m is not model and (isinstance(m, classes) or any(m is s for s in specs))]
     units = [UnitCost(type(m).__name__, count(m), 2.0 * count(m)) for m in chosen]

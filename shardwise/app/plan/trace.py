@@ -184,13 +184,12 @@ def measure_step(source: ModelSource, mesh, cand: Candidate, seq: int, depth: in
     """Build, wrap and run two steps on ``mesh`` (``None``: the data-parallel mesh ``cand`` names over the
     default process group), following every storage: the simulation's path, and a real gloo run's."""
     import shardwise
-    from ...engine.model_ops import sharded_state
 
     mesh = _mesh(cand) if mesh is None else mesh
     tracker = LiveBytes()
     with tracker:
         model = source.build(depth, cand.activation_checkpointing)
-        kw = dict(strategy=cand.strategy, unit_modules=source.units(model),
+        kw = dict(strategy=cand.strategy, unit_modules=source.unit_spec(model),
                   mixed_precision=shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
                   reshard_after_forward=cand.reshard_after_forward, collectives=BackendCollectives(tracker))
         if cand.replicas > 1:
@@ -206,9 +205,8 @@ def measure_step(source: ModelSource, mesh, cand: Candidate, seq: int, depth: in
         before = tracker.current
         saved: dict[int, int] = {}
         held: dict = {}
-        groups = sharded_state(model).groups
         tracker.explain = explain
-        run_step(model, opt, inputs, tracker, saved, after_step=lambda: held.update(_held(groups, opt)), layers=layers)
+        run_step(model, opt, inputs, tracker, saved, after_step=lambda: held.update(_held(model, opt)), layers=layers)
         peak, phase, log, peaks = tracker.peak, tracker.peak_phase, list(tracker.log), dict(tracker.peaks)
         at_peak = dict(sorted(tracker.at_peak.items(), key=lambda kv: -kv[1]))
     host = held.pop("host")
@@ -218,19 +216,22 @@ def measure_step(source: ModelSource, mesh, cand: Candidate, seq: int, depth: in
                        peaks={k: v - host for k, v in peaks.items()}, before_step=before - host)
 
 
-def _held(groups, opt) -> dict[str, int]:
-    """What the engine and AdamW hold after the optimizer step: device buffers by kind, host bytes."""
-    buffers = {k: sum(g.resident_bytes()[k] for g in groups) for k in ("model_shard", "main", "main_grad", "grad_acc")}
-    host = sum(sum(g.host_bytes().values()) for g in groups)
-    offloaded = {id(p) for g in groups if g.offloaded for p in g.sharded_params}
-    device = 0
-    for p, state in opt.state.items():
-        for v in state.values():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                nbytes = (v.to_local() if hasattr(v, "to_local") else v).untyped_storage().nbytes()
-                host, device = (host + nbytes, device) if id(p) in offloaded else (host, device + nbytes)
-    return {"main": buffers["main"], "weights": buffers["model_shard"], "optimizer": device,
-            "grads": buffers["main_grad"], "grad accumulation": buffers["grad_acc"], "host": host}
+def _held(model, opt) -> dict[str, int]:
+    """What the engine and AdamW hold after the optimizer step, read through public faces: the main weights
+    (the DTensor parameters' local storage), the compute weights at rest (the gathered parameters' storage:
+    freed under ZeRO-3, the model shard under ZeRO-1/2), the gradient shards (``.grad``'s local storage) and
+    AdamW's state. Offloaded state is counted with the rest (an upper bound for the GPU)."""
+    def unique(tensors) -> int:
+        seen = {}
+        for t in tensors:
+            local = t.to_local() if hasattr(t, "to_local") else t
+            seen[local.untyped_storage()._cdata] = local.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    params = list(model.parameters())
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return {"main": unique(params), "weights": unique(compute_parameters(model)),
+            "grads": unique(p.grad for p in params if p.grad is not None), "optimizer": unique(state), "host": 0}
 
 
 def trace_memory(source: ModelSource, world: int, cand: Candidate, seq: int, exact: bool = False) -> MemoryTrace:
