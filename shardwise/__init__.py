@@ -24,6 +24,7 @@ from .engine.replaced_params import check_optimizer_params
 from .engine.state_dict import full_state_dict
 from .engine.teardown import destroy_process_groups
 
+
 __all__ = [
     # wrapping
     "fully_shard",

@@ -32,7 +32,7 @@ ENGINE = "shardwise.engine"
 ENGINE_LAYERS = {
     1: "placements layout mesh resolution precision offload replaced_params teardown launch_hint registry graph_safe "
        "device",
-    2: "collectives nccl_buffers backward_steps memory_estimate fully_shard_options rank_consistency",
+    2: "collectives nccl_buffers backward_steps fully_shard_options rank_consistency",
     3: "sharded_param distributed_buffer quantized_gather grad_window param_group param_adoption unit",
     4: "fully_shard arguments construct sharded_state sharded_module torch_fsdp_state model_ops compile cuda_graphs",
     5: "fp8 optim pipeline state_dict materialize rng",
@@ -58,7 +58,6 @@ SURFACE_MODULES = {
     "state_dict": "full state dicts",
     "teardown": "destroy_process_groups",
     "rank_consistency": "raise_together: every rank raises when one does",
-    "memory_estimate": "the engine's buffer sizes (read by app/ only)",
     "nccl_buffers": "NcclUserBuffers: a Collectives whose buffers come from NCCL's registered pool",
 }
 # Attributes of the engine's state objects (ShardedState, its units, parameter groups): a face neither reads nor

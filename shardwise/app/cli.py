@@ -14,6 +14,7 @@ __all__ = ["COMMANDS", "main"]
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("shardwise.app.train", "train a reference model with fully_shard"),
     "ckpt": ("shardwise.app.ckpt", "inspect, verify or export a checkpoint (info, verify, export)"),
+    "plan": ("shardwise.app.plan.cli", "rank configurations by memory and step time at any GPU count, before launch"),
     "bench": ("shardwise.app.bench.cli", "compare shardwise with FSDP2, DDP and megatron-fsdp (speed, memory, exposed comm)"),
 }
 

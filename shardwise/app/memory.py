@@ -1,7 +1,7 @@
 """Memory of a training run of the reference GPT, estimated before launch.
 
 ``estimate_for_run`` adds the model's activations (:func:`activation_bytes`)
-to the engine's buffers (:mod:`shardwise.engine.memory_estimate`) at the moments of one step
+to the engine's buffers (:mod:`shardwise.app.memory_estimate`) at the moments of one step
 where the GPU peak can be, and takes the largest:
 
 * **loss backward** (start of backward): every activation forward saved, the
@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..engine.memory_estimate import GIB, BufferSizes, MemoryEstimate, combine, host_parts, offloaded_units
+from .memory_estimate import GIB, BufferSizes, MemoryEstimate, combine, host_parts, offloaded_units
 from ..models import GPT, GPTConfig
 from ..engine.placements import resolve_strategy
 

@@ -4,7 +4,7 @@ A rank holds the stages ``stage_indices(pp_rank, pp, virtual)`` of
 :func:`shardwise.models.pipeline_stage` (embedding on the first stage, norm and
 head on the last), each sharded over the rank's data-parallel sub-mesh of
 ``dp`` ranks: their parameters, gradients and optimizer state are the
-engine's buffers for those units (:func:`shardwise.engine.memory_estimate.state_phases`, with
+engine's buffers for those units (:func:`shardwise.app.memory_estimate.state_phases`, with
 gradients accumulated over the step's micro-batches, as a stage's backwards run
 under ``no_sync``). On top, per micro-batch of each local stage
 (:func:`stage_activations`):
@@ -34,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from ..engine.memory_estimate import MemoryEstimate, combine, state_phases
+from .memory_estimate import MemoryEstimate, combine, state_phases
 from ..models import GPTConfig, stage_indices, stage_layer_counts
 from .pipeline_order import in_flight_peak, rank_order
 from .memory import _DTYPES, OPTIMIZER_TEMPS, activation_bytes, gpt_units

@@ -115,18 +115,11 @@ def _fused(cfg: TrainConfig, device_type: str) -> bool:
 
 
 def _run_estimate(cfg: TrainConfig, model_cfg: GPTConfig, world: int, device_type: str, ranks_per_host: int):
-    """The memory estimate of a run without ``--pp`` (``None`` for a Hugging Face model: not modelled)."""
-    from .memory import estimate_for_run
+    """The memory estimate of a run without ``--pp`` (``None`` for a Hugging Face model: not modelled); the
+    planner's (``plan.fit``), so ``shardwise plan`` and this check count alike."""
+    from .plan.fit import run_estimate
 
-    if cfg.pp > 1 or cfg.hf_config or cfg.init_from:
-        return None
-    return estimate_for_run(
-        model_cfg, cfg.seq_len, cfg.micro_batch_size, world, cfg.strategy,
-        cfg.offload_fraction if cfg.offload else 0.0, outer=cfg.outer_dp or None,
-        outer_strategy=cfg.outer_strategy or "no_shard", precision=cfg.precision, vocab_units=False,
-        grad_accum=cfg.grad_accum, optimizer="fused" if _fused(cfg, device_type) else "default",
-        build_on_device=not cfg.meta_init, ranks_per_host=ranks_per_host, cp=cfg.cp,
-        materialized_mask=device_type == "cpu")
+    return run_estimate(cfg, model_cfg, world, device_type, ranks_per_host, _fused(cfg, device_type))
 
 
 def check_host_memory(cfg: TrainConfig, model_cfg: GPTConfig, world: int, ranks_per_host: int) -> None:
@@ -284,9 +277,10 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
         if estimate is not None and rank == 0:
             say(f"memory estimate: {estimate.describe(device.type)}")
         if estimate is not None and device.type == "cuda":  # on every rank, before any rank allocates
-            from .memory import check_fits, host_available_bytes
+            from .memory import host_available_bytes
+            from .plan.fit import check_run
 
-            note = check_fits(estimate, torch.cuda.mem_get_info(device)[0], host_available_bytes())
+            note = check_run(estimate, torch.cuda.mem_get_info(device)[0], host_available_bytes())
             if note and rank == 0:
                 say(note)
     if rank == 0:

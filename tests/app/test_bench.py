@@ -284,3 +284,35 @@ def test_max_grad_norm_must_not_be_negative(capsys):
 def test_unknown_grad_comm_dtype_is_refused():
     with pytest.raises(SystemExit):
         cli.parse_options(["--grad-comm-dtype", "fp8"])
+
+
+def test_the_fp32_main_ceiling_runs_beside_the_bf16_one(tmp_path):
+    """``none-fp32main``: the no-wrapper ceiling with fp32 main weights, gradients and AdamW state (shardwise's
+    optimizer bytes); same weights and data as ``none``, so the same first loss, and it trains. Beside them
+    ``shardwise-bf16main``, shardwise with the bf16 ceiling's recipe, so one job compares both pairs."""
+    runs = run_distributed(_bench_tiny, 2, str(tmp_path), "off", ("none", "none-fp32main", "shardwise-bf16main"))[0]
+    assert [r["wrapper"] for r in runs] == ["none", "none-fp32main", "shardwise-bf16main"]
+    assert all(r["status"] == "ok" for r in runs), [(r["status"], r.get("error"), r.get("loss_ok")) for r in runs]
+    bf16, fp32, shardwise_bf16 = runs
+    assert fp32["loss_first"] == bf16["loss_first"]  # the same bf16 forward before any step
+    assert fp32["tokens_per_s_per_gpu"] > 0
+
+
+def test_fp32_main_optimizer_keeps_fp32_copies_and_writes_the_bf16_weights():
+    import torch
+
+    from shardwise.app.bench.wrappers import Fp32MainOptimizer
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    opt = Fp32MainOptimizer(layer.parameters(), torch.device("cpu"))
+    before = [m.detach().clone() for m in opt.main]
+    layer(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    assert all(m.dtype == torch.float32 for m in opt.main)
+    assert all(not torch.equal(m, b) for m, b in zip(opt.main, before))
+    assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(layer.parameters(), opt.main))
+    assert all(p.grad is None for p in layer.parameters())
+    assert {type(v) for s in opt.state.values() for v in s.values() if v.dim()} == {torch.Tensor}
+    assert all(v.dtype == torch.float32 for s in opt.state.values() for k, v in s.items() if k != "step")

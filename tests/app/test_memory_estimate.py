@@ -7,7 +7,7 @@ import torch
 
 from shardwise.app.bench.sizes import SIZES, model_config
 from shardwise.app.memory import DoesNotFit, activation_bytes, check_fits, estimate_for_run, gpt_units
-from shardwise.engine.memory_estimate import GIB, BufferSizes, estimate_state_bytes, offloaded_units
+from shardwise.app.memory_estimate import GIB, BufferSizes, estimate_state_bytes, offloaded_units
 from shardwise.models import GPT, GPTConfig
 
 # Peak allocated memory measured by `shardwise bench` on 2 x H200 (torch 2.11, NCCL 2.28.9): ZeRO-3, bf16

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.app.pipeline_memory import estimate_pipeline, estimate_pipeline_rank, stage_activations
-from shardwise.engine.memory_estimate import BufferSizes
+from shardwise.app.memory_estimate import BufferSizes
 from shardwise.models import GPT, GPTConfig, pipeline_stage
 
 CONFIG = GPTConfig(vocab_size=96, dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden=160, max_seq_len=32)

@@ -239,7 +239,7 @@ def _meta(opts: BenchOptions, out: str, command: str) -> dict:
         "world_size": dist.get_world_size(), "device": opts.device,
         "device_name": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__, "nccl": nccl, "python": sys.version.split()[0],
-        "versions": {w: wrapper_version(w) for w in opts.wrappers if w not in ("fsdp2", "ddp", "none")},
+        "versions": {w: wrapper_version(w) for w in opts.wrappers if w not in ("fsdp2", "ddp", "none", "none-fp32main")},
         "loss_rtol": opts.loss_rtol,
         "options": {k: v for k, v in vars(opts).items()},
         "sizes": {s: {"seq_len": opts.shape_for(SIZES[s])[1], "micro_batch": opts.shape_for(SIZES[s])[0],

@@ -17,7 +17,7 @@ import torch
 __all__ = ["GRAPH_MODES", "GRAPHED_WRAPPERS", "unavailable_reason", "graphed_step"]
 
 GRAPH_MODES = {"off": False, "on": True}
-GRAPHED_WRAPPERS = ("shardwise", "shardwise-fp8ag", "none")
+GRAPHED_WRAPPERS = ("shardwise", "shardwise-fp8ag", "shardwise-bf16main", "none", "none-fp32main")
 
 
 def unavailable_reason(name: str, device: torch.device, graphs: bool) -> str | None:

@@ -22,6 +22,8 @@ vendored; :func:`unavailable_reason` says why a wrapper cannot run here.
 
 from __future__ import annotations
 
+import functools
+
 import importlib.util
 from dataclasses import fields
 from typing import Callable
@@ -231,6 +233,49 @@ def wrap_none(model: nn.Module, device: torch.device, compile: dict | None = Non
     return model, make_optimizer(model.parameters(), device)
 
 
+class Fp32MainOptimizer:
+    """AdamW over fp32 main copies of a bf16 model's weights: the classic mixed-precision recipe, no wrapper.
+
+    Backward leaves bf16 gradients on the bf16 weights; ``step`` copies them into fp32 gradient buffers, steps
+    AdamW on the fp32 main weights (its state fp32 too: the optimizer bytes of shardwise's default recipe) and
+    copies the result back into the bf16 weights. ``param_groups`` and ``state`` are the inner AdamW's, so a
+    captured step (``bench/graphs.py``) makes it capturable as it does any optimizer.
+    """
+
+    def __init__(self, params, device: torch.device):
+        self.params = [p for p in params if p.requires_grad]
+        self.main = [nn.Parameter(p.detach().float()) for p in self.params]
+        for m in self.main:
+            m.grad = torch.zeros_like(m)  # kept: filled from the bf16 gradients every step
+        self.inner = make_optimizer(self.main, device)
+        self.param_groups, self.state, self.defaults = self.inner.param_groups, self.inner.state, self.inner.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with_grads = [(m, p) for m, p in zip(self.main, self.params) if p.grad is not None]
+        if with_grads:
+            torch._foreach_copy_([m.grad for m, _ in with_grads], [p.grad for _, p in with_grads])
+        self.inner.step()
+        torch._foreach_copy_([p for p in self.params], self.main)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+
+def wrap_none_fp32_main(model: nn.Module, device: torch.device, compile: dict | None = None):
+    """The ceiling with shardwise's optimizer bytes: bf16 weights computing, fp32 main weights, gradients and
+    AdamW state beside them (:class:`Fp32MainOptimizer`), each rank its own replica, no communication. The fair
+    mark for shardwise's default recipe (fp32 main weights), as ``none`` is for its bf16 one."""
+    _bf16_parameters(model)
+    if compile is not None:
+        compile_layers(model, compile)
+    return model, Fp32MainOptimizer(model.parameters(), device)
+
+
 # ------------------------------------------------------------------ megatron-fsdp
 
 
@@ -271,12 +316,14 @@ WRAPPERS: dict[str, Callable] = {
     "shardwise-fsdp2-idiom": wrap_shardwise_fsdp2_idiom,
     "shardwise-fp8ag": wrap_shardwise,  # with --fp8 tensorwise: shardwise gathering FP8 bytes
     "shardwise-obo": wrap_shardwise_optimizer_in_backward,
+    "shardwise-bf16main": functools.partial(wrap_shardwise, bf16_main=True),  # the ceiling's recipe, against none
     "ddp": wrap_ddp,
     "megatron-fsdp": wrap_megatron_fsdp,
     "none": wrap_none,
+    "none-fp32main": wrap_none_fp32_main,
 }
-COMPILES = ("fsdp2", "fsdp2-fp8ag", "shardwise", "shardwise-fsdp2-idiom", "shardwise-fp8ag", "shardwise-obo", "ddp",
-            "none")  # the wrappers that take compile=
+COMPILES = ("fsdp2", "fsdp2-fp8ag", "shardwise", "shardwise-fsdp2-idiom", "shardwise-fp8ag", "shardwise-obo",
+            "shardwise-bf16main", "ddp", "none", "none-fp32main")  # the wrappers that take compile=
 
 
 def unavailable_reason(name: str, device: torch.device, compiled: bool = False, fp8: str = "off") -> str | None:

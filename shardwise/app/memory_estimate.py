@@ -53,7 +53,7 @@ from typing import Sequence
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from .placements import resolve_strategy, strategy_placements
+from ..engine.placements import resolve_strategy, strategy_placements
 
 __all__ = ["GIB", "MemoryEstimate", "BufferSizes", "estimate_state_bytes", "state_phases", "offloaded_units",
            "host_parts", "combine"]

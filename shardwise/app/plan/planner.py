@@ -1,0 +1,118 @@
+"""``shardwise.app.plan.plan(...)``: every candidate's memory (traced) and step time (modelled), ranked, one recommended.
+
+A candidate that does not fit the GPU's memory (less ``headroom`` for the allocator and NCCL) is listed but
+never recommended; the rest are ranked by tokens per second per GPU. The recommendation says which term of
+its step dominates (compute, exposed all-gather, exposed reduce-scatter, host, optimizer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from .candidates import Candidate, candidates as all_candidates
+from .hardware import EFFICIENCY, Cluster, Efficiency
+from .model_source import ModelSource
+from .step_time import StepTime, step_time, unit_costs
+from .simulate import simulated_world
+from .trace import MemoryTrace, trace_memory
+
+__all__ = ["Row", "Plan", "plan", "evaluate", "HEADROOM"]
+
+#: the part of HBM a plan leaves to what the trace does not see: the CUDA context and NCCL's buffers (about
+#: 1-2 GiB on an H100/H200), the caching allocator's fragmentation (a few percent of the peak)
+HEADROOM = 0.08
+
+
+@dataclass
+class Row:
+    candidate: Candidate
+    memory: MemoryTrace
+    time: StepTime
+    tokens_per_s_per_gpu: float
+    mfu: float
+    fits: bool
+
+    def as_dict(self) -> dict:
+        return {"config": self.candidate.as_dict(), "label": self.candidate.label(), "fits": self.fits,
+                "peak_gib": self.memory.peak / 2**30, "peak_phase": self.memory.phase,
+                "host_gib": self.memory.host / 2**30,
+                "memory_parts_gib": {k: v / 2**30 for k, v in self.memory.parts.items()},
+                "step_s": self.time.seconds, "terms_s": dict(self.time.terms),
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
+                "dominant": self.time.dominant()}
+
+
+@dataclass
+class Plan:
+    model: str
+    cluster: Cluster
+    seq: int
+    global_batch: int
+    rows: list[Row] = field(default_factory=list)  # ranked: fitting ones first, fastest first
+
+    @property
+    def recommended(self) -> Row | None:
+        return next((r for r in self.rows if r.fits), None)
+
+    def why(self) -> str:
+        best = self.recommended
+        if best is None:
+            return "no candidate fits: more GPUs, a smaller micro-batch or CPU offload (--offload)"
+        terms = best.time.terms
+        top = best.time.dominant()
+        share = terms[top] / best.time.seconds
+        comm = terms["exposed all-gather"] + terms["exposed reduce-scatter"]
+        text = f"{top} dominates ({share:.0%} of the step); exposed communication {comm / best.time.seconds:.1%}"
+        fastest = max(self.rows, key=lambda r: r.tokens_per_s_per_gpu)
+        if not fastest.fits:
+            text += (f"; faster but over memory: {fastest.candidate.label()} "
+                     f"({fastest.memory.peak / 2**30:.1f} GiB)")
+        return text
+
+
+def evaluate(source: ModelSource, cluster: Cluster, cand: Candidate, seq: int, global_batch: int, *,
+             compiled: bool = True, eff: Efficiency = EFFICIENCY, memory: MemoryTrace | None = None,
+             headroom: float = HEADROOM) -> Row:
+    """One candidate's row: its traced memory (or ``memory``) and modelled step."""
+    memory = memory or trace_memory(source, cluster.gpus, cand, seq)
+    units = unit_costs(source, seq, cand.activation_checkpointing)
+    t = step_time(units, cand, cluster, seq, global_batch, compiled=compiled, eff=eff)
+    tokens = global_batch * seq / cluster.gpus
+    tps = tokens / t.seconds
+    mfu = tps * source.flops_per_token(seq) / cluster.gpu.bf16_flops
+    fits = memory.peak <= (1 - headroom) * cluster.gpu.hbm_bytes
+    return Row(cand, memory, t, tps, mfu, fits)
+
+
+def plan(source: ModelSource, cluster: Cluster, seq: int, global_batch: int, *, compiled: bool = True,
+         eff: Efficiency = EFFICIENCY, offload: bool = False, fp8: bool = True, hybrid: bool = True,
+         micro_batches: list[int] | None = None, only: Callable[[Candidate], bool] | None = None,
+         headroom: float = HEADROOM, progress: Callable[[str], None] | None = None) -> Plan:
+    """Rank every candidate (see :func:`.candidates.candidates`) for ``source`` on ``cluster``.
+
+    Memory is traced once per distinct memory configuration (FP8 is timed, not traced: the bf16 model's
+    buffers stand for it, an upper bound for the FP8 gather's uint8 ones). ``only`` filters candidates.
+    """
+    found = Plan(source.name, cluster, seq, global_batch)
+    with simulated_world(cluster.gpus):  # one simulation for every trace: its meshes are made once
+        _rank(found, source, cluster, seq, global_batch, compiled, eff, offload, fp8, hybrid, micro_batches, only,
+              headroom, progress)
+    found.rows.sort(key=lambda r: (not r.fits, -r.tokens_per_s_per_gpu))
+    return found
+
+
+def _rank(found, source, cluster, seq, global_batch, compiled, eff, offload, fp8, hybrid, micro_batches, only,
+          headroom, progress) -> None:
+    traces: dict[Candidate, MemoryTrace] = {}
+    for cand in all_candidates(cluster.gpus, cluster.gpus_per_node, global_batch, micro_batches=micro_batches,
+                               offload=offload, fp8=fp8, hybrid=hybrid):
+        if only is not None and not only(cand):
+            continue
+        key = replace(cand, fp8=False, fp8_gather=False)
+        if key not in traces:
+            if progress:
+                progress(f"tracing {key.label()}")
+            traces[key] = trace_memory(source, cluster.gpus, key, seq)
+        found.rows.append(evaluate(source, cluster, cand, seq, global_batch, compiled=compiled, eff=eff,
+                                   memory=traces[key], headroom=headroom))
