@@ -53,7 +53,16 @@ def user_buffers(ddp_config: Any, meshes: Sequence[Optional[DeviceMesh]], face: 
     from ..engine.nccl_buffers import NcclUserBuffers
 
     symmetric = not getattr(ddp_config, "disable_symmetric_registration", False)
-    return NcclUserBuffers(groups, register_now=not manual, symmetric=symmetric)
+    try:
+        return NcclUserBuffers(groups, register_now=not manual, symmetric=symmetric)
+    except RuntimeError as error:
+        if "not supported in this NCCL version" not in str(error):
+            raise
+        # measured on an H200 with torch 2.11.0+cu130 (NCCL 2.28.9): its ProcessGroupNCCL has no ncclMemAlloc
+        # allocator; the run goes on with PyTorch's allocator, as it would without the flag
+        logger.warning("%s: nccl_ub=True, but this PyTorch's NCCL cannot allocate registered buffers (%s): the "
+                       "buffers come from PyTorch's allocator, unregistered; the numbers are the same", face, error)
+        return None
 
 
 def register_manually(ddp_config: Any, buffers) -> None:

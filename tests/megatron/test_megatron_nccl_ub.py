@@ -343,3 +343,25 @@ def test_the_face_registers_the_data_parallel_axes_only(fake_cuda):
     assert auto.registered and fake_cuda[-1] == ("register", "inner", auto.pool, {})
     with pytest.raises(RuntimeError, match="needs nccl_ub=True and fsdp_manual_registration=True"):
         register_manually(SimpleNamespace(nccl_ub=True, fsdp_manual_registration=False), auto)
+
+
+def test_an_nccl_without_the_allocator_trains_on_with_one_warning(fake_cuda, caplog):
+    """torch 2.11.0+cu130's NCCL on an H200 answers ``mem_allocator`` with "NCCL mem allocator is not supported in
+    this NCCL version": the chunk keeps PyTorch's allocator and says so once, instead of failing to build."""
+    from shardwise.megatron.nccl_ub import user_buffers
+
+    class Unsupported(_FakeBackend):
+        @property
+        def mem_allocator(self):
+            raise RuntimeError("NCCL mem allocator is not supported in this NCCL version")
+
+        @mem_allocator.setter
+        def mem_allocator(self, value):
+            pass
+
+    group = _FakeGroup("dp", fake_cuda)
+    group.backend = Unsupported("dp", fake_cuda)
+    with caplog.at_level("WARNING", logger="shardwise.megatron.mcore_fsdp_adapter"):
+        assert user_buffers(SimpleNamespace(nccl_ub=True), (_FakeMesh({"dp_shard": group}),), "V1") is None
+    assert [r.message for r in caplog.records if "cannot allocate registered buffers" in r.message]
+    assert fake_cuda == []  # nothing registered
