@@ -13,7 +13,7 @@ from .engine.compile import compile_units
 from .engine.cuda_graphs import CapturedStep, capture_step
 from .engine.fp8 import convert_to_fp8
 from .engine.fully_shard import ShardedModule, fully_shard
-from .engine.launch_hint import install_torchrun_hint
+from .engine.launch_hint import install_torchrun_hint as _install_torchrun_hint
 from .engine.materialize import MetaInitializer
 from .engine.mesh import build_dp_mesh, build_expert_mesh
 from .engine.offload import OffloadPolicy
@@ -50,4 +50,4 @@ __all__ = [
     "destroy_process_groups",
 ]
 
-install_torchrun_hint()  # `python example.py` without torchrun: one line saying to use it
+_install_torchrun_hint()  # `python example.py` without torchrun: one line saying to use it
