@@ -35,7 +35,6 @@ from ..engine.precision import MixedPrecisionPolicy
 from ..engine.registry import LAYER, module_types
 from .config import OUTER_SHARDING_STRATEGIES, DistributedDataParallelConfig, TransformerConfig
 from .dist_index import attach_checkpoint_attributes, tensor_parallel_attributes
-from .options import UnsupportedMegatronOption
 from .meshes import _DATA_PARALLEL_PLACEMENTS, EP_AXIS, INNER_AXIS, OUTER_AXIS, TP_AXIS
 from .buffer_view import ParamAndGradBufferView
 from .fine_grained import fine_grained_units

@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
