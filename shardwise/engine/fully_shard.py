@@ -47,6 +47,14 @@ __all__ = ["fully_shard", "ShardedModule", "ShardedState"]
 _STREAMS: dict[tuple, StreamSet] = {}  # one set of side streams per device: every unit's gathers queue on it
 
 
+def _shared_streams(device: torch.device, graph_safe: bool) -> StreamSet:
+    """The process's ``StreamSet`` for ``device`` and mode, made at its first call only."""
+    key = (str(device), graph_safe)
+    if key not in _STREAMS:
+        _STREAMS[key] = StreamSet(device, graph_safe=graph_safe)
+    return _STREAMS[key]
+
+
 def fully_shard(
     module: nn.Module | list[nn.Module],
     mesh: DeviceMesh | None = None,
@@ -122,7 +130,7 @@ def fully_shard(
 
     # Checked on every rank; now shard, deepest unit first (meta parameters materialized just before).
     device = device_for(plan.mesh)
-    streams = _STREAMS.setdefault((str(device), graph_safe), StreamSet(device, graph_safe=graph_safe))
+    streams = _shared_streams(device, graph_safe)
     ownership = Ownership(modules, unit_list, taken_modules(adopted), {id(p) for p in options.ignored_params or ()})
     builder = GroupBuilder(ownership, plan, expert_plan, options, device, streams, plan_fn,
                            offloaded=choose_offloaded(options.offload_policy, ownership.sizes()))
