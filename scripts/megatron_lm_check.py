@@ -205,10 +205,15 @@ def _bindings_of(classes: tuple) -> list[str]:
 
 
 def _setup(cmdline: str) -> None:
+    """This check's flags (``BASE``) and ``cmdline`` through :func:`parse_and_initialize`."""
+    parse_and_initialize([*BASE.split(), *cmdline.split()])
+
+
+def parse_and_initialize(argv: list[str]) -> None:
     """Megatron-LM's own argument parsing and distributed set-up (``initialize_megatron`` minus its kernel builds)."""
     from megatron.training import arguments, global_vars, initialize
 
-    sys.argv = ["pretrain_gpt.py", *BASE.split(), *cmdline.split()]
+    sys.argv = ["pretrain_gpt.py", *argv]
     defaults = {"tokenizer_type": "GPT2BPETokenizer"}  # pretrain_gpt.py's
     if hasattr(arguments, "parse_and_validate_args"):  # 0.19
         arguments.parse_and_validate_args(args_defaults=defaults)

@@ -216,21 +216,8 @@ CPU_FLAGS = ("--clip-grad 0 --no-masked-softmax-fusion --no-bias-dropout-fusion 
 
 # ------------------------------------------------------------------ Megatron-LM's set-up
 def setup(cmdline: str) -> None:
-    """Megatron-LM's own argument parsing and distributed set-up (``initialize_megatron`` minus its kernel builds)."""
-    from megatron.training import arguments, global_vars, initialize
-
-    sys.argv = ["pretrain_gpt.py", *cmdline.split()]
-    defaults = {"tokenizer_type": "GPT2BPETokenizer"}  # pretrain_gpt.py's
-    if hasattr(arguments, "parse_and_validate_args"):  # 0.19
-        arguments.parse_and_validate_args(args_defaults=defaults)
-    else:
-        args = arguments.parse_args()
-        arguments.validate_args(args, defaults)
-        global_vars.set_global_variables(args)
-    args = global_vars.get_args()
-    initialize._initialize_distributed(None, None, None)
-    initialize._set_random_seed(args.seed, args.data_parallel_random_init, args.te_rng_tracker,
-                                args.inference_rng_tracker)
+    """Megatron-LM's own argument parsing and distributed set-up for one recipe's flags."""
+    check.parse_and_initialize(cmdline.split())
 
 
 def teardown() -> None:
