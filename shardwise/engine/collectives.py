@@ -13,7 +13,8 @@ On CUDA the chains run on a gather or a reduce side stream that first waits
 for the compute stream; the caller gets an event to make the compute stream
 wait on before it reads the result. Tensors the side stream reads are kept
 alive by the caller until that wait (no ``record_stream``). On CPU everything
-is synchronous over gloo: same calls, no streams.
+is synchronous over gloo: one call per transition on a packed copy of the
+pieces (gloo has no coalesced collectives), no streams.
 """
 
 from __future__ import annotations
@@ -196,6 +197,11 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def _unpack(rows: torch.Tensor, numels: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """Column blocks of a ``(ranks, sum(numels))`` packed buffer, one per piece."""
+    return rows.split(list(numels), dim=1)
+
+
 def gather_pieces(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], axis: AxisGroup) -> None:
     """All-gather each ``ins[i]`` over ``axis`` into ``outs[i]`` (rank-major), as one coalesced group.
 
@@ -207,10 +213,18 @@ def gather_pieces(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], axi
         _coalesced_call(axis.group, ("all_gather_single_coalesced", "allgather_into_tensor_coalesced"), outs, ins,
                         AllgatherOptions())
         return
-    for out, inp in zip(outs, ins):  # gloo: one by one
-        if _overlaps(out, inp):
-            inp = inp.clone()  # gloo copies shards in place without aliasing checks
-        _all_gather(out, inp, axis.group)
+    if len(outs) == 1 or len({t.dtype for t in ins}) > 1:
+        for out, inp in zip(outs, ins):  # gloo: one by one
+            if _overlaps(out, inp):
+                inp = inp.clone()  # gloo copies shards in place without aliasing checks
+            _all_gather(out, inp, axis.group)
+        return
+    # gloo, several pieces: one call on a packed copy (a gloo call costs far more than the two copies)
+    packed = torch.cat([inp.reshape(-1) for inp in ins])
+    gathered = packed.new_empty(axis.size * packed.numel())
+    _all_gather(gathered, packed, axis.group)
+    for out, rows in zip(outs, _unpack(gathered.view(axis.size, -1), [inp.numel() for inp in ins])):
+        out.view(axis.size, -1).copy_(rows)
 
 
 def reduce_scatter_pieces(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], axis: AxisGroup) -> None:
@@ -223,8 +237,18 @@ def reduce_scatter_pieces(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tens
         _coalesced_call(axis.group, ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"), outs, ins,
                         options)
         return
-    for out, inp in zip(outs, ins):  # gloo: one by one, summed, then divided
-        _reduce_scatter(out, inp, dist.ReduceOp.SUM, axis.group)
+    if len(outs) == 1 or len({t.dtype for t in ins}) > 1:
+        for out, inp in zip(outs, ins):  # gloo: one by one, summed, then divided
+            _reduce_scatter(out, inp, dist.ReduceOp.SUM, axis.group)
+    else:  # gloo, several pieces: one call, rank-major over the packed pieces
+        numels = [out.numel() for out in outs]
+        packed = ins[0].new_empty(axis.size, sum(numels))
+        for rows, inp, n in zip(_unpack(packed, numels), ins, numels):
+            rows.copy_(inp.view(axis.size, n))
+        mine = packed.new_empty(sum(numels))
+        _reduce_scatter(mine, packed.view(-1), dist.ReduceOp.SUM, axis.group)
+        for out, piece in zip(outs, mine.split(numels)):
+            out.copy_(piece.view_as(out))
     torch._foreach_div_(list(outs), float(axis.size))
 
 
