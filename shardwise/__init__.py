@@ -5,7 +5,8 @@ class it returns, ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``clip_grad_norm_
 Everything else lives in submodules: the engine in ``shardwise.engine`` (the
 faces' per-model operations in ``shardwise.engine.model_ops``), the Megatron-Core
 face in ``shardwise.megatron``, checkpoints in ``shardwise.checkpoint``, Hugging
-Face models in ``shardwise.hf``.
+Face models in ``shardwise.hf``. ``shardwise.plan(...)`` (memory and step time of
+each configuration before a run) lives in ``shardwise.app.plan`` and loads on first use.
 """
 
 from .engine.collectives import Collectives
@@ -49,5 +50,22 @@ __all__ = [
     "full_state_dict",
     "destroy_process_groups",
 ]
+
+# The app layer's entry points, offered here though the app sits above this package in docs/design.md's layers:
+# loaded on first use (PEP 562), so ``import shardwise`` never imports the app.
+_APP_ENTRY_POINTS = ("plan",)
+
+
+def __getattr__(name: str):
+    if name == "plan":
+        from .app.plan import plan
+
+        return plan
+    raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_APP_ENTRY_POINTS))
+
 
 _install_torchrun_hint()  # `python example.py` without torchrun: one line saying to use it

@@ -15,6 +15,8 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -40,6 +42,8 @@ ENGINE_LAYERS = {
 PACKAGE_LAYERS = {"shardwise": 5, "shardwise.engine": 5, "shardwise.models": 6, "shardwise.checkpoint": 7,
                   "shardwise.hf": 7, "shardwise.megatron": 7, "shardwise.app": 8, "shardwise.__main__": 8}
 LAYERS = {f"{ENGINE}.{m}": n for n, names in ENGINE_LAYERS.items() for m in names.split()}
+# The one upward import allowed: the top-level package's ``__getattr__`` loads the app's entry points on first use.
+APP_ENTRY_POINTS = {("shardwise", "shardwise.app.plan")}
 
 # The engine's surface for the faces: the names in these modules' ``__all__``. ``model_ops`` is the door
 # for per-model operations; the others are helpers that hold tables, rules and tools, not a model's state.
@@ -232,15 +236,28 @@ def test_every_engine_module_has_a_layer():
     assert modules == named, f"no layer: {sorted(modules - named)}; gone: {sorted(named - modules)}"
 
 
+def _is_app_entry_point(imp: Import) -> bool:
+    return imp.lazy and (imp.importer, imp.target) in APP_ENTRY_POINTS
+
+
 def test_imports_point_down_the_layers():
     upward = [f"{imp.where()}: {imp.importer} (layer {_layer(imp.importer)}) imports {imp.target} "
               f"(layer {_layer(imp.target)})" for imp in all_imports(PACKAGE)
-              if _layer(imp.target) > _layer(imp.importer)]
+              if _layer(imp.target) > _layer(imp.importer) and not _is_app_entry_point(imp)]
     assert not upward, "\n".join(upward)
 
 
+def test_the_app_entry_points_load_on_first_use():
+    found = {(imp.importer, imp.target) for imp in all_imports(PACKAGE) if _is_app_entry_point(imp)}
+    assert found == APP_ENTRY_POINTS  # each one is there, inside a function
+    run = subprocess.run([sys.executable, "-c", "import sys, shardwise; print('shardwise.app' in sys.modules); "
+                          "from shardwise.app.plan import plan; print(shardwise.plan is plan)"],
+                         capture_output=True, text=True, cwd=REPO, check=True)
+    assert run.stdout.split() == ["False", "True"], run.stdout + run.stderr
+
+
 def test_no_import_circle():
-    imports = all_imports(PACKAGE)
+    imports = [imp for imp in all_imports(PACKAGE) if not _is_app_entry_point(imp)]
     assert not _cycles(_graph([i for i in imports if not i.lazy]))  # what loading a module runs
     assert not _cycles(_graph(imports))  # with the imports inside functions too
 

@@ -4,8 +4,8 @@ Memory comes from the real model wrapped by ``fully_shard`` in a simulated world
 from a model of compute and collectives one can read (``step_time.py``), with its constants in one place
 (``hardware.py``). ``docs/plan.md`` has the model, the constants' sources and the validation.
 
-The library call is ``shardwise.app.plan.plan(model, gpus=..., ...)`` (``api.py``); the top-level package
-cannot re-export it, since ``shardwise`` sits below ``app`` in the layers of ``docs/design.md``.
+The library call is ``shardwise.plan(model, gpus=..., ...)`` (``api.py``): the top-level package loads it on
+first use, since ``shardwise`` sits below ``app`` in the layers of ``docs/design.md``.
 """
 
 from .api import plan
