@@ -35,6 +35,13 @@ class GpuSpec:
     nvlink_latency: float = 20e-6
     net_latency: float = 40e-6
     source: str = ""
+    # A CPU "device" (a calibrated machine): the ranks of a node share ``cores`` cores, and a rank's Python,
+    # kernels and (gloo's synchronous) collectives run one after another, so nothing overlaps. 0: a GPU.
+    cores: int = 0
+
+    @property
+    def synchronous(self) -> bool:
+        return self.cores > 0
 
 
 # Peak numbers: NVIDIA's datasheets (H100 SXM5, H200 SXM, DGX B200, GB200 NVL72), dense. NVLink bus bandwidth:

@@ -15,6 +15,9 @@ Per unit (``fully_shard``'s unit: a layer, the embedding, the head):
   so the first gather and the last reduction are exposed, and elsewhere only what a unit's communication
   takes beyond its compute;
 * host: each unit's Python and launches per pass; the GPU waits where a unit's host time passes its compute;
+* a CPU (a calibrated machine, ``GpuSpec.cores``): Python, kernels and gloo's collectives run one after another
+  on the rank's own thread, so nothing overlaps (every collective and host time is exposed), and ranks beyond
+  the node's cores share them (every term slows by ``ranks per node / cores``);
 * the optimizer step streams main weights, gradients and AdamW's two moments (28 bytes per parameter of the
   shard) through HBM; an offloaded fraction steps on the host and crosses PCIe (assumed 50 GB/s, host AdamW
   1e9 parameters/s per rank: both assumptions, named here).
@@ -103,6 +106,13 @@ def step_time(units: list[UnitCost], cand: Candidate, cluster: Cluster, seq: int
 
     def busy(compute: float, comm_ag: float, comm_rs: float, where: tuple = ()) -> None:
         """One unit's pass: compute beside the collectives overlapping it (the excess is exposed)."""
+        if gpu.synchronous:  # a CPU: one after another
+            timeline.append((*where, compute, comm_ag, comm_rs, comm_ag + comm_rs))
+            terms["compute"] += compute
+            terms["host"] += host
+            terms["exposed all-gather"] += comm_ag
+            terms["exposed reduce-scatter"] += comm_rs
+            return
         gpu_time = max(compute, host)
         timeline.append((*where, compute, comm_ag, comm_rs, max(0.0, comm_ag + comm_rs - gpu_time)))
         terms["compute"] += compute
@@ -145,6 +155,9 @@ def step_time(units: list[UnitCost], cand: Candidate, cluster: Cluster, seq: int
     elif cand.replicas > 1 and cand.outer_strategy == "optim":  # HFSDP: main shards gathered over replicas
         refresh = collective_time("all_gather", 2 * total_params / inner, cand.replicas, bw_out, lat_out)
     terms["weight refresh"] = refresh
+    if gpu.synchronous:  # ranks beyond the node's cores take turns on them
+        shared = max(1.0, min(cluster.gpus, cluster.gpus_per_node) / gpu.cores)
+        terms = {k: v * shared for k, v in terms.items()}
     return StepTime(sum(terms.values()), terms, timeline)
 
 
