@@ -331,7 +331,8 @@ def calibrate(path: str | os.PathLike, world: int | None = None) -> Path:
                 if not compiled:
                     raise
                 first = (str(error).strip().splitlines() or [""])[0][:200]
-                notes.append(f"torch.compile failed ({type(error).__name__}: {first}): eager points only")
+                notes.append(f"torch.compile failed at the {shape} layer ({type(error).__name__}: {first}): no "
+                             "compiled point from it on")
                 break
     record = build_record(collectives, layers, backend=backend, world=world, device_name=device_name,
                           memory=memory, versions=versions, notes=notes)
