@@ -158,7 +158,7 @@ def test_calibrate_measures_this_machine_and_plan_reads_it_back(tmp_path):
     path = calibrate(tmp_path / "calibration.json")
     data = json.loads(path.read_text())
     assert data["gpu"]["nvlink_bw"] > 0 and data["gpu"]["bf16_flops"] > 0
-    assert len(data["measured"]["all_gather_points"]) == 5
+    assert [len(c["points"]) for c in data["measured"]["collectives"].values()] == [5, 5]
     found = plan(dict(layers=2, hidden=64, heads=4, ffn=128, vocab=128), gpus=2, gpus_per_node=2, seq=32,
                  global_batch=4, micro_batches=[2], compiled=False, fp8=False, hybrid=False, calibration=path,
                  strategies=["optim_grads_params"], checkpointing=False, reshard_after_forward=True)

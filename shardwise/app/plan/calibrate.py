@@ -1,63 +1,138 @@
 """``shardwise plan --calibrate``: this machine's numbers for the step model, measured and stored.
 
-Two gloo processes time ``all_gather_into_tensor`` of bf16 payloads from 64 KiB to 16 MiB (median of a few
-calls each) and fit ``latency + (n - 1) / n x bytes / bandwidth`` by least squares; one process times a
-reference transformer layer's bf16 forward and backward at the shape of ``--preset tiny`` (FLOPs per second:
-the machine's whole compute rate for such a layer, so the efficiencies become 1 and the elementwise term 0).
-The file (JSON) holds a ``gpu`` row (``GpuSpec`` fields: the CPU as one "device" per process, its links the
-measured gloo ring) and ``efficiency``; ``shardwise plan --calibration FILE`` uses both. On GPUs the same
-measurements belong to NCCL and a GPU layer; this module measures what the machine it runs on has.
+One code path, two machines:
+
+* with 2 or more CUDA GPUs, one process per local GPU (NCCL, each on its own device) times bf16
+  all-gathers and fp32 reduce-scatters (the engine reduces in the gradient dtype) of 64 KiB to 256 MiB;
+  without CUDA, 2 gloo processes of one thread time the same two collectives of 64 KiB to 16 MiB (seconds).
+  Each size: warm-up calls first, then the median of a few timed samples, each between a one-element
+  all-reduce and a device synchronize (``torch.cuda.synchronize``; nothing on the CPU). ``fit_alpha_beta``
+  fits ``latency + (n - 1) / n x bytes / bus bandwidth`` to each collective and, for the ``GpuSpec`` row,
+  to both together (the step model has one link per span). On GPUs these are the node's NVLink numbers: the
+  network cannot be measured on one node, so ``net_bw`` / ``net_latency`` stay the named row's (the file's
+  ``measured.links`` says so). One GPU measures no collectives and keeps the row's link numbers.
+* A reference transformer layer's bf16 forward and backward (``measure_layer``): on a GPU the bench's 0.9b
+  (``--preset 1b``) and 8b layers at their preset sequence length and micro-batch, eager and, where
+  ``torch.compile`` works, compiled; on the CPU the ``tiny`` layer on one thread, eager.
+* ``fit_efficiency`` turns the layer timings into ``Efficiency`` fields through the step model's own compute
+  term (``step_time.py``: forward plus backward of a layer is ``3 F / (matmul x peak) + elementwise x width /
+  hbm_bw`` seconds per token, ``F`` its matmul and attention FLOPs per token): one ``matmul`` shared by all
+  points and one ``elementwise_*`` per mode, by least squares. The two widths (2048, 4096) separate them:
+  ``F`` grows as width squared, the elementwise term as width. A mode measured at one width only keeps its
+  ``elementwise_*`` constant; a fitted ``elementwise_*`` below 0 is held at 0.
+* The GPU row comes from ``torch.cuda.get_device_name()`` (``identify_gpu``: H100, H200, B200, GB200). On a
+  device with no row (a CPU, another GPU) the peak is unknown: the widest layer's measured FLOP rate becomes
+  ``bf16_flops`` (and ``fp8_flops``) with ``matmul`` 1 and the elementwise terms 0.
+
+The file (JSON) holds ``gpu`` (``GpuSpec`` fields), ``efficiency`` (``Efficiency`` fields) and ``measured``
+(backend, world, device, every point, torch and NCCL versions, date, notes); ``load_calibration`` reads it
+and ``shardwise plan --calibration FILE`` plans for that machine. ``build_record`` makes it from the
+measurements alone, so its arithmetic is tested without a GPU.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import statistics
 import time
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import torch
 
-__all__ = ["calibrate", "measure_layer", "fit_alpha_beta"]
+from .hardware import EFFICIENCY, GPUS, GpuSpec
 
-SIZES = [2**16, 2**18, 2**20, 2**22, 2**24]  # bytes of the gathered payload
+__all__ = ["calibrate", "measure_collectives", "measure_layer", "fit_alpha_beta", "fit_efficiency",
+           "identify_gpu", "build_record", "summary", "CPU_SIZES", "GPU_SIZES"]
+
+CPU_SIZES = [2**16, 2**18, 2**20, 2**22, 2**24]  # bytes of the whole payload: 64 KiB .. 16 MiB
+GPU_SIZES = [2**16 * 4**i for i in range(7)]  # 64 KiB .. 256 MiB: latency-bound to bandwidth-bound on NVLink
+COLLECTIVES = {"all_gather": torch.bfloat16, "reduce_scatter": torch.float32}  # as the engine's defaults
+CPU_LAYERS = [("tiny", 128, 4)]  # (preset, seq, micro-batch)
+GPU_LAYERS = [("1b", 4096, 2), ("8b", 4096, 1)]  # the presets' own seq_len and micro_batch_size
 
 
 def fit_alpha_beta(points: list[tuple[float, float]], n: int) -> tuple[float, float]:
-    """(latency s, bandwidth bytes/s) of ``t = a + (n - 1) / n x bytes / bw`` through ``(bytes, seconds)``."""
+    """(latency s, bus bandwidth bytes/s) of ``t = a + (n - 1) / n x bytes / bw`` through ``(bytes, seconds)``.
+
+    Least squares of the relative error (each point weighted by ``1 / t**2``): the small payloads fix the
+    latency, the large ones the bandwidth, instead of the largest time outweighing all. A latency below 0 is
+    taken as 0 (the bandwidth then fitted alone)."""
     xs = [(n - 1) / n * b for b, _ in points]
     ys = [t for _, t in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return max(my - slope * mx, 0.0), 1.0 / slope
+    ws = [1.0 / t**2 for t in ys]
+    sw = sum(ws)
+    mx = sum(w * x for w, x in zip(ws, xs)) / sw
+    my = sum(w * y for w, y in zip(ws, ys)) / sw
+    slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
+    latency = my - slope * mx
+    if latency < 0:
+        latency, slope = 0.0, sum(w * x * y for w, x, y in zip(ws, xs, ys)) / sum(w * x * x for w, x in zip(ws, xs))
+    return latency, 1.0 / slope
 
 
-def _gather_worker(rank: int, world: int, port: int, out) -> None:
+def identify_gpu(device_name: str) -> str | None:
+    """The ``GPUS`` row a ``torch.cuda.get_device_name()`` names (``"NVIDIA H100 80GB HBM3"`` -> ``"H100"``), or
+    ``None``. GB200 is looked for before B200 (a substring of it); a GH200 (Grace Hopper, a different memory
+    system) names no row."""
+    name = device_name.upper()
+    if "GH200" in name:
+        return None
+    return next((row for row in ("GB200", "B200", "H200", "H100") if row in name), None)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: list[int], calls: int,
+                       repeats: int, out) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":  # one process per local GPU, each on its own device
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:  # gloo: one thread per process, as shardwise bench runs each CPU rank
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+    dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if device.type == "cuda" else None)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    points = []
-    for nbytes in SIZES:
-        inp = torch.empty(nbytes // 2 // world, dtype=torch.bfloat16)
-        full = torch.empty(inp.numel() * world, dtype=torch.bfloat16)
-        times = []
-        gather(full, inp)  # the first call of a size sets up buffers
-        for _ in range(5):
-            dist.barrier()
-            t0 = time.perf_counter()
-            gather(full, inp)
-            times.append(time.perf_counter() - t0)
-        points.append((nbytes, statistics.median(times)))
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    flag = torch.zeros(1, device=device)
+    results = {}
+    for name, dtype in COLLECTIVES.items():
+        points = []
+        for nbytes in sizes:
+            shard = torch.ones(max(1, nbytes // dtype.itemsize // world), dtype=dtype, device=device)
+            full = torch.ones(shard.numel() * world, dtype=dtype, device=device)
+            call = (lambda: gather(full, shard)) if name == "all_gather" else (lambda: scatter(shard, full))
+            for _ in range(2):  # warm-up: the first calls of a size set up buffers (and NCCL its channels)
+                call()
+            times = []
+            for _ in range(repeats):
+                dist.all_reduce(flag)  # every rank starts together
+                _sync(device)
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    call()
+                _sync(device)
+                times.append((time.perf_counter() - t0) / calls)
+            points.append((full.numel() * dtype.itemsize, statistics.median(times)))
+        results[name] = points
     if rank == 0:
-        out.put(points)
+        out.put(results)
     dist.destroy_process_group()
 
 
-def measure_gather(world: int = 2) -> list[tuple[float, float]]:
+def measure_collectives(backend: str = "gloo", world: int = 2, sizes: list[int] = CPU_SIZES, *, calls: int = 1,
+                        repeats: int = 5, timeout: float = 600.0) -> dict[str, list[tuple[int, float]]]:
+    """``{"all_gather": [(bytes, seconds)], "reduce_scatter": [...]}`` over ``world`` spawned processes of
+    ``backend`` (``nccl``: rank ``r`` on GPU ``r``); each point the median of ``repeats`` samples, a sample the
+    mean of ``calls`` back-to-back calls. ``bytes`` is the whole payload (the gathered or the reduced tensor)."""
     import torch.multiprocessing as mp
 
     from ..launch import free_port
@@ -65,57 +140,222 @@ def measure_gather(world: int = 2) -> list[tuple[float, float]]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_gather_worker, args=(r, world, port, out)) for r in range(world)]
+    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, backend, sizes, calls, repeats, out))
+             for r in range(world)]
     for p in procs:
         p.start()
-    points = out.get(timeout=300)
-    for p in procs:
-        p.join(timeout=60)
-    return points
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                results = out.get(timeout=5)
+                break
+            except queue.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(f"calibration: the {backend} processes " + (
+                        f"exited with {failed}" if failed else f"gave no result in {timeout:.0f} s")) from None
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return {name: [(int(b), float(t)) for b, t in points] for name, points in results.items()}
 
 
-def measure_layer(seq: int = 128, micro_batch: int = 4, repeats: int = 5) -> float:
-    """FLOP/s of one reference layer's bf16 forward and backward at ``--preset tiny``'s width (one thread per
-    process, as ``shardwise bench`` runs each rank)."""
+def measure_layer(shape: str = "tiny", seq: int = 128, micro_batch: int = 4, *, device: str | torch.device = "cpu",
+                  compiled: bool = False, repeats: int = 5) -> dict:
+    """One reference layer (``shape``: a preset's layer) timed through bf16 forward and backward on ``device``,
+    after two warm-up passes (a compiled layer compiles there); on the CPU on one thread, as ``shardwise bench``
+    runs each rank. Returns the point ``fit_efficiency`` takes: ``width``, ``seq``, ``micro_batch``,
+    ``compiled``, ``flops_per_token`` (the planner's count: 2 per parameter and attention's ``4 width seq``,
+    forward), ``seconds`` (median of ``repeats``) and ``flops_per_s`` (forward and backward, 3x forward)."""
     from ...models import GPTConfig, TransformerLayer
     from ...models.norm_rope import rope_tables
     from ..presets import PRESETS
 
-    shape = {k: v for k, v in PRESETS["tiny"].items() if k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads")}
-    cfg = GPTConfig(**shape, max_seq_len=seq)
+    names = {f.name for f in fields(GPTConfig)}
+    cfg = GPTConfig(**{k: v for k, v in PRESETS[shape].items() if k in names}, max_seq_len=seq)
+    device = torch.device(device)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
     try:
-        layer = TransformerLayer(cfg).to(torch.bfloat16)
-        x = torch.randn(micro_batch, seq, cfg.dim, dtype=torch.bfloat16, requires_grad=True)
-        cos, sin = rope_tables(seq, cfg.head_dim, cfg.rope_theta)
+        torch.manual_seed(0)
+        layer = TransformerLayer(cfg).to(device=device, dtype=torch.bfloat16)
+        run = torch.compile(layer, fullgraph=True, dynamic=False) if compiled else layer  # as the bench compiles
+        x = torch.randn(micro_batch, seq, cfg.dim, dtype=torch.bfloat16, device=device, requires_grad=True)
+        grad = torch.randn_like(x).detach()
+        cos, sin = rope_tables(seq, cfg.head_dim, cfg.rope_theta, device=device)
+
+        def step():
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            run(x, cos, sin).backward(grad)
+
+        for _ in range(2):
+            step()
         times = []
-        for _ in range(repeats + 1):
+        for _ in range(repeats):
+            _sync(device)
             t0 = time.perf_counter()
-            layer(x, cos, sin).float().sum().backward()
+            step()
+            _sync(device)
             times.append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(threads)
-    n = sum(p.numel() for p in layer.parameters())
-    flops = 3 * (2 * n + 4 * cfg.dim * seq) * micro_batch * seq
-    return flops / statistics.median(times[1:])
+    params = sum(p.numel() for p in layer.parameters())
+    flops = 2.0 * params + 4.0 * cfg.dim * seq
+    seconds = statistics.median(times)
+    return {"shape": shape, "width": cfg.dim, "seq": seq, "micro_batch": micro_batch, "compiled": compiled,
+            "flops_per_token": flops, "seconds": seconds, "flops_per_s": 3 * flops * micro_batch * seq / seconds}
 
 
-def calibrate(path: str | os.PathLike, world: int = 2) -> Path:
-    """Measure and write the calibration file; returns its path."""
-    points = measure_gather(world)
-    latency, bw = fit_alpha_beta(points, world)
-    rate = measure_layer()
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    data = {
-        "measured": {"all_gather_points": points, "world": world, "layer_flops_per_s": rate,
-                     "when": time.strftime("%Y-%m-%d %H:%M:%S")},
-        "gpu": {"name": "cpu (calibrated)", "bf16_flops": rate, "fp8_flops": rate, "hbm_bytes": memory / world,
-                "hbm_bw": 1e12, "nvlink_bw": bw, "net_bw": bw, "nvlink_latency": latency, "net_latency": latency,
-                "source": f"shardwise plan --calibrate ({world} gloo processes, this machine)"},
-        "efficiency": {"matmul": 1.0, "elementwise_compiled": 0.0, "elementwise_eager": 0.0, "hbm": 1.0},
+def fit_efficiency(layers: list[dict], peak: float, hbm_bw: float) -> tuple[dict[str, float], list[str]]:
+    """``matmul`` and ``elementwise_eager`` / ``elementwise_compiled`` from ``measure_layer`` points, through
+    ``seconds / tokens = 3 F / (matmul x peak) + elementwise x width / hbm_bw`` (least squares over the points,
+    one ``matmul`` for all). A mode measured at fewer than two widths keeps its ``EFFICIENCY`` constant; a
+    fitted elementwise term below 0 is held at 0. Returns the fields and notes on what was held."""
+    modes = {"elementwise_eager": [p for p in layers if not p["compiled"]],
+             "elementwise_compiled": [p for p in layers if p["compiled"]]}
+    held = {k: getattr(EFFICIENCY, k) for k, pts in modes.items() if len({p["width"] for p in pts}) < 2}
+    notes = [f"{k}: kept at {v:g} ({'one width' if modes[k] else 'not'} measured)" for k, v in held.items()]
+    while True:
+        free = [k for k in modes if k not in held]
+        rows, rhs = [], []
+        for p in layers:
+            key = "elementwise_compiled" if p["compiled"] else "elementwise_eager"
+            per_token = p["seconds"] / (p["micro_batch"] * p["seq"])
+            term = p["width"] / hbm_bw
+            rows.append([3 * p["flops_per_token"] / peak] + [term if k == key else 0.0 for k in free])
+            rhs.append(per_token - (held[key] * term if key in held else 0.0))
+        a = torch.tensor(rows, dtype=torch.float64)
+        b = torch.tensor(rhs, dtype=torch.float64).unsqueeze(1)
+        solution = torch.linalg.lstsq(a, b, driver="gelsd").solution.squeeze(1).tolist()
+        found = dict(zip(free, solution[1:]))
+        negative = [k for k, v in found.items() if v < 0]
+        if not negative:
+            break
+        for k in negative:
+            held[k] = 0.0
+            notes.append(f"{k}: fitted below 0, held at 0")
+    return {"matmul": 1.0 / solution[0], **found, **held}, notes
+
+
+def build_record(collectives: dict[str, list[tuple[int, float]]], layers: list[dict], *, backend: str, world: int,
+                 device_name: str, memory: float, versions: dict, notes: list[str] = ()) -> dict:
+    """The calibration file's content from the measurements: ``gpu`` (a ``GpuSpec``'s fields), ``efficiency``
+    and ``measured``. ``memory``: bytes per process (used where the device names no row)."""
+    notes = list(notes)
+    row = identify_gpu(device_name) if backend != "gloo" else None
+    fits = {name: fit_alpha_beta(points, world) for name, points in collectives.items()}
+    measured = {
+        "backend": backend, "world": world, "device": device_name, "gpu_row": row, **versions,
+        "when": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "collectives": {name: {"dtype": str(COLLECTIVES[name]).removeprefix("torch."), "points": points,
+                               "latency": fits[name][0], "bus_bw": fits[name][1]}
+                        for name, points in collectives.items()},
+        "layers": layers,
     }
+    if backend == "gloo":  # the CPU: one process's share is the "GPU", the gloo ring every link
+        spec = GpuSpec("cpu (calibrated)", 0.0, 0.0, memory, 1e12, 0.0, 0.0)
+    elif row is not None:
+        spec = replace(GPUS[row], name=f"{row} (calibrated)")
+    else:
+        spec = replace(GPUS["H100"], name=f"custom (calibrated): {device_name}", hbm_bytes=memory)
+        notes.append(f"{device_name!r} names no GPU row: links and HBM bandwidth start from the H100 row")
+    if collectives:
+        latency, bw = fit_alpha_beta([pt for points in collectives.values() for pt in points], world)
+        spec = replace(spec, nvlink_bw=bw, nvlink_latency=latency)
+        if backend == "gloo":
+            spec = replace(spec, net_bw=bw, net_latency=latency)
+            measured["links"] = f"nvlink_* and net_*: one fit through both collectives over {world} gloo processes"
+        else:
+            measured["links"] = (f"nvlink_bw, nvlink_latency: one fit through both collectives over this node's "
+                                 f"{world} GPUs; net_bw, net_latency: the row's, not measured (one node)")
+    else:
+        measured["links"] = "one GPU: no collectives measured; nvlink_* and net_* are the row's"
+    if row is not None:
+        eff, how = fit_efficiency(layers, spec.bf16_flops, spec.hbm_bw)
+        notes += how
+        measured["efficiency"] = (f"matmul (of {row}'s {spec.bf16_flops / 1e12:g} TFLOP/s) and elementwise_* by "
+                                  "least squares through the layer points (calibrate.py)")
+    else:  # no known peak: the rate itself, of the widest layer in the planner's default mode (compiled)
+        pick = max(layers, key=lambda p: (p["compiled"], p["width"]))
+        spec = replace(spec, bf16_flops=pick["flops_per_s"], fp8_flops=pick["flops_per_s"])
+        eff = {"matmul": 1.0, "elementwise_compiled": 0.0, "elementwise_eager": 0.0}
+        if backend == "gloo":
+            eff["hbm"] = 1.0
+        measured["efficiency"] = (f"bf16_flops: the {pick['shape']} layer's measured rate "
+                                  f"({'compiled' if pick['compiled'] else 'eager'}); matmul 1, elementwise 0")
+    where = f"{world} {backend} process{'es' if world > 1 else ''}, {device_name}"
+    spec = replace(spec, source=f"shardwise plan --calibrate ({where}, {measured['when']})")
+    measured["notes"] = notes
+    return {"measured": measured, "gpu": asdict(spec), "efficiency": eff}
+
+
+def calibrate(path: str | os.PathLike, world: int | None = None) -> Path:
+    """Measure this machine (its GPUs where CUDA sees any, collectives over 2 or more; else the CPU), write the
+    file; returns its path. ``world``: processes (default: every GPU; 2 on the CPU)."""
+    notes = []
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus:  # ---- GPU branch: NCCL over every local GPU, layers on GPU 0 (not run on the CPU-only CI) ----
+        backend, world = "nccl", world or gpus
+        if world > gpus:
+            raise ValueError(f"world={world}: this machine has {gpus} GPUs (one process per GPU)")
+        sizes, calls, repeats, device = GPU_SIZES, 5, 10, torch.device("cuda", 0)
+        device_name = torch.cuda.get_device_name(device)
+        memory = float(torch.cuda.get_device_properties(device).total_memory)
+        nccl = torch.cuda.nccl.version()  # a tuple (2, 27, 3); an int in old torch
+        versions = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                    "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)}
+        shapes, modes = GPU_LAYERS, (False, True)
+    else:  # ---- CPU branch: gloo processes of one thread each, the tiny layer on one thread ----
+        backend, world = "gloo", world or 2
+        if world < 2:
+            raise ValueError(f"world={world}: the CPU calibration times collectives over 2 or more processes")
+        sizes, calls, repeats, device = CPU_SIZES, 1, 5, torch.device("cpu")
+        device_name = "cpu"
+        pages = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+        memory = float(pages) / world
+        versions = {"torch": torch.__version__}
+        shapes, modes = CPU_LAYERS, (False,)
+    # ---- shared from here: the same functions on either device ----
+    collectives = measure_collectives(backend, world, sizes, calls=calls, repeats=repeats) if world >= 2 else {}
+    layers = []
+    for compiled in modes:
+        for shape, seq, micro_batch in shapes:
+            try:
+                layers.append(measure_layer(shape, seq, micro_batch, device=device, compiled=compiled))
+            except Exception as error:  # noqa: BLE001 - torch.compile's failures have no one type
+                if not compiled:
+                    raise
+                first = (str(error).strip().splitlines() or [""])[0][:200]
+                notes.append(f"torch.compile failed at the {shape} layer ({type(error).__name__}: {first}): no "
+                             "compiled point from it on")
+                break
+    record = build_record(collectives, layers, backend=backend, world=world, device_name=device_name,
+                          memory=memory, versions=versions, notes=notes)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1))
+    out.write_text(json.dumps(record, indent=1))
     return out
+
+
+def summary(record: dict) -> list[str]:
+    """A few lines for the terminal: what was measured and what the planner will use."""
+    m, gpu, eff = record["measured"], record["gpu"], record["efficiency"]
+    lines = [f"{m['world']} x {m['device']} ({m['backend']}), torch {m['torch']}"
+             + (f", NCCL {m['nccl']}" if m.get("nccl") else "")]
+    for name, c in m["collectives"].items():
+        lines.append(f"{name} ({c['dtype']}): latency {c['latency'] * 1e6:.1f} us, bus bandwidth "
+                     f"{c['bus_bw'] / 1e9:.2f} GB/s")
+    for p in m["layers"]:
+        lines.append(f"layer {p['shape']} seq {p['seq']} mb {p['micro_batch']} "
+                     f"{'compiled' if p['compiled'] else 'eager'}: {p['seconds'] * 1e3:.2f} ms, "
+                     f"{p['flops_per_s'] / 1e12:.3f} TFLOP/s")
+    lines.append(f"gpu row: {gpu['name']}, bf16 {gpu['bf16_flops'] / 1e12:.3f} TFLOP/s, link "
+                 f"{gpu['nvlink_bw'] / 1e9:.2f} GB/s + {gpu['nvlink_latency'] * 1e6:.1f} us")
+    lines.append("efficiency: " + ", ".join(f"{k} {v:.3g}" for k, v in eff.items()))
+    lines += [m["links"]] + list(m["notes"])
+    return lines

@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--top", type=int, default=12, help="rows of the table")
     out.add_argument("--json", action="store_true")
     out.add_argument("--calibrate", action="store_true",
-                     help="measure this machine's collectives (gloo, 2 processes) and a layer's compute, and store them")
+                     help="measure this machine's collectives (NCCL over every local GPU; without CUDA gloo, 2 "
+                          "processes) and a reference layer's compute, and store them")
     out.add_argument("--calibration", default=None,
                      help=f"the file --calibrate writes (default {DEFAULT_CALIBRATION}); without --calibrate, plan "
                           "for the machine it describes in place of --gpu")
@@ -90,10 +91,14 @@ def _choice(value: str) -> bool | None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.calibrate:
-        from .calibrate import calibrate
+        import json
+
+        from .calibrate import calibrate, summary
 
         path = calibrate(args.calibration or DEFAULT_CALIBRATION)
         print(f"shardwise plan: calibration written to {path}")
+        for line in summary(json.loads(path.read_text())):
+            print(f"  {line}")
         return 0
     from .api import plan
     from .report import as_json, render

@@ -9,7 +9,7 @@ A custom spec (``GpuSpec(...)`` or ``--gpu custom:bf16=...,fp8=...,hbm=...,nvlin
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 __all__ = ["GpuSpec", "GPUS", "Cluster", "Efficiency", "EFFICIENCY", "parse_gpu", "load_calibration"]
@@ -140,11 +140,20 @@ EFFICIENCY = Efficiency(source="fitted to docs/performance.md's 1 x H200 / 2 x H
 
 
 def load_calibration(path: str | Path) -> tuple[Efficiency, dict]:
-    """An ``Efficiency`` and the ``GpuSpec`` fields a ``--calibrate`` run stored (``calibrate.py``)."""
+    """An ``Efficiency`` and the ``GpuSpec`` fields a ``--calibrate`` run stored (``calibrate.py``).
+
+    Reads ``efficiency`` and ``gpu`` (the same keys in every version of the file); keys that ``Efficiency`` or
+    ``GpuSpec`` does not have are left out. ``measured`` (what was timed) only names the source."""
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"calibration={str(path)!r}: no such file (shardwise plan --calibrate writes one)")
-    data = json.loads(file.read_text())
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"calibration={str(path)!r}: not JSON ({error})") from None
+    measured = data.get("measured", {})
+    what = ", ".join(f"{measured[k]}" for k in ("backend", "device", "when") if measured.get(k))
     eff = replace(EFFICIENCY, **{k: v for k, v in data.get("efficiency", {}).items() if k in asdict(EFFICIENCY)},
-                  source=f"calibrated: {path}")
-    return eff, data.get("gpu", {})
+                  source=f"calibrated: {path}" + (f" ({what})" if what else ""))
+    known = {f.name for f in fields(GpuSpec)}
+    return eff, {k: v for k, v in data.get("gpu", {}).items() if k in known}
