@@ -151,3 +151,27 @@ def test_the_measuring_functions_on_the_cpu():
     assert (point["width"], point["seq"], point["compiled"]) == (128, 32, False)
     assert point["seconds"] > 0 and point["flops_per_s"] == pytest.approx(3 * point["flops_per_token"] * 64
                                                                            / point["seconds"])
+
+
+def test_the_engines_own_time_becomes_host_per_unit_and_on_the_cpu_adamws_rate(tmp_path):
+    from shardwise.app.plan.calibrate_engine import measure_engine
+    from shardwise.app.plan.step_time import ADAM_BYTES
+
+    engine = {"size": "tiny", "units": 6, "params": 1_000_000, "ceiling_s": 0.040, "wrapped_s": 0.046,
+              "adam_s": 0.004, "host_per_unit": 0.0005}
+    record = build_record(_collectives(2, 2e-4, 1e9, [2**16, 2**20]), [_layer(128, 4e5, False, 1.0, 0.0)],
+                          backend="gloo", world=2, device_name="cpu", memory=8e9, versions={"torch": "2.x"},
+                          cores=2, engine=engine)
+    eff, gpu = load_calibration(_write(tmp_path, record))
+    assert eff.host_per_unit_eager == eff.host_per_unit_compiled == 0.0005 and eff.fp8_speedup == 1.0
+    assert gpu["hbm_bw"] == pytest.approx(ADAM_BYTES * 1e6 / 0.004) and gpu["cores"] == 2
+    assert any("0.50 ms per unit" in line for line in summary(record))
+    gpu_record = build_record(_collectives(8), _layers(), backend="nccl", world=8, device_name="NVIDIA H100",
+                              memory=79e9, versions={}, engine=engine)
+    assert gpu_record["gpu"]["hbm_bw"] == H100.hbm_bw and gpu_record["gpu"]["cores"] == 0  # HBM: the row's
+    assert gpu_record["efficiency"]["host_per_unit_eager"] == 0.0005
+    assert "host_per_unit_compiled" not in gpu_record["efficiency"]
+
+    found = measure_engine("gloo", repeats=2)  # the real thing, one gloo rank
+    assert found["units"] == 6 and found["params"] > 0 and found["adam_s"] > 0
+    assert found["host_per_unit"] == pytest.approx(max(0.0, found["wrapped_s"] - found["ceiling_s"]) / 12)

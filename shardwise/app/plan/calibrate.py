@@ -14,6 +14,9 @@ One code path, two machines:
 * A reference transformer layer's bf16 forward and backward (``measure_layer``): on a GPU the bench's 0.9b
   (``--preset 1b``) and 8b layers at their preset sequence length and micro-batch, eager and, where
   ``torch.compile`` works, compiled; on the CPU the ``tiny`` layer on one thread, eager.
+* The engine's own time (``calibrate_engine.measure_engine``): one rank trains the bench's ``tiny`` GPT
+  wrapped and unwrapped; the difference per unit and pass becomes ``host_per_unit_eager`` (on the CPU also
+  ``_compiled``), and on the CPU the wrapped model's AdamW step gives the rate its state streams at (``hbm_bw``).
 * ``fit_efficiency`` turns the layer timings into ``Efficiency`` fields through the step model's own compute
   term (``step_time.py``: forward plus backward of a layer is ``3 F / (matmul x peak) + elementwise x width /
   hbm_bw`` seconds per token, ``F`` its matmul and attention FLOPs per token): one ``matmul`` shared by all
@@ -43,6 +46,7 @@ from pathlib import Path
 import torch
 
 from .hardware import EFFICIENCY, GPUS, GpuSpec
+from .step_time import ADAM_BYTES
 
 __all__ = ["calibrate", "measure_collectives", "measure_layer", "fit_alpha_beta", "fit_efficiency",
            "identify_gpu", "build_record", "summary", "CPU_SIZES", "GPU_SIZES"]
@@ -88,8 +92,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: list[int], calls: int,
-                       repeats: int, out) -> None:
+def join_group(rank: int, world: int, port: int, backend: str) -> torch.device:
+    """In a spawned process: its device, and the default process group joined."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -100,6 +104,14 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: li
         device = torch.device("cpu")
         torch.set_num_threads(1)
     dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: list[int], calls: int,
+                       repeats: int, out) -> None:
+    import torch.distributed as dist
+
+    device = join_group(rank, world, port, backend)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     flag = torch.zeros(1, device=device)
@@ -133,6 +145,13 @@ def measure_collectives(backend: str = "gloo", world: int = 2, sizes: list[int] 
     """``{"all_gather": [(bytes, seconds)], "reduce_scatter": [...]}`` over ``world`` spawned processes of
     ``backend`` (``nccl``: rank ``r`` on GPU ``r``); each point the median of ``repeats`` samples, a sample the
     mean of ``calls`` back-to-back calls. ``bytes`` is the whole payload (the gathered or the reduced tensor)."""
+    results = run_spawned(_collective_worker, backend, world, (sizes, calls, repeats), timeout)
+    return {name: [(int(b), float(t)) for b, t in points] for name, points in results.items()}
+
+
+def run_spawned(target, backend: str, world: int, args: tuple, timeout: float = 600.0):
+    """Run ``target(rank, world, port, backend, *args, out)`` in ``world`` spawned processes; returns what rank 0
+    puts on ``out``. A process that dies fails the call at once, one that hangs after ``timeout`` seconds."""
     import torch.multiprocessing as mp
 
     from ..launch import free_port
@@ -140,16 +159,14 @@ def measure_collectives(backend: str = "gloo", world: int = 2, sizes: list[int] 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, backend, sizes, calls, repeats, out))
-             for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, backend, *args, out)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
     try:
         while True:
             try:
-                results = out.get(timeout=5)
-                break
+                return out.get(timeout=5)
             except queue.Empty:
                 failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
                 if failed or time.monotonic() > deadline:
@@ -160,7 +177,6 @@ def measure_collectives(backend: str = "gloo", world: int = 2, sizes: list[int] 
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-    return {name: [(int(b), float(t)) for b, t in points] for name, points in results.items()}
 
 
 def measure_layer(shape: str = "tiny", seq: int = 128, micro_batch: int = 4, *, device: str | torch.device = "cpu",
@@ -243,9 +259,12 @@ def fit_efficiency(layers: list[dict], peak: float, hbm_bw: float) -> tuple[dict
 
 
 def build_record(collectives: dict[str, list[tuple[int, float]]], layers: list[dict], *, backend: str, world: int,
-                 device_name: str, memory: float, versions: dict, notes: list[str] = ()) -> dict:
+                 device_name: str, memory: float, versions: dict, notes: list[str] = (), cores: int = 0,
+                 engine: dict | None = None) -> dict:
     """The calibration file's content from the measurements: ``gpu`` (a ``GpuSpec``'s fields), ``efficiency``
-    and ``measured``. ``memory``: bytes per process (used where the device names no row)."""
+    and ``measured``. ``memory``: bytes per process (used where the device names no row); ``cores``: the CPU's,
+    which its ranks share (gloo); ``engine``: ``calibrate_engine.measure_engine``'s result (host time per unit;
+    on the CPU also AdamW's rate, which stands for the HBM bandwidth there)."""
     notes = list(notes)
     row = identify_gpu(device_name) if backend != "gloo" else None
     fits = {name: fit_alpha_beta(points, world) for name, points in collectives.items()}
@@ -258,7 +277,7 @@ def build_record(collectives: dict[str, list[tuple[int, float]]], layers: list[d
         "layers": layers,
     }
     if backend == "gloo":  # the CPU: one process's share is the "GPU", the gloo ring every link
-        spec = GpuSpec("cpu (calibrated)", 0.0, 0.0, memory, 1e12, 0.0, 0.0)
+        spec = GpuSpec("cpu (calibrated)", 0.0, 0.0, memory, 1e12, 0.0, 0.0, cores=cores or os.cpu_count() or 1)
     elif row is not None:
         spec = replace(GPUS[row], name=f"{row} (calibrated)")
     else:
@@ -283,11 +302,17 @@ def build_record(collectives: dict[str, list[tuple[int, float]]], layers: list[d
     else:  # no known peak: the rate itself, of the widest layer in the planner's default mode (compiled)
         pick = max(layers, key=lambda p: (p["compiled"], p["width"]))
         spec = replace(spec, bf16_flops=pick["flops_per_s"], fp8_flops=pick["flops_per_s"])
-        eff = {"matmul": 1.0, "elementwise_compiled": 0.0, "elementwise_eager": 0.0}
+        eff = {"matmul": 1.0, "elementwise_compiled": 0.0, "elementwise_eager": 0.0, "fp8_speedup": 1.0}
         if backend == "gloo":
             eff["hbm"] = 1.0
         measured["efficiency"] = (f"bf16_flops: the {pick['shape']} layer's measured rate "
                                   f"({'compiled' if pick['compiled'] else 'eager'}); matmul 1, elementwise 0")
+    if engine is not None:
+        measured["engine"] = engine
+        eff["host_per_unit_eager"] = engine["host_per_unit"]
+        if backend == "gloo":  # no compiler on the CPU runs; AdamW streams its state at the measured rate
+            eff["host_per_unit_compiled"] = engine["host_per_unit"]
+            spec = replace(spec, hbm_bw=ADAM_BYTES * engine["params"] / engine["adam_s"])
     where = f"{world} {backend} process{'es' if world > 1 else ''}, {device_name}"
     spec = replace(spec, source=f"shardwise plan --calibrate ({where}, {measured['when']})")
     measured["notes"] = notes
@@ -334,8 +359,12 @@ def calibrate(path: str | os.PathLike, world: int | None = None) -> Path:
                 notes.append(f"torch.compile failed at the {shape} layer ({type(error).__name__}: {first}): no "
                              "compiled point from it on")
                 break
+    from .calibrate_engine import measure_engine
+
+    engine = measure_engine(backend)
     record = build_record(collectives, layers, backend=backend, world=world, device_name=device_name,
-                          memory=memory, versions=versions, notes=notes)
+                          memory=memory, versions=versions, notes=notes,
+                          cores=(os.cpu_count() or 1) if backend == "gloo" else 0, engine=engine)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
@@ -354,6 +383,11 @@ def summary(record: dict) -> list[str]:
         lines.append(f"layer {p['shape']} seq {p['seq']} mb {p['micro_batch']} "
                      f"{'compiled' if p['compiled'] else 'eager'}: {p['seconds'] * 1e3:.2f} ms, "
                      f"{p['flops_per_s'] / 1e12:.3f} TFLOP/s")
+    if "engine" in m:
+        e = m["engine"]
+        lines.append(f"engine ({e['size']}, one rank): {e['wrapped_s'] * 1e3:.1f} ms forward and backward against "
+                     f"{e['ceiling_s'] * 1e3:.1f} unwrapped over {e['units']} units: {e['host_per_unit'] * 1e3:.2f} ms "
+                     f"per unit and pass; AdamW {e['adam_s'] * 1e3:.2f} ms for {e['params']:,} parameters")
     lines.append(f"gpu row: {gpu['name']}, bf16 {gpu['bf16_flops'] / 1e12:.3f} TFLOP/s, link "
                  f"{gpu['nvlink_bw'] / 1e9:.2f} GB/s + {gpu['nvlink_latency'] * 1e6:.1f} us")
     lines.append("efficiency: " + ", ".join(f"{k} {v:.3g}" for k, v in eff.items()))
