@@ -280,3 +280,20 @@ def test_a_one_rank_shard_axis_inside_a_two_process_run_aliases_and_trains_as_th
     for out in run_distributed(_hsdp_one_rank_shard_axis, 2):
         assert out["world"] == 2 and all(axes == [1] for axes in out["axes"]), out["axes"]
         assert all(out["persistent"]) and all(out["aliased"])
+
+
+# ------------------------------------------------------------------ the memory estimate follows
+def test_the_memory_estimate_counts_no_gathered_copy_where_the_engine_aliases():
+    from shardwise.app.memory_estimate import BufferSizes
+
+    n = 1_000_000
+    for main in (BF16, torch.float32):
+        aliased = BufferSizes(1, param_dtype=main, main_dtype=main, grad_dtype=main)
+        assert aliased.gathered(n) == 0 and aliased.gather_staging(n) == 0
+        assert aliased.weights(n) == n * torch.finfo(main).bits // 8  # the model shard, counted once
+    mixed = BufferSizes(1)  # bf16 compute over fp32 main weights: cast and gathered at every unit
+    assert mixed.gathered(n) == 2 * n and mixed.gather_staging(n) == 2 * n
+    assert BufferSizes(2, param_dtype=BF16, main_dtype=BF16).gathered(n) == 2 * n
+    assert BufferSizes(1, param_dtype=BF16, main_dtype=BF16, offload=True).gathered(n) == 2 * n
+    hsdp = BufferSizes(2, outer=2, outer_strategy="no_shard", param_dtype=torch.float32)  # dp_shard of one rank
+    assert hsdp.gathered(n) == 0
