@@ -23,7 +23,8 @@ buffer                 size on one rank                                    lives
 (``grad_acc``)         gradients are Partial on an axis the optimizer      micro-batches; one unit's
                        state is sharded on (ZeRO-1, HFSDP)                 worth otherwise
 ``gathered``           compute dtype x n (level 0), when parameters are    a unit's forward/backward,
-(``unsharded``)        sharded                                             plus the prefetched next
+(``unsharded``)        sharded (none where the model shard is it: one      plus the prefetched next
+                       rank per parameter axis, compute = main dtype)
 ``gather staging``     compute dtype x n / degree(parameter level): the    held by the staging pool
                        cast of the fp32 main shard (ZeRO-3 mixed           between gathers of one
                        precision)                                          unit shape
@@ -169,6 +170,10 @@ class BufferSizes:
         self.main_aliases_model = same and not offload
         self.casts_on_gather = not self.main_aliases_model and self.kp == self.m and self.kp > 0 and not offload
         self.main_in_model = self.main_aliases_model and self.m in (self.kp, self.kp + 1)
+        # the gathered parameters are the model shard itself, kept: nothing gathered, nothing staged
+        # (``persistent_unsharded``: parameters replicated, or one rank per parameter axis with the compute
+        # weights the main ones; the engine also asks that the slots match, which a mean count cannot see)
+        self.keeps_unsharded = self.kp == 0 or (self.main_aliases_model and self.degree[self.kp] == 1)
 
     # ----------------------------------------------------------- persistent
     def at(self, level: int, n: float, nbytes: int) -> float:
@@ -197,12 +202,13 @@ class BufferSizes:
 
     # ------------------------------------------------------------ transient
     def gathered(self, n: float) -> float:
-        """A unit's unsharded compute-dtype parameters (0 when they are kept whole: parameters replicated)."""
-        return self.at(0, n, self.compute) if self.kp > 0 else 0.0
+        """A unit's unsharded compute-dtype parameters (0 when they are the model shard, kept: parameters
+        replicated, or one rank per parameter axis with the compute dtype the main weights')."""
+        return 0.0 if self.keeps_unsharded else self.at(0, n, self.compute)
 
     def gather_staging(self, n: float) -> float:
         """What one gather stages: the cast main shard (ZeRO-3 mixed precision) and intermediate levels."""
-        if self.kp == 0:
+        if self.keeps_unsharded:
             return 0.0
         staged = self.at(self.kp, n, self.compute) if self.casts_on_gather else 0.0
         return staged + sum(self.at(level, n, self.compute) for level in range(1, self.kp))

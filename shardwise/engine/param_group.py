@@ -11,7 +11,9 @@ flat tensor, and the transitions between levels:
 - ``model_shard``: the compute-dtype model weights at the parameter level;
 - ``unsharded``: the full compute-dtype parameters forward and backward read
   (level 0); its storage is freed while the group rests when parameters are
-  sharded;
+  sharded, and it is ``model_shard`` itself, kept, where a gather would only
+  copy that (replicated parameters; one rank per parameter axis with the
+  compute dtype the main weights' own);
 - ``grad_acc`` / ``main_grad``: gradients accumulated at the gradient level
   across micro-batches, and finalized at the optimizer level.
 
@@ -148,7 +150,13 @@ class ParamGroup:
         if any(mark is not None for mark in marks):
             self._check_quantized(marks, policy, plan)
             self.quantized = QuantizedGather(self.levels, marks, self.compute_dtype)
-        self.persistent_unsharded = kp == 0
+        # The unsharded parameters are kept for good, as views of the model shard, wherever a gather would only
+        # copy the model shard into a buffer of the same layout: parameters replicated (kp == 0, ZeRO-0/1/2),
+        # or every parameter axis of one rank (one GPU, a one-rank dp_shard) with the compute weights being
+        # the main weights themselves (no cast, no FP8 bytes, nothing on the host). Then the optimizer's
+        # in-place update of the main weights is what forward reads, with no gather, free or allocation.
+        self.persistent_unsharded = kp == 0 or (self.main_aliases_model and self.quantized is None
+                                                and not offload and self.levels.same_layout(0, kp))
         self._allocate([ref.param.detach() for ref in self.refs])
         self.weight_state = WeightState.UNSHARDED if self.persistent_unsharded else WeightState.SHARDED
         self._gather: InFlight | None = None  # the all-gather while GATHERING
@@ -187,8 +195,8 @@ class ParamGroup:
         self.sharded_params = [self._make_sharded_param(i) for i in range(len(self.params))]
 
         # The unsharded buffer and the leaf parameters forward uses.
-        if self.persistent_unsharded:
-            self._unsharded = self._model
+        if self.persistent_unsharded:  # the model shard, named as level 0 (one buffer with it in all but name)
+            self._unsharded = DistributedBuffer(self.levels, 0, self._model.flat)
         else:
             self._unsharded = self.levels.empty(
                 0, self.compute_dtype if self.quantized is None else self.quantized.wire_dtype)

@@ -391,8 +391,13 @@ class ShardedState:
 
     def _wait_post_optim_event(self) -> None:
         event, self.post_optim_event = self.post_optim_event, None
-        if event is not None and self.streams.gather is not None:  # CPU: the optimizer step already returned
-            self.streams.gather.wait_event(event)
+        if event is None or self.streams.gather is None:  # CPU: the optimizer step already returned
+            return
+        self.streams.gather.wait_event(event)
+        # Kept weights (``persistent_unsharded``: replicated, or the one-rank model shard itself) are read, and
+        # refreshed, on this stream with no gather between: it waits for the optimizer's writes itself.
+        if any(g.persistent_unsharded for g in self.groups):
+            torch.cuda.current_stream().wait_event(event)
 
     def reset_iteration_state(self) -> None:
         """After a forward or backward that raised: forget the step's bookkeeping and its unreduced grads."""

@@ -113,7 +113,9 @@ def test_graph_safe_buffers_stay_put_and_train_as_normal_1proc(case):
 
 
 def _normal_mode_moves_buffers():
-    model = _wrap("optim_grads_params", None, False, False, False)
+    # bf16 compute over fp32 main weights: at one rank too a gather (the cast) fills a buffer freed at rest
+    # (fp32 everywhere at one rank gathers nothing: its gathered parameters are the model shard, kept)
+    model = _wrap("optim_grads_params", None, False, True, False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     seen = []
     for step in range(2):
