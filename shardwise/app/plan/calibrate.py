@@ -108,10 +108,11 @@ def join_group(rank: int, world: int, port: int, backend: str) -> torch.device:
 
 
 def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: list[int], calls: int,
-                       repeats: int, out) -> None:
+                       repeats: int, between: tuple | None, out) -> None:
     import torch.distributed as dist
 
     device = join_group(rank, world, port, backend)
+    work = reference_layer_step(*between, device=device)[0] if between else None
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     flag = torch.zeros(1, device=device)
@@ -126,7 +127,10 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: li
                 call()
             times = []
             for _ in range(repeats):
-                dist.all_reduce(flag)  # every rank starts together
+                if work is None:
+                    dist.all_reduce(flag)  # every rank starts together
+                else:  # as in a step: each rank computes, then calls (waiting for the slower one, on busy cores)
+                    work()
                 _sync(device)
                 t0 = time.perf_counter()
                 for _ in range(calls):
@@ -141,11 +145,18 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: li
 
 
 def measure_collectives(backend: str = "gloo", world: int = 2, sizes: list[int] = CPU_SIZES, *, calls: int = 1,
-                        repeats: int = 5, timeout: float = 600.0) -> dict[str, list[tuple[int, float]]]:
+                        repeats: int = 5, between: tuple | None = None,
+                        timeout: float = 600.0) -> dict[str, list[tuple[int, float]]]:
     """``{"all_gather": [(bytes, seconds)], "reduce_scatter": [...]}`` over ``world`` spawned processes of
     ``backend`` (``nccl``: rank ``r`` on GPU ``r``); each point the median of ``repeats`` samples, a sample the
-    mean of ``calls`` back-to-back calls. ``bytes`` is the whole payload (the gathered or the reduced tensor)."""
-    results = run_spawned(_collective_worker, backend, world, (sizes, calls, repeats), timeout)
+    mean of ``calls`` back-to-back calls. ``bytes`` is the whole payload (the gathered or the reduced tensor).
+
+    ``between``: ``(preset, seq, micro_batch)`` of a layer whose forward and backward each rank runs before each
+    sample, as a training step does between its collectives (else the ranks are lined up by a one-element
+    all-reduce). On the CPU that is what a call costs in a step: gloo's threads share the cores the ranks
+    compute on, and a call waits for the slower rank (measured here: a tiny layer's gather 1.0-1.2 ms between
+    layers against 0.4-0.5 ms back to back)."""
+    results = run_spawned(_collective_worker, backend, world, (sizes, calls, repeats, between), timeout)
     return {name: [(int(b), float(t)) for b, t in points] for name, points in results.items()}
 
 
@@ -179,13 +190,10 @@ def run_spawned(target, backend: str, world: int, args: tuple, timeout: float = 
                 p.kill()
 
 
-def measure_layer(shape: str = "tiny", seq: int = 128, micro_batch: int = 4, *, device: str | torch.device = "cpu",
-                  compiled: bool = False, repeats: int = 5) -> dict:
-    """One reference layer (``shape``: a preset's layer) timed through bf16 forward and backward on ``device``,
-    after two warm-up passes (a compiled layer compiles there); on the CPU on one thread, as ``shardwise bench``
-    runs each rank. Returns the point ``fit_efficiency`` takes: ``width``, ``seq``, ``micro_batch``,
-    ``compiled``, ``flops_per_token`` (the planner's count: 2 per parameter and attention's ``4 width seq``,
-    forward), ``seconds`` (median of ``repeats``) and ``flops_per_s`` (forward and backward, 3x forward)."""
+def reference_layer_step(shape: str = "tiny", seq: int = 128, micro_batch: int = 4, *,
+                         device: str | torch.device = "cpu", compiled: bool = False):
+    """``(step, layer, config)``: ``step()`` runs one reference layer's bf16 forward and backward (``shape``: a
+    preset's layer) on ``device`` at ``seq`` x ``micro_batch`` tokens."""
     from ...models import GPTConfig, TransformerLayer
     from ...models.norm_rope import rope_tables
     from ..presets import PRESETS
@@ -193,22 +201,34 @@ def measure_layer(shape: str = "tiny", seq: int = 128, micro_batch: int = 4, *, 
     names = {f.name for f in fields(GPTConfig)}
     cfg = GPTConfig(**{k: v for k, v in PRESETS[shape].items() if k in names}, max_seq_len=seq)
     device = torch.device(device)
+    torch.manual_seed(0)
+    layer = TransformerLayer(cfg).to(device=device, dtype=torch.bfloat16)
+    run = torch.compile(layer, fullgraph=True, dynamic=False) if compiled else layer  # as the bench compiles
+    x = torch.randn(micro_batch, seq, cfg.dim, dtype=torch.bfloat16, device=device, requires_grad=True)
+    grad = torch.randn_like(x).detach()
+    cos, sin = rope_tables(seq, cfg.head_dim, cfg.rope_theta, device=device)
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        run(x, cos, sin).backward(grad)
+
+    return step, layer, cfg
+
+
+def measure_layer(shape: str = "tiny", seq: int = 128, micro_batch: int = 4, *, device: str | torch.device = "cpu",
+                  compiled: bool = False, repeats: int = 5) -> dict:
+    """One reference layer (``shape``: a preset's layer) timed through bf16 forward and backward on ``device``,
+    after two warm-up passes (a compiled layer compiles there); on the CPU on one thread, as ``shardwise bench``
+    runs each rank. Returns the point ``fit_efficiency`` takes: ``width``, ``seq``, ``micro_batch``,
+    ``compiled``, ``flops_per_token`` (the planner's count: 2 per parameter and attention's ``4 width seq``,
+    forward), ``seconds`` (median of ``repeats``) and ``flops_per_s`` (forward and backward, 3x forward)."""
+    device = torch.device(device)
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)
     try:
-        torch.manual_seed(0)
-        layer = TransformerLayer(cfg).to(device=device, dtype=torch.bfloat16)
-        run = torch.compile(layer, fullgraph=True, dynamic=False) if compiled else layer  # as the bench compiles
-        x = torch.randn(micro_batch, seq, cfg.dim, dtype=torch.bfloat16, device=device, requires_grad=True)
-        grad = torch.randn_like(x).detach()
-        cos, sin = rope_tables(seq, cfg.head_dim, cfg.rope_theta, device=device)
-
-        def step():
-            layer.zero_grad(set_to_none=True)
-            x.grad = None
-            run(x, cos, sin).backward(grad)
-
+        step, layer, cfg = reference_layer_step(shape, seq, micro_batch, device=device, compiled=compiled)
         for _ in range(2):
             step()
         times = []
@@ -339,14 +359,17 @@ def calibrate(path: str | os.PathLike, world: int | None = None) -> Path:
         backend, world = "gloo", world or 2
         if world < 2:
             raise ValueError(f"world={world}: the CPU calibration times collectives over 2 or more processes")
-        sizes, calls, repeats, device = CPU_SIZES, 1, 5, torch.device("cpu")
+        sizes, calls, repeats, device = CPU_SIZES, 1, 15, torch.device("cpu")
         device_name = "cpu"
         pages = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
         memory = float(pages) / world
         versions = {"torch": torch.__version__}
         shapes, modes = CPU_LAYERS, (False,)
     # ---- shared from here: the same functions on either device ----
-    collectives = measure_collectives(backend, world, sizes, calls=calls, repeats=repeats) if world >= 2 else {}
+    # on the CPU each sample follows a layer's work, as in a step (the ranks' threads and gloo's share the cores)
+    between = CPU_LAYERS[0] if backend == "gloo" else None
+    collectives = (measure_collectives(backend, world, sizes, calls=calls, repeats=repeats, between=between)
+                   if world >= 2 else {})
     layers = []
     for compiled in modes:
         for shape, seq, micro_batch in shapes:
