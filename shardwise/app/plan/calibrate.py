@@ -6,7 +6,8 @@ One code path, two machines:
   all-gathers and fp32 reduce-scatters (the engine reduces in the gradient dtype) of 64 KiB to 256 MiB;
   without CUDA, 2 gloo processes of one thread time the same two collectives of 64 KiB to 16 MiB (seconds).
   Each size: warm-up calls first, then the median of a few timed samples, each between a one-element
-  all-reduce and a device synchronize (``torch.cuda.synchronize``; nothing on the CPU). ``fit_alpha_beta``
+  all-reduce and a device synchronize (``torch.cuda.synchronize``); on the CPU each sample follows the tiny
+  layer's forward and backward instead, as a step calls them (``measure_collectives(between=...)``). ``fit_alpha_beta``
   fits ``latency + (n - 1) / n x bytes / bus bandwidth`` to each collective and, for the ``GpuSpec`` row,
   to both together (the step model has one link per span). On GPUs these are the node's NVLink numbers: the
   network cannot be measured on one node, so ``net_bw`` / ``net_latency`` stay the named row's (the file's
