@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import statistics
 import time
 from dataclasses import asdict, fields, replace
@@ -46,7 +45,9 @@ from pathlib import Path
 
 import torch
 
+from .calibrate_engine import measure_engine
 from .hardware import EFFICIENCY, GPUS, GpuSpec
+from .spawned import join_group, run_spawned, sync
 from .step_time import ADAM_BYTES
 
 __all__ = ["calibrate", "measure_collectives", "measure_layer", "fit_alpha_beta", "fit_efficiency",
@@ -88,26 +89,6 @@ def identify_gpu(device_name: str) -> str | None:
     return next((row for row in ("GB200", "B200", "H200", "H100") if row in name), None)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def join_group(rank: int, world: int, port: int, backend: str) -> torch.device:
-    """In a spawned process: its device, and the default process group joined."""
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if backend == "nccl":  # one process per local GPU, each on its own device
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-    else:  # gloo: one thread per process, as shardwise bench runs each CPU rank
-        device = torch.device("cpu")
-        torch.set_num_threads(1)
-    dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if device.type == "cuda" else None)
-    return device
-
-
 def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: list[int], calls: int,
                        repeats: int, between: tuple | None, out) -> None:
     import torch.distributed as dist
@@ -132,11 +113,11 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: li
                     dist.all_reduce(flag)  # every rank starts together
                 else:  # as in a step: each rank computes, then calls (waiting for the slower one, on busy cores)
                     work()
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 for _ in range(calls):
                     call()
-                _sync(device)
+                sync(device)
                 times.append((time.perf_counter() - t0) / calls)
             points.append((full.numel() * dtype.itemsize, statistics.median(times)))
         results[name] = points
@@ -159,36 +140,6 @@ def measure_collectives(backend: str = "gloo", world: int = 2, sizes: list[int] 
     layers against 0.4-0.5 ms back to back)."""
     results = run_spawned(_collective_worker, backend, world, (sizes, calls, repeats, between), timeout)
     return {name: [(int(b), float(t)) for b, t in points] for name, points in results.items()}
-
-
-def run_spawned(target, backend: str, world: int, args: tuple, timeout: float = 600.0):
-    """Run ``target(rank, world, port, backend, *args, out)`` in ``world`` spawned processes; returns what rank 0
-    puts on ``out``. A process that dies fails the call at once, one that hangs after ``timeout`` seconds."""
-    import torch.multiprocessing as mp
-
-    from ..launch import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, backend, *args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            try:
-                return out.get(timeout=5)
-            except queue.Empty:
-                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    raise RuntimeError(f"calibration: the {backend} processes " + (
-                        f"exited with {failed}" if failed else f"gave no result in {timeout:.0f} s")) from None
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
 
 
 def reference_layer_step(shape: str = "tiny", seq: int = 128, micro_batch: int = 4, *,
@@ -234,10 +185,10 @@ def measure_layer(shape: str = "tiny", seq: int = 128, micro_batch: int = 4, *, 
             step()
         times = []
         for _ in range(repeats):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             step()
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(threads)
@@ -383,8 +334,6 @@ def calibrate(path: str | os.PathLike, world: int | None = None) -> Path:
                 notes.append(f"torch.compile failed at the {shape} layer ({type(error).__name__}: {first}): no "
                              "compiled point from it on")
                 break
-    from .calibrate_engine import measure_engine
-
     engine = measure_engine(backend)
     record = build_record(collectives, layers, backend=backend, world=world, device_name=device_name,
                           memory=memory, versions=versions, notes=notes,

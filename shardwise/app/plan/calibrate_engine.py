@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from .calibrate import _sync, join_group, run_spawned
+from .spawned import join_group, run_spawned, sync
 
 __all__ = ["measure_engine"]
 
@@ -28,10 +28,10 @@ def _timed(run, device: torch.device, repeats: int) -> float:
         run()
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         run()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
