@@ -119,6 +119,22 @@ def test_the_step_model_hides_prefetched_gathers_and_exposes_the_ends():
     assert gathered8.terms["exposed all-gather"] < fp8.terms["exposed all-gather"]
 
 
+def test_a_ring_across_nodes_pays_a_latency_per_step():
+    """Inside a node a collective costs the link's latency; a ring across nodes adds NCCL's latency per step:
+    ``n - 1`` steps (twice for an all-reduce), one per node boundary on the network, the rest on NVLink."""
+    from shardwise.app.plan.hardware import GPUS, Cluster
+
+    h100 = GPUS["H100"]
+    cluster = Cluster(1024, 8, h100)
+    assert cluster.link(8) == (h100.nvlink_bw, h100.nvlink_latency)
+    nvl, net, base = h100.ring_step_nvlink, h100.ring_step_net, h100.net_latency
+    assert cluster.link(16) == pytest.approx((h100.net_bw, base + 14 * nvl + 1 * net))  # 2 nodes: 15 steps
+    assert cluster.link(1024)[1] == pytest.approx(base + (1023 - 127) * nvl + 127 * net)
+    # HSDP's replicas: one rank per node, every step on the network; the all-reduce makes twice the steps
+    assert cluster.link(64, stride=8, kind="all_reduce")[1] == pytest.approx(base + 2 * 63 * net)
+    assert cluster.link(64, stride=8, kind="reduce_scatter")[1] == pytest.approx(base + 63 * net)
+
+
 def test_train_refuses_a_run_that_cannot_fit_naming_a_configuration_that_does():
     from shardwise.app.bench.sizes import SIZES, model_config
     from shardwise.app.memory import DoesNotFit, estimate_for_run

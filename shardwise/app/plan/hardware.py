@@ -35,6 +35,11 @@ class GpuSpec:
     nvlink_latency: float = 20e-6
     net_latency: float = 40e-6
     source: str = ""
+    # A ring that crosses nodes pays, besides net_latency, a latency per step: NCCL's own tuning model (its
+    # src/graph/tuning.cc, ring algorithm, Simple protocol, Hopper: 3.4 us per NVLink step, 14 us per network
+    # step), so a collective's latency grows with the ranks and nodes it spans.
+    ring_step_nvlink: float = 3.4e-6
+    ring_step_net: float = 14e-6
     # A CPU "device" (a calibrated machine): the ranks of a node share ``cores`` cores, and a rank's Python,
     # kernels and (gloo's synchronous) collectives run one after another, so nothing overlaps. 0: a GPU.
     cores: int = 0
@@ -102,13 +107,21 @@ class Cluster:
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
             raise ValueError(f"gpus={self.gpus} must be a multiple of gpus_per_node={self.gpus_per_node}")
 
-    def link(self, group: int, stride: int = 1) -> tuple[float, float]:
-        """(bus bandwidth, latency) of a collective over ``group`` ranks ``stride`` apart: NVLink when they all
-        sit in one node, else the network (a ring over nodes runs at the slowest link's pace)."""
+    def link(self, group: int, stride: int = 1, kind: str = "all_gather") -> tuple[float, float]:
+        """(bus bandwidth, latency) of ``kind`` over ``group`` ranks ``stride`` apart: NVLink when they all sit
+        in one node, else the network (a ring over nodes runs at the slowest link's pace) with a latency that
+        grows with the ring's steps, as NCCL models it: ``group - 1`` steps (twice that for an all-reduce), of
+        which one per node boundary (``nodes - 1``) crosses the network and the rest stay on NVLink."""
         span = group * stride
         if span <= self.gpus_per_node:
             return self.gpu.nvlink_bw, self.gpu.nvlink_latency
-        return self.gpu.net_bw, self.gpu.net_latency
+        nodes = group if stride >= self.gpus_per_node else -(-span // self.gpus_per_node)
+        steps, crossing = group - 1, nodes - 1
+        if kind == "all_reduce":
+            steps, crossing = 2 * steps, 2 * crossing
+        latency = (self.gpu.net_latency + (steps - crossing) * self.gpu.ring_step_nvlink
+                   + crossing * self.gpu.ring_step_net)
+        return self.gpu.net_bw, latency
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ Per unit (``fully_shard``'s unit: a layer, the embedding, the head):
 * all-gather (parameters sharded: ZeRO-3, HSDP, HFSDP): the unit's compute-dtype bytes (1 per parameter with
   the FP8 gather) over the shard group; reduce-scatter: its fp32 gradients (the engine reduces in the gradient
   dtype); each ``latency + (n - 1) / n x bytes / bus bandwidth`` of the link the group spans
-  (:meth:`Cluster.link`); HSDP all-reduces each unit's gradient shard over the replicas (``2 (r - 1) / r``),
+  (:meth:`Cluster.link`: a ring across nodes adds a latency per step, as NCCL models it); HSDP all-reduces each unit's gradient shard over the replicas (``2 (r - 1) / r``),
   HFSDP reduce-scatters it there and gathers the main shard back after the step;
 * overlap, as the engine schedules it: forward prefetches the next unit's gather while this unit computes;
   backward prefetches the previous unit's gather and runs the last unit's reduction while this unit computes;
@@ -82,7 +82,8 @@ def step_time(units: list[UnitCost], cand: Candidate, cluster: Cluster, seq: int
     host = eff.host_per_unit_compiled if compiled else eff.host_per_unit_eager
     inner = cluster.gpus // cand.replicas
     bw_in, lat_in = cluster.link(inner)
-    bw_out, lat_out = cluster.link(cand.replicas, stride=inner)
+    bw_out, lat_out = cluster.link(cand.replicas, stride=inner,
+                                   kind="reduce_scatter" if cand.outer_strategy == "optim" else "all_reduce")
     sharded_params = cand.strategy == "optim_grads_params"
     reduce_every_micro = cand.strategy != "optim"
     gather_bytes = 1 if cand.fp8_gather else 2
