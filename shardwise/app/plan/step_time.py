@@ -8,8 +8,9 @@ Per unit (``fully_shard``'s unit: a layer, the embedding, the head):
 * all-gather (parameters sharded: ZeRO-3, HSDP, HFSDP): the unit's compute-dtype bytes (1 per parameter with
   the FP8 gather) over the shard group; reduce-scatter: its fp32 gradients (the engine reduces in the gradient
   dtype); each ``latency + (n - 1) / n x bytes / bus bandwidth`` of the link the group spans
-  (:meth:`Cluster.link`: a ring across nodes adds a latency per step, as NCCL models it); HSDP all-reduces each unit's gradient shard over the replicas (``2 (r - 1) / r``),
-  HFSDP reduce-scatters it there and gathers the main shard back after the step;
+  (:meth:`Cluster.link`: a ring across nodes adds a latency per step, as NCCL models it); HSDP all-reduces
+  each unit's gradient shard over the replicas (``2 (r - 1) / r``), HFSDP reduce-scatters it there and
+  gathers the main shard back after the step;
 * overlap, as the engine schedules it: forward prefetches the next unit's gather while this unit computes;
   backward prefetches the previous unit's gather and runs the last unit's reduction while this unit computes;
   so the first gather and the last reduction are exposed, and elsewhere only what a unit's communication
