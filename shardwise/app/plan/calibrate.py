@@ -47,7 +47,7 @@ import torch
 
 from .calibrate_engine import measure_engine
 from .hardware import EFFICIENCY, GPUS, GpuSpec
-from .spawned import join_group, run_spawned, sync
+from .spawned import join_group, median_seconds, run_spawned, sync
 from .step_time import ADAM_BYTES
 
 __all__ = ["calibrate", "measure_collectives", "measure_layer", "fit_alpha_beta", "fit_efficiency",
@@ -181,20 +181,11 @@ def measure_layer(shape: str = "tiny", seq: int = 128, micro_batch: int = 4, *, 
         torch.set_num_threads(1)
     try:
         step, layer, cfg = reference_layer_step(shape, seq, micro_batch, device=device, compiled=compiled)
-        for _ in range(2):
-            step()
-        times = []
-        for _ in range(repeats):
-            sync(device)
-            t0 = time.perf_counter()
-            step()
-            sync(device)
-            times.append(time.perf_counter() - t0)
+        seconds = median_seconds(step, device, repeats)
     finally:
         torch.set_num_threads(threads)
     params = sum(p.numel() for p in layer.parameters())
     flops = 2.0 * params + 4.0 * cfg.dim * seq
-    seconds = statistics.median(times)
     return {"shape": shape, "width": cfg.dim, "seq": seq, "micro_batch": micro_batch, "compiled": compiled,
             "flops_per_token": flops, "seconds": seconds, "flops_per_s": 3 * flops * micro_batch * seq / seconds}
 

@@ -11,29 +11,13 @@ gradient copies): ``host_per_unit = (wrapped - ceiling) / (2 x units)``. The wra
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
-from .spawned import join_group, run_spawned, sync
+from .spawned import join_group, median_seconds, run_spawned
 
 __all__ = ["measure_engine"]
 
 SIZE = "tiny"  # the bench's size: small enough that the engine's own time shows
-
-
-def _timed(run, device: torch.device, repeats: int) -> float:
-    for _ in range(2):  # warm-up
-        run()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        run()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _engine_worker(rank: int, world: int, port: int, backend: str, repeats: int, out) -> None:
@@ -62,11 +46,11 @@ def _engine_worker(rank: int, world: int, port: int, backend: str, repeats: int,
         with torch.device(device):
             model = GPT(config)
         built[name] = wrap(model, device)
-    ceiling = _timed(forward_backward(*built["ceiling"]), device, repeats)
-    wrapped = _timed(forward_backward(*built["shardwise"]), device, repeats)
+    ceiling = median_seconds(forward_backward(*built["ceiling"]), device, repeats)
+    wrapped = median_seconds(forward_backward(*built["shardwise"]), device, repeats)
     model, optimizer = built["shardwise"]
     model(inputs, targets).backward()  # gradients for the optimizer to step on
-    adam = _timed(optimizer.step, device, repeats)
+    adam = median_seconds(optimizer.step, device, repeats)
     units = config.n_layers + 2  # the bench's units: each layer, the embedding, the output head
     params = sum(p.numel() for p in model.parameters())
     if rank == 0:

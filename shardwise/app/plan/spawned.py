@@ -8,17 +8,32 @@ from __future__ import annotations
 
 import os
 import queue
+import statistics
 import time
 
 import torch
 
-__all__ = ["run_spawned", "join_group", "sync"]
+__all__ = ["run_spawned", "join_group", "sync", "median_seconds"]
 
 
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work (a CPU's is done when its call returns)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def median_seconds(run, device: torch.device, repeats: int) -> float:
+    """The median wall time of ``repeats`` calls of ``run()`` on ``device``, after two warm-up calls."""
+    for _ in range(2):
+        run()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        run()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def join_group(rank: int, world: int, port: int, backend: str) -> torch.device:
