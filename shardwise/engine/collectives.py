@@ -197,6 +197,11 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def _packable(ins: Sequence[torch.Tensor]) -> bool:
+    """Whether gloo should move these pieces in one call on a packed copy: several, of one dtype."""
+    return len(ins) > 1 and len({t.dtype for t in ins}) == 1
+
+
 def _unpack(rows: torch.Tensor, numels: Sequence[int]) -> tuple[torch.Tensor, ...]:
     """Column blocks of a ``(ranks, sum(numels))`` packed buffer, one per piece."""
     return rows.split(list(numels), dim=1)
@@ -213,7 +218,7 @@ def gather_pieces(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], axi
         _coalesced_call(axis.group, ("all_gather_single_coalesced", "allgather_into_tensor_coalesced"), outs, ins,
                         AllgatherOptions())
         return
-    if len(outs) == 1 or len({t.dtype for t in ins}) > 1:
+    if not _packable(ins):
         for out, inp in zip(outs, ins):  # gloo: one by one
             if _overlaps(out, inp):
                 inp = inp.clone()  # gloo copies shards in place without aliasing checks
@@ -237,7 +242,7 @@ def reduce_scatter_pieces(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tens
         _coalesced_call(axis.group, ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"), outs, ins,
                         options)
         return
-    if len(outs) == 1 or len({t.dtype for t in ins}) > 1:
+    if not _packable(ins):
         for out, inp in zip(outs, ins):  # gloo: one by one, summed, then divided
             _reduce_scatter(out, inp, dist.ReduceOp.SUM, axis.group)
     else:  # gloo, several pieces: one call, rank-major over the packed pieces
