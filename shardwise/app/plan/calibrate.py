@@ -226,7 +226,7 @@ def build_record(collectives: dict[str, list[tuple[int, float]]], layers: list[d
                  engine: dict | None = None) -> dict:
     """The calibration file's content from the measurements: ``gpu`` (a ``GpuSpec``'s fields), ``efficiency``
     and ``measured``. ``memory``: bytes per process (used where the device names no row); ``cores``: the CPU's,
-    which its ranks share (gloo); ``engine``: ``calibrate_engine.measure_engine``'s result (host time per unit;
+    which its ranks share (gloo; default: this machine's); ``engine``: ``calibrate_engine.measure_engine``'s result (host time per unit;
     on the CPU also AdamW's rate, which stands for the HBM bandwidth there)."""
     notes = list(notes)
     row = identify_gpu(device_name) if backend != "gloo" else None
@@ -327,8 +327,7 @@ def calibrate(path: str | os.PathLike, world: int | None = None) -> Path:
                 break
     engine = measure_engine(backend)
     record = build_record(collectives, layers, backend=backend, world=world, device_name=device_name,
-                          memory=memory, versions=versions, notes=notes,
-                          cores=(os.cpu_count() or 1) if backend == "gloo" else 0, engine=engine)
+                          memory=memory, versions=versions, notes=notes, engine=engine)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
