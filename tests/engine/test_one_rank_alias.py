@@ -219,6 +219,42 @@ def test_the_alias_survives_to_empty_and_assigning_loads():
     assert out["assign"] == (True, True, True)
 
 
+# ------------------------------------------------------------------ torch's own state-dict tools
+def _torch_tools(folder: str) -> dict:
+    """Plain ``dcp.save`` of a trained aliased model and ``dcp.load`` into another one (its own seed): the load
+    writes into the main weights in place, so the next forward must read the loaded values through the alias;
+    ``get_model_state_dict`` (full) and ``full_tensor`` must agree with the trained model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    dtype, policy = ALIASING["bf16"]
+    trained = _wrap(_build(dtype), policy)
+    opt = _optimizer(trained)
+    for step in range(2):
+        _step(trained, opt, step, trained.c)
+    dcp.save(trained.state_dict(), checkpoint_id=folder)
+    torch.manual_seed(1)
+    other = _wrap(TinyLM(TinyConfig()).to(dtype), policy)
+    tokens, targets = (t.to(device()) for t in batch(9, 4, other.c))
+    before = torch.equal(other(tokens, targets), trained(tokens, targets))
+    state = other.state_dict()
+    dcp.load(state, checkpoint_id=folder)
+    full = StateDictOptions(full_state_dict=True)
+    expected = get_model_state_dict(trained, options=full)
+    loaded = get_model_state_dict(other, options=full)
+    return {"differed_before": not before, "aliased": all(_aliased(other)),
+            "forward_equal": torch.equal(other(tokens, targets), trained(tokens, targets)),
+            "state_equal": set(loaded) == set(expected) and all(torch.equal(loaded[k], expected[k]) for k in expected),
+            "full_tensor_equal": all(torch.equal(v.full_tensor(), expected[k])
+                                     for k, v in trained.state_dict().items())}
+
+
+def test_plain_dcp_load_reaches_forward_through_the_alias(tmp_path):
+    out = run_distributed(_torch_tools, 1, str(tmp_path / "ckpt"))[0]
+    assert out == {"differed_before": True, "aliased": True, "forward_equal": True, "state_equal": True,
+                   "full_tensor_equal": True}
+
+
 # ------------------------------------------------------------------ what must not alias
 def _not_aliased(case: str) -> dict:
     options = {}
