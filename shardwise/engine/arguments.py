@@ -68,6 +68,7 @@ def check_modules(modules: list[nn.Module], state_attr: str = STATE_ATTR) -> lis
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError(f"fully_shard got the same module twice in {[type(m).__name__ for m in modules]}")
     adopted: dict[int, object] = {}
+    inside = {id(sub) for m in modules for sub in m.modules()}
     for m in modules:
         if hasattr(m, state_attr):
             raise ValueError(f"module {type(m).__name__} is already sharded by shardwise.fully_shard (one unit "
@@ -76,10 +77,13 @@ def check_modules(modules: list[nn.Module], state_attr: str = STATE_ATTR) -> lis
             state = sub.__dict__.get(state_attr)
             if state is None:
                 continue
-            if not any(sub is x for x in state.root.modules):
+            # Each earlier call's state heads the units below its root (and whatever it adopted in turn): this
+            # call adopts it whole when that root lies inside this call's modules, at any depth.
+            if not all(id(x) in inside for x in state.root.modules):
                 raise ValueError(
                     f"submodule {name!r} ({type(sub).__name__}) was already taken in by the fully_shard call on "
-                    f"{state.root.module.__class__.__name__}: call fully_shard bottom-up, the inner modules first")
+                    f"{state.root.module.__class__.__name__}, outside {type(m).__name__}: call fully_shard "
+                    "bottom-up, the inner modules first")
             adopted[id(state)] = state
     mine = {id(p) for state in adopted.values() for g in state.groups for p in g.sharded_params}
     for m in modules:

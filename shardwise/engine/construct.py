@@ -273,21 +273,25 @@ def taken_modules(adopted: list) -> set[int]:
     return {id(m) for state in adopted for unit in state.all_units for m in unit.modules}
 
 
-def adopt_units(root: nn.Module, adopted: list, new_units: list[Unit]) -> list[Unit]:
-    """Every unit of the model this call's ``root`` now heads: the adopted states' (their root hooks removed)
-    and this call's, in ``root``'s module order, each named (and its groups labelled) by its path from ``root``."""
+def adopt_units(roots: nn.Module | list[nn.Module], adopted: list, new_units: list[Unit]) -> list[Unit]:
+    """Every unit of the model this call's ``roots`` now head: the adopted states' (their hooks removed; a state
+    that adopted others in its turn hands over all of them) and this call's, in module order, each named (and
+    its groups labelled) by its path from the first root (a list call's modules: ``0.``, ``1.``, ...)."""
+    roots = list(roots) if isinstance(roots, (list, tuple)) else [roots]
     for state in adopted:
         for handle in state.hook_handles:
             handle.remove()
     units = [u for state in adopted for u in state.all_units] + new_units
     names, order = {}, {}
-    for i, (name, m) in enumerate(root.named_modules()):
-        names[id(m)], order[id(m)] = name, i
+    for i, root in enumerate(roots):
+        prefix = f"{i}." if len(roots) > 1 else ""
+        for name, m in root.named_modules():
+            if id(m) not in names:
+                names[id(m)], order[id(m)] = f"{prefix}{name}".rstrip("."), len(order)
     for unit in units:
         unit.name = names.get(id(unit.module)) or unit.name
-        for group in unit.groups:  # built when the unit was its own root: label it by its place in the model
-            if group.name.startswith("<root>["):
-                group.name = unit.name + group.name[len("<root>"):]
+        for group in unit.groups:  # labelled by its place when built: relabel it by its place in the model
+            group.name = unit.name + group.name[group.name.index("["):] if "[" in group.name else group.name
     return sorted(units, key=lambda u: order.get(id(u.module), len(order)))
 
 
@@ -324,13 +328,20 @@ def move_buffers(root: nn.Module, device: torch.device) -> None:
 
 
 def register_hooks(state: ShardedState) -> None:
-    """The root's and each unit's forward hooks on each of their modules, and the load-state-dict hook that
-    takes loaded values in; their handles are kept in ``state.hook_handles`` (an adopting call removes them)."""
+    """The root's and each unit's forward hooks on each of their modules, the load-state-dict hook that
+    takes loaded values in, and on every module holding a parameter the state-dict hooks that register the
+    sharded parameters first (a unit that keeps its gathered weights after forward holds those until then);
+    their handles are kept in ``state.hook_handles`` (an adopting call removes them)."""
     handles = state.hook_handles
     for module in state.root.modules:
         handles.append(module.register_forward_pre_hook(state.root_pre_forward, with_kwargs=True, prepend=True))
         handles.append(module.register_forward_hook(state.root_post_forward))
         handles.append(module.register_load_state_dict_post_hook(lambda m, keys: state.after_load_state_dict()))
+    for group in state.groups:  # FSDP2's: a state dict is saved and loaded through the sharded parameters
+        holders = {id(module): module for ref in group.refs for module, _ in ref.holders}
+        for module in holders.values():
+            handles.append(module.register_state_dict_pre_hook(lambda *_, group=group: group.use_sharded()))
+            handles.append(module._register_load_state_dict_pre_hook(lambda *_, group=group: group.use_sharded()))
     for unit in state.units:
         for module in unit.modules:
             handles.append(module.register_forward_pre_hook(

@@ -136,7 +136,7 @@ def fully_shard(
                            offloaded=choose_offloaded(options.offload_policy, ownership.sizes()))
     new_units, own = build_units(modules, unit_list, builder.build_groups, unit_settings(options))
     move_buffers(described, device)
-    state = ShardedState(own, adopt_units(modules[0], adopted, new_units), plan, streams, prefetch)
+    state = ShardedState(own, adopt_units(modules, adopted, new_units), plan, streams, prefetch)
     register_hooks(state)
     make_fsdp_modules(state)
     return module

@@ -17,6 +17,8 @@ device than the group's) raises, naming the parameter.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -51,8 +53,10 @@ def _rows(group: ParamGroup, i: int, value: torch.Tensor, template: DTensor) -> 
 def adopt_module_params(group: ParamGroup, deep: bool, strict_dtype: bool = False) -> bool:
     """Take the parameters the group's modules hold, where they are not the engine's own, into the main
     weights; ``deep`` also looks inside the parameters the engine handed out (``to_empty`` swaps their
-    storage in place). ``strict_dtype`` refuses values of another dtype (``model.half()``) instead of casting
-    them (a loaded checkpoint). Whether anything was taken in."""
+    storage in place). ``strict_dtype`` (``nn.Module._apply``: ``model.to(dtype)``, ``.half()``, ...) takes
+    another dtype as the model's new one: the group is rebuilt in it when every parameter of the group changed
+    to it, and a cast of only some of them is refused; without it, values are cast into the group's dtype
+    (a loaded checkpoint). Whether anything was taken in."""
     if group.module_params is not ModuleParams.SHARDED:  # inside a forward the modules hold the gathered weights
         return False
     held = [ref.holders[0][0]._parameters[ref.holders[0][1]] for ref in group.refs]
@@ -61,22 +65,33 @@ def adopt_module_params(group: ParamGroup, deep: bool, strict_dtype: bool = Fals
     if not stale:
         return False
     group.reshard()  # weights still gathered from an earlier forward are the old ones
+    new_dtype = _cast_dtype(group, held) if strict_dtype else None
+    grads = []
+    if new_dtype is not None:  # model.to(dtype): the whole group now lives in the new dtype (on meta: later)
+        if group.device.type != "meta":
+            for i, current in enumerate(held):
+                _check_device(group, i, current)
+        grads = [current.grad for current in held]  # cast by _apply with their parameters
+        group.rebuild_in(new_dtype)
+        stale = list(range(len(held)))
+    moved = False
     if group.device.type == "meta":
         devices = {h.device for h in held if not h.is_meta}
-        if not devices:
+        if not devices and new_dtype is None:
             return False  # still on the meta device: nothing to take in yet
-        device = devices.pop()
-        if devices or not _same_device(device, group.target_device):
-            raise ValueError(
-                f"the parameters of {group.name} were given storage on {device}, but they are sharded for "
-                f"{group.target_device} (the mesh's device): call model.to_empty(device={str(group.target_device)!r})")
-        group.materialize(group.target_device)
-        stale, moved = list(range(len(held))), True
-    else:
-        moved = False
+        if devices:
+            device = devices.pop()
+            if devices or not _same_device(device, group.target_device):
+                raise ValueError(
+                    f"the parameters of {group.name} were given storage on {device}, but they are sharded for "
+                    f"{group.target_device} (the mesh's device): call "
+                    f"model.to_empty(device={str(group.target_device)!r})")
+            group.materialize(group.target_device)
+            stale, moved = list(range(len(held))), True
     for i in stale:
         current, template = held[i], group.sharded_params[i]
-        _check_change(group, i, current, strict_dtype, check_device=not moved)
+        if not moved:
+            _check_device(group, i, current)
         if not current.is_meta:
             with torch.no_grad():
                 group.main_local(i).copy_(_rows(group, i, current, template))
@@ -87,19 +102,57 @@ def adopt_module_params(group: ParamGroup, deep: bool, strict_dtype: bool = Fals
         group.sharded_params[i] = fresh
         for module, attr in group.refs[i].holders:
             module._parameters[attr] = fresh
+    if new_dtype is not None:
+        group.module_params = ModuleParams.SHARDED  # the modules hold the rebuilt group's parameters
+        if any(g is not None for g in grads):
+            _hand_back_grads(group, grads)
     group.mark_weights_stale()
     return True
 
 
-def _check_change(group: ParamGroup, i: int, value: torch.Tensor, strict_dtype: bool, check_device: bool) -> None:
+def _cast_dtype(group: ParamGroup, held: list[torch.Tensor]) -> torch.dtype | None:
+    """The dtype every parameter of the group was cast to (``model.to(dtype)``), or None when none was cast;
+    a cast of some of them only is refused (a group is one dtype: its flat buffers are)."""
+    dtypes = {h.dtype for h in held}
+    if dtypes == {group.main_dtype}:
+        return None
+    if len(dtypes) > 1:
+        kept = [group.fqns[i] for i, h in enumerate(held) if h.dtype == group.main_dtype]
+        cast = [group.fqns[i] for i, h in enumerate(held) if h.dtype != group.main_dtype]
+        raise ValueError(
+            f"parameters {cast} were cast to {sorted(str(d) for d in dtypes - {group.main_dtype})} after fully_shard "
+            f"but {kept} of the same unit stayed {group.main_dtype}: shardwise casts a unit's parameters of one "
+            "dtype together (one flat buffer); cast the whole unit (the module fully_shard was called on), or "
+            "cast before fully_shard")
+    if group.quantized is not None:
+        raise ValueError(f"the parameters of {group.name} ({', '.join(group.fqns)}) gather as FP8 and cannot be "
+                         "cast after fully_shard: cast the model before fully_shard and convert_to_fp8")
+    return dtypes.pop()
+
+
+def _hand_back_grads(group: ParamGroup, grads: list) -> None:
+    """The ``.grad`` a cast converted with their parameters, handed back over the rebuilt group: views of one
+    main-grad buffer that the next backward accumulates onto, as the engine's own (cast copies or an offloaded
+    group's host grads: the tensors themselves, which install adds to)."""
+    window = group.window
+    if window.hands_out_copies or group.offloaded or window.grad_attr != "grad":
+        for param, grad in zip(group.sharded_params, grads):
+            param.grad = grad
+        return
+    buffer = group.levels.zeros(group.opt_level, group.main_grad_dtype)
+    views = buffer.dtensors()
+    for i, (param, grad) in enumerate(zip(group.sharded_params, grads)):
+        if grad is not None:
+            with torch.no_grad():
+                buffer.local(i).copy_(_rows(group, i, grad, views[i]))
+            param.grad = views[i]
+    window.main_grad_ref = weakref.ref(buffer.flat)
+
+
+def _check_device(group: ParamGroup, i: int, value: torch.Tensor) -> None:
     name, home = group.fqns[i], group.main_local(i).device
-    if check_device and not _same_device(value.device, home):
+    if not _same_device(value.device, home):
         raise ValueError(
             f"parameter {name!r} was moved to {value.device}, but it is sharded on {home}: a sharded model "
             "stays on the device of its mesh (build it on the meta device and call model.to_empty(device=...) "
             "after fully_shard, or move it before fully_shard)")
-    if strict_dtype and value.dtype != group.main_dtype:
-        raise ValueError(
-            f"parameter {name!r} was converted to {value.dtype} after fully_shard (model.to(dtype), .half(), "
-            f"...): its sharded weights are {group.main_dtype}. Convert the model before fully_shard, or compute "
-            "in another dtype with mp_policy=MixedPrecisionPolicy(param_dtype=...)")

@@ -122,10 +122,7 @@ class ParamGroup:
         self._annotations = [{k: v for k, v in vars(r.param).items() if not k.startswith("_")} for r in self.refs]
         self.requires_grad = first.requires_grad
         self.sum_over_axes = list(sum_over_axes)
-        self.compute_dtype = policy.compute_dtype(first.dtype)
-        self.main_dtype = policy.main_dtype(first.dtype)
-        self.main_grad_dtype = policy.main_grad_dtype(first.dtype)
-        self.comm_dtype = policy.comm_dtype(first.dtype)
+        self.policy = policy
         # Multiplies the reduced gradients (the plan's mean over the data-parallel ranks, or FSDP2's
         # ``set_gradient_divide_factor``: a sum divided by the factor).
         self.grad_scale = plan.grad_scale
@@ -139,24 +136,13 @@ class ParamGroup:
         self.opt_level = len(plan.opt_axes)
         self.levels = Levels(self.params, plan.opt_axes, self.collectives, streams, device)
         self.layouts = self.levels.layouts
-        kp, m = self.param_level, self.opt_level
-        self.main_aliases_model = self.compute_dtype == self.main_dtype and not offload
-        # With ZeRO-3-like placements (parameters sharded exactly like the optimizer state) a
-        # lower-precision model-weight shard is cast from the main weights on the gather
-        # stream right before each gather instead of being kept: 2 bytes/param less at rest.
-        self.casts_on_gather = not self.main_aliases_model and kp == m and kp > 0 and not offload
+        self._set_dtypes(first.dtype)
         marks = [gather_mark(r.param) for r in self.refs]
         self.quantized: QuantizedGather | None = None
         if any(mark is not None for mark in marks):
             self._check_quantized(marks, policy, plan)
             self.quantized = QuantizedGather(self.levels, marks, self.compute_dtype)
-        # The unsharded parameters are kept for good, as views of the model shard, wherever a gather would only
-        # copy the model shard into a buffer of the same layout: parameters replicated (kp == 0, ZeRO-0/1/2),
-        # or every parameter axis of one rank (one GPU, a one-rank dp_shard) with the compute weights being
-        # the main weights themselves (no cast, no FP8 bytes, nothing on the host). Then the optimizer's
-        # in-place update of the main weights is what forward reads, with no gather, free or allocation.
-        self.persistent_unsharded = kp == 0 or (self.main_aliases_model and self.quantized is None
-                                                and not offload and self.levels.same_layout(0, kp))
+        self.persistent_unsharded = self._keeps_unsharded()
         self._allocate([ref.param.detach() for ref in self.refs])
         self.weight_state = WeightState.UNSHARDED if self.persistent_unsharded else WeightState.SHARDED
         self._gather: InFlight | None = None  # the all-gather while GATHERING
@@ -170,6 +156,29 @@ class ParamGroup:
         self._refreshed_version = self._main_version()
 
     # ----------------------------------------------------------- construction
+    def _set_dtypes(self, dtype: torch.dtype) -> None:
+        """Every buffer's dtype for parameters of ``dtype`` under the group's policy, and what follows from it."""
+        policy, kp, m = self.policy, len(self.plan.param_axes), len(self.plan.opt_axes)
+        self.compute_dtype = policy.compute_dtype(dtype)
+        self.main_dtype = policy.main_dtype(dtype)
+        self.main_grad_dtype = policy.main_grad_dtype(dtype)
+        self.comm_dtype = policy.comm_dtype(dtype)
+        self.main_aliases_model = self.compute_dtype == self.main_dtype and not self.offloaded
+        # With ZeRO-3-like placements (parameters sharded exactly like the optimizer state) a
+        # lower-precision model-weight shard is cast from the main weights on the gather
+        # stream right before each gather instead of being kept: 2 bytes/param less at rest.
+        self.casts_on_gather = not self.main_aliases_model and kp == m and kp > 0 and not self.offloaded
+
+    def _keeps_unsharded(self) -> bool:
+        """Whether the unsharded parameters are kept for good, as views of the model shard: wherever a gather
+        would only copy the model shard into a buffer of the same layout (parameters replicated, kp == 0,
+        ZeRO-0/1/2; or every parameter axis of one rank, one GPU or a one-rank dp_shard, with the compute weights
+        being the main weights themselves: no cast, no FP8 bytes, nothing on the host). Then the optimizer's
+        in-place update of the main weights is what forward reads, with no gather, free or allocation."""
+        kp = self.param_level
+        return kp == 0 or (self.main_aliases_model and self.quantized is None
+                           and not self.offloaded and self.levels.same_layout(0, kp))
+
     def _allocate(self, fulls: list[torch.Tensor] | None) -> None:
         """Make the weight buffers on ``self.device`` (filled from the full parameters ``fulls``, zeros when
         ``None``), the sharded DTensor parameters over the main weights and the unsharded leaf parameters."""
@@ -252,6 +261,19 @@ class ParamGroup:
         the modules still hold the old ones until they are installed again."""
         self.device = self.levels.device = device
         self._allocate(None)
+        self.module_params = ModuleParams.ORIGINAL
+        self._refreshed_version = self._main_version()
+        self.mark_weights_stale()
+
+    def rebuild_in(self, dtype: torch.dtype) -> None:
+        """Rebuild the group's buffers for parameters of ``dtype`` (``model.to(dtype)`` after wrapping): zeros
+        and new sharded parameters, no gradients; the caller fills the main weights and installs them."""
+        self.reshard()
+        self._set_dtypes(dtype)
+        self.persistent_unsharded = self._keeps_unsharded()
+        self._allocate(None)
+        self.weight_state = WeightState.UNSHARDED if self.persistent_unsharded else WeightState.SHARDED
+        self.window = GradWindow(self)
         self.module_params = ModuleParams.ORIGINAL
         self._refreshed_version = self._main_version()
         self.mark_weights_stale()

@@ -147,10 +147,7 @@ class ShardedState:
         for unit in self.units:  # a unit some of whose modules did not run (fully_shard([norm, head]), head later)
             if unit.in_forward:
                 self._end_unit_forward(unit)
-        if self.root.reshard_after_forward:
-            self.root.reshard()
-        else:
-            self.root.use_sharded()
+        self.root.end_forward()
         if not self.order_recorded and self.forward_order:
             self.order_recorded = True
         hooked = torch.is_grad_enabled() and self._hook_outputs(output, self._root_pre_backward_hook)
@@ -217,10 +214,7 @@ class ShardedState:
     def _end_unit_forward(self, unit: Unit) -> None:
         unit.in_forward = False
         unit.modules_to_run = set()
-        if unit.reshard_after_forward:
-            unit.reshard()
-        else:
-            unit.use_sharded()
+        unit.end_forward()
 
     def on_unit_pre_backward(self, unit: Unit) -> None:
         self._queue_final_callback()

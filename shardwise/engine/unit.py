@@ -56,11 +56,24 @@ class Unit:
         self.reset_iteration()
 
     @property
+    def _reshard_wanted(self) -> bool:
+        """The setting: ``None`` is after forward unless the unit is its model's root."""
+        setting = self.settings.reshard_after_forward
+        return (not self.is_root) if setting is None else bool(setting)
+
+    @property
     def reshard_after_forward(self) -> bool:
         """Whether forward's end frees the gathered weights (never when nothing is sharded)."""
-        setting = self.settings.reshard_after_forward
-        wanted = (not self.is_root) if setting is None else bool(setting)
-        return wanted and any(not g.persistent_unsharded for g in self.groups)
+        return self._reshard_wanted and any(not g.persistent_unsharded for g in self.groups)
+
+    def end_forward(self) -> None:
+        """What the unit's modules hold after its forward, as under FSDP2: the sharded DTensors when it reshards
+        (weights freed; only registered where nothing is sharded), else the gathered parameters, kept for
+        backward, until a reshard (after backward, or ``reshard()``)."""
+        if self.reshard_after_forward:
+            self.reshard()
+        elif self._reshard_wanted:
+            self.use_sharded()
 
     def reset_iteration(self, keep_forward_counts: bool = False, keep_forward_state: bool = False) -> None:
         """Forget this backward's bookkeeping; ``keep_forward_counts`` keeps what forwards whose

@@ -263,7 +263,7 @@ def _replaced_after_wrapping() -> dict:
             p.fill_(0.5)
     after_to_empty = model(x).detach()
     errors = {}
-    for name, change in (("dtype", lambda m: m.to(torch.float64)), ("device", lambda m: m.to("meta"))):
+    for name, change in (("device", lambda m: m.to("meta")),):  # dtype casts: test_fsdp2_nesting_and_casts.py
         other = shardwise.fully_shard(_Two().to(device()))
         try:
             change(other)
@@ -281,7 +281,6 @@ def test_parameters_replaced_after_wrapping_are_what_forward_reads():
         for p in expected.parameters():
             p.fill_(0.5)
     torch.testing.assert_close(out["to_empty"], expected(torch.ones(2, 4)), rtol=RTOL, atol=0)
-    assert "was converted to torch.float64 after fully_shard" in out["errors"]["dtype"]
     assert "a sharded model stays on the device of its mesh" in out["errors"]["device"]
 
 
