@@ -60,12 +60,15 @@ def adopt_module_params(group: ParamGroup, deep: bool, strict_dtype: bool = Fals
     if group.module_params is not ModuleParams.SHARDED:  # inside a forward the modules hold the gathered weights
         return False
     held = [ref.holders[0][0]._parameters[ref.holders[0][1]] for ref in group.refs]
-    stale = [i for i, current in enumerate(held)
-             if current is not group.sharded_params[i] or (deep and not _views_main(group, i, current))]
+    stale = [i for i, current in enumerate(held) if current is not group.sharded_params[i]
+             or current.dtype != group.main_dtype or (deep and not _views_main(group, i, current))]
     if not stale:
         return False
     group.reshard()  # weights still gathered from an earlier forward are the old ones
-    new_dtype = _cast_dtype(group, held) if strict_dtype else None
+    # The engine's own parameter in another dtype: cast in place (``_apply`` swaps the tensor, keeps the object)
+    # where no unit's ``_apply`` saw it (a cast of a submodule that is no unit), noticed at the next forward.
+    cast_in_place = any(h is group.sharded_params[i] and h.dtype != group.main_dtype for i, h in enumerate(held))
+    new_dtype = _cast_dtype(group, held) if strict_dtype or cast_in_place else None
     grads = []
     if new_dtype is not None:  # model.to(dtype): the whole group now lives in the new dtype (on meta: later)
         if group.device.type != "meta":
