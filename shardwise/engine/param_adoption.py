@@ -11,8 +11,11 @@ finds every parameter that no longer views the main weights, copies its values
 into them (sharding a full tensor, redistributing a DTensor of other
 placements) and puts a parameter over the main weights back in every holder
 (the user's new object itself where it is a DTensor parameter, so identity
-follows what torch did). A change the engine cannot follow (another dtype or
-device than the group's) raises, naming the parameter.
+follows what torch did). A dtype cast of the model (``model.to(dtype)``,
+``.half()``, ...) swaps every parameter for one of the new dtype: the group is
+rebuilt in that dtype (its flat buffers are one dtype each) and takes the values
+and any ``.grad`` in. A change the engine cannot follow (another device than the
+group's, a cast of only some parameters of a group) raises, naming them.
 """
 
 from __future__ import annotations

@@ -191,7 +191,8 @@ class ShardedModule(FSDPModule):
 
     def _apply(self, fn, recurse: bool = True):
         """``to_empty``, ``to``, ``cuda``, ``float``, ...: the engine follows the new storage (a meta-built
-        model gets its buffers here) or raises for a change it cannot follow (another device or dtype)."""
+        model gets its buffers here) and a new dtype (the groups rebuilt in it, as FSDP2 casts its shards), or
+        raises for a change it cannot follow (another device, a cast of part of a group)."""
         state = self.sharded_state
         outermost = not state.applying
         if outermost:
