@@ -44,13 +44,9 @@ _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # ------------------------------------------------------------------ checks
-def check_call(module, dp_mesh_dims, unit_modules) -> list[nn.Module]:
+def check_call(module, unit_modules) -> list[nn.Module]:
     """The modules of this call (one, or FSDP2's list); what ``fully_shard`` refuses before looking at them."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            "fully_shard(dp_mesh_dims=...) (a full SPMD mesh with DTensor parameters) is not built: pass the "
-            "data-parallel sub-mesh, mesh=spmd_mesh[dims], and the model's own parameters")
     if len(modules) > 1 and unit_modules is not None:
         raise ValueError("unit_modules= takes one module, not a list: call fully_shard on each unit instead")
     return modules

@@ -36,11 +36,13 @@ from .device import device_for
 from .fully_shard_options import FullyShardOptions, UnitSpec
 from .graph_safe import check_graph_safe
 from .offload import choose_offloaded
+from .param_group import SHARDED_MARK
 from .placements import AxisPlacements
 from .rank_consistency import check_rank_consistency
 from .resolution import resolve_units
 from .sharded_module import ShardedModule, make_fsdp_modules
 from .sharded_state import ShardedState
+from .spmd_mesh import read_spmd_mesh
 
 __all__ = ["fully_shard", "ShardedModule", "ShardedState"]
 
@@ -107,7 +109,12 @@ def fully_shard(
     it, weights that differ across data-parallel ranks are refused, unless ``check_module_states=False``: a
     caller that syncs them later, as Megatron's ``broadcast_params``). Returns ``module``.
     """
-    modules = check_call(module, dp_mesh_dims, unit_modules)
+    modules = check_call(module, unit_modules)
+    spmd = None
+    if dp_mesh_dims is not None:  # the full SPMD mesh: read as the engine's mesh, its DTensor parameters taken below
+        spmd = read_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward, placements=placements, strategy=strategy,
+                              outer_dp_sharding_strategy=outer_dp_sharding_strategy, expert_mesh=expert_mesh)
+        mesh, placements, tp_axis = spmd.engine_mesh, spmd.placements, spmd.tp_axis or tp_axis
     options = FullyShardOptions(
         mesh=mesh, placements=placements, strategy=strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy,
         unit_modules=unit_modules, mixed_precision=resolve_policy(mp_policy, mixed_precision), init_fn=init_fn,
@@ -119,6 +126,9 @@ def fully_shard(
         sync_module_states=sync_module_states, check_module_states=check_module_states,
     )
     adopted = check_modules(modules)
+    if spmd is not None:
+        earlier = {id(p) for m in modules for p in m.parameters() if getattr(p, SHARDED_MARK, False)}
+        spmd.take_parameters(modules, skip=earlier | {id(p) for p in options.ignored_params or ()})
     described = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
     check_rank_consistency(described, options)  # one small collective; ranks that disagree fail here, never hang
     plan_fn = check_options(options)

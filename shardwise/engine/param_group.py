@@ -201,7 +201,7 @@ class ParamGroup:
             self._unsharded = self.levels.empty(
                 0, self.compute_dtype if self.quantized is None else self.quantized.wire_dtype)
         self.unsharded_params = [
-            nn.Parameter(self._unsharded.local(i) if self.quantized is None
+            nn.Parameter(self.params[i].compute_tensor(self._unsharded.local(i)) if self.quantized is None
                          else self.quantized.compute_tensor(self._unsharded, i), requires_grad=self.requires_grad)
             for i in range(len(self.params))
         ]
