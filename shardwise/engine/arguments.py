@@ -122,11 +122,7 @@ def _check_argument_types(**arguments) -> None:
 def check_options(options: FullyShardOptions) -> Callable:
     """Refuse options of the wrong type; the ``plan_fn`` to use (``experts_by_mark`` by default)."""
     reshard = options.reshard_after_forward
-    if reshard is not None and not isinstance(reshard, bool):
-        if isinstance(reshard, int):
-            raise NotImplementedError(
-                f"reshard_after_forward={reshard} (an int: reshard to a smaller group of ranks after forward) is "
-                "not built; pass True (free after forward), False (keep until backward) or None (FSDP2's default)")
+    if reshard is not None and not isinstance(reshard, int):  # an int's value is read with the plan
         raise TypeError(f"reshard_after_forward={reshard!r} must be a bool, None or an int")
     shard_placement_fn, ignored = options.shard_placement_fn, options.ignored_params
     if shard_placement_fn is not None and not callable(shard_placement_fn):

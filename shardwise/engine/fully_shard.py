@@ -12,6 +12,7 @@ shortcut: those modules become units in the same call, deepest first.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -42,6 +43,7 @@ from .rank_consistency import check_rank_consistency
 from .resolution import resolve_units
 from .sharded_module import ShardedModule, make_fsdp_modules
 from .sharded_state import ShardedState
+from .post_forward_shard import PostForwardShard, is_group_size, resolve_reshard_after_forward
 from .spmd_mesh import read_spmd_mesh
 
 __all__ = ["fully_shard", "ShardedModule", "ShardedState"]
@@ -133,6 +135,9 @@ def fully_shard(
     check_rank_consistency(described, options)  # one small collective; ranks that disagree fail here, never hang
     plan_fn = check_options(options)
     plan, expert_plan = build_plans(options)
+    reshard = resolve_reshard_after_forward(reshard_after_forward, plan, expert_plan)  # FSDP2's reading of an int
+    if reshard is not reshard_after_forward:
+        options = dataclasses.replace(options, reshard_after_forward=reshard)
     check_bucket_size(bucket_size)
     check_graph_safe(described, graph_safe, options.offload_policy, expert_mesh)
     unit_list = resolve_units(modules[0], unit_modules)
@@ -145,6 +150,9 @@ def fully_shard(
     builder = GroupBuilder(ownership, plan, expert_plan, options, device, streams, plan_fn,
                            offloaded=choose_offloaded(options.offload_policy, ownership.sizes()))
     new_units, own = build_units(modules, unit_list, builder.build_groups, unit_settings(options))
+    if is_group_size(options.reshard_after_forward) and not graph_safe:
+        for unit in new_units + [own]:
+            unit.post_forward = PostForwardShard(unit.groups, plan, options.reshard_after_forward)
     move_buffers(described, device)
     state = ShardedState(own, adopt_units(modules[0], adopted, new_units), plan, streams, prefetch)
     register_hooks(state)

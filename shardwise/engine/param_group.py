@@ -58,6 +58,7 @@ class ModuleParams(enum.Enum):
     ORIGINAL = "original"  # their own, until the group installs its sharded parameters
     SHARDED = "sharded"  # the sharded DTensor parameters (at rest; what the optimizer sees)
     UNSHARDED = "unsharded"  # the full compute-dtype parameters (forward and backward)
+    POST_FORWARD = "post_forward"  # reshard_after_forward=k: the parts kept over k ranks (post_forward_shard.py)
 
 
 class WeightState(enum.Enum):
@@ -270,6 +271,10 @@ class ParamGroup:
     @property
     def unsharded(self) -> torch.Tensor:
         return self._unsharded.flat
+
+    @property
+    def unsharded_buffer(self) -> DistributedBuffer:
+        return self._unsharded
 
     @property
     def grad_acc(self) -> torch.Tensor | None:

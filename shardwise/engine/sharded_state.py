@@ -148,7 +148,7 @@ class ShardedState:
             if unit.in_forward:
                 self._end_unit_forward(unit)
         if self.root.reshard_after_forward:
-            self.root.reshard()
+            self.root.reshard(after_forward=True)
         else:
             self.root.use_sharded()
         if not self.order_recorded and self.forward_order:
@@ -165,8 +165,7 @@ class ShardedState:
         # Another micro-batch's backward may have ended since this forward (a pipeline
         # schedule runs several forwards before their backwards) and freed the root's
         # weights: gather them again (nothing to do when they are still there).
-        for group in self.root.groups:
-            group.finish_unshard()
+        self.root.finish_unshard()
         if self.prefetch and self.forward_order:
             last = self.forward_order[-1]  # the first unit backward needs: gather it under the loss's backward
             if last.ran_with_grad and not last.gathered_for_backward and last.settings.unshard_in_backward:
@@ -218,7 +217,7 @@ class ShardedState:
         unit.in_forward = False
         unit.modules_to_run = set()
         if unit.reshard_after_forward:
-            unit.reshard()
+            unit.reshard(after_forward=True)
         else:
             unit.use_sharded()
 
