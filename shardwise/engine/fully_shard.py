@@ -39,11 +39,11 @@ from .graph_safe import check_graph_safe
 from .offload import choose_offloaded
 from .param_group import SHARDED_MARK
 from .placements import AxisPlacements
+from .post_forward_shard import PostForwardShard, is_group_size, resolve_reshard_after_forward
 from .rank_consistency import check_rank_consistency
 from .resolution import resolve_units
 from .sharded_module import ShardedModule, make_fsdp_modules
 from .sharded_state import ShardedState
-from .post_forward_shard import PostForwardShard, is_group_size, resolve_reshard_after_forward
 from .spmd_mesh import read_spmd_mesh
 
 __all__ = ["fully_shard", "ShardedModule", "ShardedState"]
@@ -92,10 +92,13 @@ def fully_shard(
 
     FSDP2's arguments, with its meaning: ``mesh`` (``None``: all ranks; 1-D shards, 2-D is HSDP: replicate
     over the first axis, shard over the second, whatever their names), ``reshard_after_forward`` (``None``:
-    True for a unit, False for the root), ``shard_placement_fn`` (``None`` or ``Shard(0)`` per parameter),
+    True for a unit, False for the root; an int ``k``: kept sharded over ``k`` ranks until backward),
+    ``shard_placement_fn`` (``None`` or ``Shard(0)`` per parameter),
     ``mp_policy`` (torch's ``MixedPrecisionPolicy`` or shardwise's; parameters keep their own dtype),
     ``offload_policy`` (torch's ``OffloadPolicy``/``CPUOffloadPolicy`` or shardwise's, which can offload a
-    fraction of the units), ``ignored_params`` (left unsharded and untouched). A model built on the meta
+    fraction of the units), ``ignored_params`` (left unsharded and untouched), ``dp_mesh_dims`` (``mesh`` is
+    the full SPMD mesh, parameters DTensors on it; torch's ``DataParallelMeshDims`` or any object with
+    ``.shard`` / ``.replicate``). A model built on the meta
     device is sharded there: ``model.to_empty(device=...)`` and the model's own initialisation then fill the
     shards. Every unit is a ``torch.distributed.fsdp.FSDPModule`` with its methods.
 

@@ -19,7 +19,6 @@ rows) shows its sharded parameter instead, so no DTensor handed out lies about i
 
 from __future__ import annotations
 
-import logging
 import warnings
 
 import torch
@@ -34,8 +33,6 @@ from .mesh import AxisGroup, ShardingPlan
 from .param_group import ModuleParams, ParamGroup, WeightState
 
 __all__ = ["PostForwardShard", "resolve_reshard_after_forward", "is_group_size"]
-
-logger = logging.getLogger(__name__)
 
 _MESHES: dict[tuple, DeviceMesh] = {}  # one post-forward mesh per (ranks, k): its groups are made once
 
