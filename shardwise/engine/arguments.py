@@ -44,13 +44,9 @@ _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # ------------------------------------------------------------------ checks
-def check_call(module, dp_mesh_dims, unit_modules) -> list[nn.Module]:
+def check_call(module, unit_modules) -> list[nn.Module]:
     """The modules of this call (one, or FSDP2's list); what ``fully_shard`` refuses before looking at them."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            "fully_shard(dp_mesh_dims=...) (a full SPMD mesh with DTensor parameters) is not built: pass the "
-            "data-parallel sub-mesh, mesh=spmd_mesh[dims], and the model's own parameters")
     if len(modules) > 1 and unit_modules is not None:
         raise ValueError("unit_modules= takes one module, not a list: call fully_shard on each unit instead")
     return modules
@@ -130,11 +126,7 @@ def _check_argument_types(**arguments) -> None:
 def check_options(options: FullyShardOptions) -> Callable:
     """Refuse options of the wrong type; the ``plan_fn`` to use (``experts_by_mark`` by default)."""
     reshard = options.reshard_after_forward
-    if reshard is not None and not isinstance(reshard, bool):
-        if isinstance(reshard, int):
-            raise NotImplementedError(
-                f"reshard_after_forward={reshard} (an int: reshard to a smaller group of ranks after forward) is "
-                "not built; pass True (free after forward), False (keep until backward) or None (FSDP2's default)")
+    if reshard is not None and not isinstance(reshard, int):  # an int's value is read with the plan
         raise TypeError(f"reshard_after_forward={reshard!r} must be a bool, None or an int")
     shard_placement_fn, ignored = options.shard_placement_fn, options.ignored_params
     if shard_placement_fn is not None and not callable(shard_placement_fn):

@@ -12,6 +12,7 @@ shortcut: those modules become units in the same call, deepest first.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -36,11 +37,14 @@ from .device import device_for
 from .fully_shard_options import FullyShardOptions, UnitSpec
 from .graph_safe import check_graph_safe
 from .offload import choose_offloaded
+from .param_group import SHARDED_MARK
 from .placements import AxisPlacements
+from .post_forward_shard import PostForwardShard, is_group_size, resolve_reshard_after_forward
 from .rank_consistency import check_rank_consistency
 from .resolution import resolve_units
 from .sharded_module import ShardedModule, make_fsdp_modules
 from .sharded_state import ShardedState
+from .spmd_mesh import read_spmd_mesh
 
 __all__ = ["fully_shard", "ShardedModule", "ShardedState"]
 
@@ -88,10 +92,13 @@ def fully_shard(
 
     FSDP2's arguments, with its meaning: ``mesh`` (``None``: all ranks; 1-D shards, 2-D is HSDP: replicate
     over the first axis, shard over the second, whatever their names), ``reshard_after_forward`` (``None``:
-    True for a unit, False for the root), ``shard_placement_fn`` (``None`` or ``Shard(0)`` per parameter),
+    True for a unit, False for the root; an int ``k``: kept sharded over ``k`` ranks until backward),
+    ``shard_placement_fn`` (``None`` or ``Shard(0)`` per parameter),
     ``mp_policy`` (torch's ``MixedPrecisionPolicy`` or shardwise's; parameters keep their own dtype),
     ``offload_policy`` (torch's ``OffloadPolicy``/``CPUOffloadPolicy`` or shardwise's, which can offload a
-    fraction of the units), ``ignored_params`` (left unsharded and untouched). A model built on the meta
+    fraction of the units), ``ignored_params`` (left unsharded and untouched), ``dp_mesh_dims`` (``mesh`` is
+    the full SPMD mesh, parameters DTensors on it; torch's ``DataParallelMeshDims`` or any object with
+    ``.shard`` / ``.replicate``). A model built on the meta
     device is sharded there: ``model.to_empty(device=...)`` and the model's own initialisation then fill the
     shards. Every unit is a ``torch.distributed.fsdp.FSDPModule`` with its methods.
 
@@ -107,7 +114,12 @@ def fully_shard(
     it, weights that differ across data-parallel ranks are refused, unless ``check_module_states=False``: a
     caller that syncs them later, as Megatron's ``broadcast_params``). Returns ``module``.
     """
-    modules = check_call(module, dp_mesh_dims, unit_modules)
+    modules = check_call(module, unit_modules)
+    spmd = None
+    if dp_mesh_dims is not None:  # the full SPMD mesh: read as the engine's mesh, its DTensor parameters taken below
+        spmd = read_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward, placements=placements, strategy=strategy,
+                              outer_dp_sharding_strategy=outer_dp_sharding_strategy, expert_mesh=expert_mesh)
+        mesh, placements, tp_axis = spmd.engine_mesh, spmd.placements, spmd.tp_axis or tp_axis
     options = FullyShardOptions(
         mesh=mesh, placements=placements, strategy=strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy,
         unit_modules=unit_modules, mixed_precision=resolve_policy(mp_policy, mixed_precision), init_fn=init_fn,
@@ -119,10 +131,16 @@ def fully_shard(
         sync_module_states=sync_module_states, check_module_states=check_module_states,
     )
     adopted = check_modules(modules)
+    if spmd is not None:
+        earlier = {id(p) for m in modules for p in m.parameters() if getattr(p, SHARDED_MARK, False)}
+        spmd.take_parameters(modules, skip=earlier | {id(p) for p in options.ignored_params or ()})
     described = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
     check_rank_consistency(described, options)  # one small collective; ranks that disagree fail here, never hang
     plan_fn = check_options(options)
     plan, expert_plan = build_plans(options)
+    reshard = resolve_reshard_after_forward(reshard_after_forward, plan, expert_plan)  # FSDP2's reading of an int
+    if reshard is not reshard_after_forward:
+        options = dataclasses.replace(options, reshard_after_forward=reshard)
     check_bucket_size(bucket_size)
     check_graph_safe(described, graph_safe, options.offload_policy, expert_mesh)
     unit_list = resolve_units(modules[0], unit_modules)
@@ -135,6 +153,9 @@ def fully_shard(
     builder = GroupBuilder(ownership, plan, expert_plan, options, device, streams, plan_fn,
                            offloaded=choose_offloaded(options.offload_policy, ownership.sizes()))
     new_units, own = build_units(modules, unit_list, builder.build_groups, unit_settings(options))
+    if is_group_size(options.reshard_after_forward) and not graph_safe:
+        for unit in new_units + [own]:
+            unit.post_forward = PostForwardShard(unit.groups, plan, options.reshard_after_forward)
     move_buffers(described, device)
     state = ShardedState(own, adopt_units(modules, adopted, new_units), plan, streams, prefetch)
     register_hooks(state)

@@ -120,8 +120,8 @@ class GradWindow:
         acc = self.grad_acc
         flat = acc if acc.takes(0, self.group.comm_dtype) else self.group.levels.staged(0, self.group.comm_dtype, staged)
         grads = []
-        for param in self.group.unsharded_params:
-            grads.append(param.grad)
+        for param, sharded in zip(self.group.unsharded_params, self.group.params):
+            grads.append(sharded.local_grad(param.grad))  # a DTensor's local tensor under an SPMD mesh
             param.grad = None
             for alias in self.grad_aliases:
                 setattr(param, alias, None)

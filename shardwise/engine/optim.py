@@ -9,6 +9,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dp shard beside a TP split of dim 0
 
 from .device import device_for
 from .model_ops import sharded_state
@@ -23,7 +24,7 @@ def _shard_groups(param: torch.Tensor) -> tuple:
         return ()
     mesh = param.device_mesh
     return tuple(
-        mesh.get_group(i) for i, placement in enumerate(param.placements) if isinstance(placement, Shard)
+        mesh.get_group(i) for i, placement in enumerate(param.placements) if isinstance(placement, (Shard, _StridedShard))
     )
 
 

@@ -58,6 +58,7 @@ class ModuleParams(enum.Enum):
     ORIGINAL = "original"  # their own, until the group installs its sharded parameters
     SHARDED = "sharded"  # the sharded DTensor parameters (at rest; what the optimizer sees)
     UNSHARDED = "unsharded"  # the full compute-dtype parameters (forward and backward)
+    POST_FORWARD = "post_forward"  # reshard_after_forward=k: the parts kept over k ranks (post_forward_shard.py)
 
 
 class WeightState(enum.Enum):
@@ -210,7 +211,7 @@ class ParamGroup:
             self._unsharded = self.levels.empty(
                 0, self.compute_dtype if self.quantized is None else self.quantized.wire_dtype)
         self.unsharded_params = [
-            nn.Parameter(self._unsharded.local(i) if self.quantized is None
+            nn.Parameter(self.params[i].compute_tensor(self._unsharded.local(i)) if self.quantized is None
                          else self.quantized.compute_tensor(self._unsharded, i), requires_grad=self.requires_grad)
             for i in range(len(self.params))
         ]
@@ -292,6 +293,10 @@ class ParamGroup:
     @property
     def unsharded(self) -> torch.Tensor:
         return self._unsharded.flat
+
+    @property
+    def unsharded_buffer(self) -> DistributedBuffer:
+        return self._unsharded
 
     @property
     def grad_acc(self) -> torch.Tensor | None:

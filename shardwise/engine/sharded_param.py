@@ -18,6 +18,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .layout import RowPiece, nested_chunks, row_numel, slot_rows
 from .mesh import ShardingPlan
+from .spmd_mesh import spmd_param_of
 
 __all__ = ["ParamRef", "ShardedParam"]
 
@@ -63,7 +64,11 @@ class ShardedParam:
         self.rows = self.shape[0]
         self.pieces: list[RowPiece] = nested_chunks(self.rows, [(a.size, a.index) for a in plan.opt_axes])
         self.global_shape = plan.global_shape(self.shape, ref.model_parallel_dims)
-        self.mesh, self.placements = plan.dtensor_spec(ref.model_parallel_dims, ref.local_axes)
+        self.spmd = spmd_param_of(ref.param)  # taken from a DTensor on an SPMD mesh (dp_mesh_dims): its faces
+        if self.spmd is None:
+            self.mesh, self.placements = plan.dtensor_spec(ref.model_parallel_dims, ref.local_axes)
+        else:
+            self.mesh, self.placements = self.spmd.sharded_mesh, self.spmd.sharded_placements
         self._specs: dict[torch.dtype, DTensorSpec] = {}  # the DTensor face per dtype (dtensor)
 
     @property
@@ -99,6 +104,15 @@ class ShardedParam:
         """The real rows of a slot of ``level``, shaped like the parameter."""
         rows = self.real_rows(level)[1]
         return slot[: rows * self.row_numel].view(rows, *self.shape[1:])
+
+    def compute_tensor(self, local: torch.Tensor) -> torch.Tensor:
+        """What forward reads over the gathered ``local``: itself, or under an SPMD mesh the DTensor the model's
+        own code was written for."""
+        return local if self.spmd is None else self.spmd.compute_tensor(local)
+
+    def local_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """The gathered parameter's gradient as the local tensor the engine reduces."""
+        return grad if self.spmd is None else self.spmd.local_grad(grad)
 
     def dtensor(self, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's optimizer-level rows) as a DTensor of the global parameter.

@@ -162,8 +162,7 @@ class ShardedState:
         # Another micro-batch's backward may have ended since this forward (a pipeline
         # schedule runs several forwards before their backwards) and freed the root's
         # weights: gather them again (nothing to do when they are still there).
-        for group in self.root.groups:
-            group.finish_unshard()
+        self.root.finish_unshard()
         if self.prefetch and self.forward_order:
             last = self.forward_order[-1]  # the first unit backward needs: gather it under the loss's backward
             if last.ran_with_grad and not last.gathered_for_backward and last.settings.unshard_in_backward:

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from .collectives import InFlight
 from .param_group import ParamGroup
+from .post_forward_shard import PostForwardShard, is_group_size
 
 __all__ = ["Unit", "UnitSettings"]
 
@@ -49,6 +50,7 @@ class Unit:
         self.settings = settings or UnitSettings()
         self.settings.reshard_after_forward = reshard_after_forward
         self.is_root = False  # the unit whose module is its model's root (set by the state that holds it)
+        self.post_forward: PostForwardShard | None = None  # reshard_after_forward=k: the parts kept over k ranks
         # FSDP2's group forward: a unit's forward starts at the first of its modules to run (the weights are
         # gathered, the backward hook set) and ends after the last (or at the root's forward end)
         self.in_forward = False
@@ -71,7 +73,7 @@ class Unit:
         (weights freed; only registered where nothing is sharded), else the gathered parameters, kept for
         backward, until a reshard (after backward, or ``reshard()``)."""
         if self.reshard_after_forward:
-            self.reshard()
+            self.reshard(after_forward=True)  # (under reshard_after_forward=k, keeps the parts over k ranks)
         elif self._reshard_wanted:
             self.use_sharded()
 
@@ -97,16 +99,34 @@ class Unit:
         return [g for g in self.groups if g.requires_grad]
 
     # Everything below is a loop over groups; the hooks decide when.
+    def _restore_post_forward(self) -> None:
+        if self.post_forward is not None and self.post_forward.holds:
+            self.post_forward.restore()  # gathered over the k ranks: the groups' own gathers then do nothing
+
     def start_unshard(self) -> None:
+        self._restore_post_forward()
         for g in self.groups:
             g.start_unshard()
 
+    def finish_unshard(self) -> None:
+        self._restore_post_forward()
+        for g in self.groups:
+            g.finish_unshard()
+
     def unshard(self) -> None:
+        self._restore_post_forward()
         for g in self.groups:
             g.finish_unshard()
             g.use_unsharded()
 
-    def reshard(self) -> None:
+    def reshard(self, after_forward: bool = False) -> None:
+        """Free the gathered weights; at forward's end under ``reshard_after_forward=k``, keep their parts
+        over ``k`` ranks instead."""
+        if after_forward and self.post_forward is not None and is_group_size(self.settings.reshard_after_forward):
+            self.post_forward.keep()
+            return
+        if self.post_forward is not None:
+            self.post_forward.drop()
         for g in self.groups:
             g.reshard()
 

@@ -15,6 +15,7 @@ factor of 1.0 into ``ReduceOp.PREMUL_SUM``, which gloo lacks; a SUM is the same 
 
 from __future__ import annotations
 
+import pytest
 import torchtitan.distributed.fsdp as tt_fsdp  # scripts/setup.sh installs torchtitan (see pyproject.toml)
 
 from tests.helpers.counting import CollectiveLaunches
@@ -25,7 +26,7 @@ MICRO = 2  # micro-batches per step (accumulation)
 BATCH, SEQ, VOCAB, DIM = 2, 32, 128, 64
 
 
-def _config(tied: bool):
+def _config(tied: bool, backend: str = "partial_dtensor"):
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
     from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init
@@ -39,7 +40,7 @@ def _config(tied: bool):
     )
     for layer in layers:  # flex attention has no CPU backward: torchtitan's SDPA attention (causal) instead
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    return Llama3Model.Config(
+    config = Llama3Model.Config(
         dim=DIM,
         vocab_size=VOCAB,
         enable_weight_tying=tied,
@@ -48,14 +49,20 @@ def _config(tied: bool):
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
         layers=layers,
     )
+    if backend != "partial_dtensor":  # what the trainer's update_from_config does: the modules' sharding configs
+        from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+        set_llama3_sharding_config(config, enable_sp=False)
+    return config
 
 
-def _train(impl: str, tied: bool, param_dtype: str, dp_replicate: int) -> dict:
+def _train(impl: str, tied: bool, param_dtype: str, dp_replicate: int, backend: str = "partial_dtensor") -> dict:
     import torch
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as tt_dims
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import full_dtensor
     from torchtitan.distributed import utils as tt_utils
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.llama3 import parallelize_llama
@@ -64,20 +71,27 @@ def _train(impl: str, tied: bool, param_dtype: str, dp_replicate: int) -> dict:
 
     world = dist.get_world_size()
     tt_dims.device_type = "cpu"
+    tt_utils.set_spmd_backend(backend)  # the trainer's: the loss reads it
     dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=world // dp_replicate, cp=1, tp=1, pp=1, ep=1,
-                        world_size=world, spmd_backend="partial_dtensor")
+                        world_size=world, spmd_backend=backend)
     dims.build_mesh()
     with torch.device("meta"):
-        model = _config(tied).build()
+        model = _config(tied, backend).build()
     torch_fully_shard = tt_fsdp.fully_shard
-    if impl == "shardwise":
-        tt_fsdp.fully_shard = shardwise.fully_shard
+    wrapper = shardwise.fully_shard if impl == "shardwise" else torch_fully_shard
+    dp_mesh_dims = []  # what torchtitan passed, call by call
+
+    def recording(*args, **kwargs):
+        dp_mesh_dims.append(kwargs.get("dp_mesh_dims"))
+        return wrapper(*args, **kwargs)
+
+    tt_fsdp.fully_shard = recording
     try:
         parallelize_llama(
             model, parallel_dims=dims,
             training=TrainingConfig(mixed_precision_param=param_dtype, mixed_precision_reduce="float32"),
             parallelism=ParallelismConfig(data_parallel_replicate_degree=dp_replicate,
-                                          spmd_backend="partial_dtensor"),
+                                          spmd_backend=backend),
             compile_config=CompileConfig(), ac_config=None, dump_folder="",
         )
     finally:
@@ -113,10 +127,13 @@ def _train(impl: str, tied: bool, param_dtype: str, dp_replicate: int) -> dict:
         for micro in range(MICRO):
             model.set_requires_gradient_sync(micro == MICRO - 1)
             inputs, labels = tokens[micro, :, :-1], tokens[micro, :, 1:]
-            pred = model(inputs, positions=positions)
+            extra = {"positions": positions}
+            if backend == "full_dtensor":  # the trainer's post_dataloading_process: DTensors on the storage mesh
+                inputs, labels, extra = full_dtensor.parallelize_inputs(dims, inputs, labels, extra)
+            pred = model(inputs, **extra)
             loss, _ = loss_fn(pred, labels, global_tokens)
             loss.backward()
-            step_loss += loss.detach()
+            step_loss += loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
         counts.append(counter.close())
         norm = tt_utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
         opt.step()
@@ -125,12 +142,13 @@ def _train(impl: str, tied: bool, param_dtype: str, dp_replicate: int) -> dict:
         norms.append(norm.full_tensor().item() if hasattr(norm, "full_tensor") else norm.item())
     params = {n: p.detach().full_tensor().float() for n, p in model.named_parameters()}
     return {"losses": losses, "norms": norms, "params": params, "counts": counts, "units": len(units),
-            "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+            "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "dp_mesh_dims": [None if d is None else (d.shard, d.replicate) for d in dp_mesh_dims]}
 
 
-def _both(tied: bool, param_dtype: str, dp_replicate: int, world: int):
-    ref = run_distributed(_train, world, "fsdp2", tied, param_dtype, dp_replicate)[0]
-    got = run_distributed(_train, world, "shardwise", tied, param_dtype, dp_replicate)[0]
+def _both(tied: bool, param_dtype: str, dp_replicate: int, world: int, backend: str = "partial_dtensor"):
+    ref = run_distributed(_train, world, "fsdp2", tied, param_dtype, dp_replicate, backend)[0]
+    got = run_distributed(_train, world, "shardwise", tied, param_dtype, dp_replicate, backend)[0]
     return ref, got
 
 
@@ -166,7 +184,7 @@ def _assert_counts(ref: dict, got: dict) -> None:
     reduce-scatter, with the same sums (the fp32 results agree)."""
     for r, g in zip(ref["counts"], got["counts"], strict=True):
         assert g["gather"] == r["gather"]
-        assert g["reduce_scatter"] == r["reduce_scatter"] - MICRO
+        assert g["reduce_scatter"] == (r["reduce_scatter"] - MICRO if r["reduce_scatter"] else 0)  # 1-rank shard
         assert g["all_reduce"] == (r["all_reduce"] - MICRO if r["all_reduce"] else 0)
 
 
@@ -202,5 +220,20 @@ def test_torchtitan_bf16_within_fsdp2_bf16_spread():
 def test_torchtitan_hsdp_2x2_matches_fsdp2():
     """HSDP on 4 ranks: torchtitan's ("dp_replicate", "fsdp") mesh, replicate across 2, shard across 2."""
     ref, got = _both(tied=False, param_dtype="float32", dp_replicate=2, world=4)
+    _assert_same(ref, got)
+    _assert_counts(ref, got)
+
+
+@pytest.mark.parametrize("dp_replicate", [1, 2])
+def test_torchtitan_full_dtensor_backend_matches_fsdp2(dp_replicate):
+    """torchtitan's ``full_dtensor`` SPMD backend: every parameter a DTensor on its dense storage mesh and
+    ``fully_shard(mesh=storage_mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"[, replicate=
+    "dp_replicate"]))`` (``resolve_fsdp_mesh``), inputs DTensors too (``parallelize_inputs``). 2 ranks: FSDP,
+    and HSDP over 2 replicas of one shard. Its default ``spmd_types`` backend hands fully_shard plain tensors
+    with spmd_types annotations, which torch 2.13's FSDP2 itself refuses (no DTensors): nothing to compare."""
+    ref, got = _both(tied=False, param_dtype="float32", dp_replicate=dp_replicate, world=2, backend="full_dtensor")
+    shard = "dp_shard"
+    assert ref["dp_mesh_dims"] == got["dp_mesh_dims"] and set(got["dp_mesh_dims"]) == {
+        (shard, "dp_replicate" if dp_replicate > 1 else None)}
     _assert_same(ref, got)
     _assert_counts(ref, got)

@@ -312,8 +312,9 @@ def test_misuse_is_refused_at_wrap_time_naming_it():
     assert "got the same module twice" in out["duplicate"]
     assert "is already sharded by shardwise.fully_shard" in out["twice"]
     assert "unit_modules= takes one module, not a list" in out["list_units"]
-    assert "reshard_after_forward=2 (an int" in out["int_reshard"] and "not built" in out["int_reshard"]
-    assert "dp_mesh_dims=...) (a full SPMD mesh" in out["dp_mesh_dims"]
+    assert "reshard_after_forward=2 (an int" in out["int_reshard"] and "divisor of the shard mesh dim's size 1" in \
+        out["int_reshard"]
+    assert "dp_mesh_dims=<object" in out["dp_mesh_dims"] and "DataParallelMeshDims" in out["dp_mesh_dims"]
     assert "shard_placement_fn returned Shard(dim=1) for parameter 'a.weight'" in out["shard_dim1"], out["shard_dim1"]
     assert "mp_policy must be a MixedPrecisionPolicy" in out["policy"]
 

@@ -63,3 +63,42 @@ class CollectiveLaunches:
         for owner, name, fn in self.saved:
             setattr(owner, name, fn)
         return dict(self.calls)
+
+
+class GatherGroupSizes:
+    """The group size of every all-gather launched until ``take()`` (which also resets), for comparing the
+    groups FSDP2 and shardwise gather over: FSDP2's ``all_gather_single`` / ``all_gather_into_tensor``
+    (its ``group=``), shardwise's ``Collectives.gather`` (its axis). ``close()`` puts the originals back."""
+
+    def __init__(self, impl: str):
+        import torch.distributed as dist
+
+        import shardwise
+
+        self.sizes: list[int] = []
+        self.saved = []
+        if impl == "fsdp2":
+            for name in ("all_gather_single", "all_gather_into_tensor"):
+                fn = getattr(dist, name, None)
+                if fn is not None:
+                    self.saved.append((dist, name, fn))
+                    setattr(dist, name, self._sized(fn, lambda args, kwargs: dist.get_world_size(
+                        kwargs.get("group", args[2] if len(args) > 2 else None))))
+        else:
+            fn = shardwise.Collectives.gather
+            self.saved.append((shardwise.Collectives, "gather", fn))
+            shardwise.Collectives.gather = self._sized(fn, lambda args, kwargs: kwargs.get("axis", args[-1]).size)
+
+    def _sized(self, fn, size_of):
+        def recorded(*args, **kwargs):
+            self.sizes.append(size_of(args, kwargs))
+            return fn(*args, **kwargs)
+        return recorded
+
+    def take(self) -> list[int]:
+        out, self.sizes = sorted(self.sizes), []
+        return out
+
+    def close(self) -> None:
+        for owner, name, fn in self.saved:
+            setattr(owner, name, fn)
