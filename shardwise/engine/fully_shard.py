@@ -41,6 +41,7 @@ from .rank_consistency import check_rank_consistency
 from .resolution import resolve_units
 from .sharded_module import ShardedModule, make_fsdp_modules
 from .sharded_state import ShardedState
+from .torch_fsdp_state import state as torch_state
 from .weight_origin import resolve_check_mode, watch_weights
 
 __all__ = ["fully_shard", "ShardedModule", "ShardedState"]
@@ -145,3 +146,6 @@ def fully_shard(
     make_fsdp_modules(state)
     watch_weights(state, adopted, described, differing, options.check_module_states)  # until the first forward
     return module
+
+
+fully_shard.state = torch_state  # torch's fully_shard carries it (its contract's ``state``): the same answer

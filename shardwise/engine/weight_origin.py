@@ -168,8 +168,9 @@ def _message(unwritten: list[_Entry], root: nn.Module, mode: str) -> str:
     name = names.get(id(first.param), first.group.fqns[first.index])
     more = f" (and {len(unwritten) - 1} more)" if len(unwritten) > 1 else ""
     if first.reason == DIFFERED:
-        what = ("held other values on other data-parallel ranks when fully_shard sharded it, and nothing has "
-                "written it since: this forward trains a mix of the ranks' rows. Pass fully_shard(..., "
+        what = ("held other values on other data-parallel ranks when fully_shard sharded it, and still holds "
+                "them (nothing has written it since, or only its own values): this forward trains a mix of the "
+                "ranks' rows. Pass fully_shard(..., "
                 "sync_module_states=True) to take the first rank's weights, or load the same weights on every "
                 "rank after fully_shard (load_state_dict, set_model_state_dict, dcp.load)")
     else:
