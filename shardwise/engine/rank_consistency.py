@@ -263,7 +263,7 @@ def _values_digest(description: Optional[dict]) -> str:
     return hashlib.blake2b(repr(values).encode(), digest_size=16).hexdigest()
 
 
-def differing_values(mine: tuple, theirs: tuple) -> list[str]:
+def _differing_values(mine: tuple, theirs: tuple) -> list[str]:
     """The names of the parameters whose sums differ between two ranks' ``values`` (NaN sums agree)."""
     return [name for (name, u), (_, v) in zip(mine, theirs) if u != v and not (u != u and v != v)]
 
@@ -560,5 +560,5 @@ def check_rank_consistency(module: nn.Module, options: FullyShardOptions) -> tup
         return ()
     values = _all_gather(description["values"])
     return tuple(sorted({name for s in peers if s != peers[0]
-                         for name in differing_values(values[peers[0]], values[s])},
+                         for name in _differing_values(values[peers[0]], values[s])},
                         key=[n for n, _ in values[peers[0]]].index))
