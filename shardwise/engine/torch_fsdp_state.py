@@ -78,10 +78,17 @@ class TorchStateView:
         return [_UnitGroupView(self)]
 
     @property
+    def _is_root(self) -> bool:
+        return self.unit is self.state.root
+
+    def _lazy_init(self) -> None:
+        pass  # the engine's state is complete once fully_shard returns
+
+    @property
     def _state_ctx(self) -> SimpleNamespace:
         state = self.state
         views = {}
-        for unit in state.all_units:
+        for unit in [state.root] + state.units:  # FSDP2's order: the root's state first, then the model's order
             view = unit.module.__dict__.get(STATE_KEY, {}).get(torch_fully_shard.__wrapped__)
             if isinstance(view, TorchStateView):
                 views[id(unit)] = view

@@ -17,8 +17,9 @@ rank only. A moved counter or another parameter object is a write (``load_state_
 counter shows (``dcp.load``, ``.data``, ``to_local()``) changes the sum, read only when the counters
 did not move. ``check_module_states``: ``"warn"`` (the default) gives one warning line per check
 naming the first unwritten parameter and the fix; ``"raise"`` raises on every rank of the mesh
-together (one flag all-reduce at the first forward, in that mode only); ``"off"`` records nothing.
-Steady steps pay one attribute test.
+together (one flag all-reduce at the first forward, in that mode only; a ``to_empty`` after that forward
+is checked at the next one, on each rank alone); ``"off"`` records nothing. Steady steps pay one
+attribute test.
 """
 
 from __future__ import annotations
@@ -141,6 +142,8 @@ class WeightWatch:
                 "check_module_states='raise': another rank of the mesh holds parameters that differed across "
                 "ranks at fully_shard or that to_empty() left uninitialised, and nothing has written them since "
                 "(its own error names them)"))
+        if message is not None and self.mode == "raise":  # a to_empty after the first forward: this rank's own
+            raise RuntimeError(message)
         if message is not None:
             warnings.warn(message, UnwrittenWeightsWarning, stacklevel=2)
 

@@ -232,8 +232,12 @@ def _state_reads(which: str) -> dict:
     _wrap(which, model)
     state = torch_fully_shard.state if which == "fsdp2" else shardwise.fully_shard.state
     found = {name: state(m) for name, m in model.named_modules()}
+    state(model)._lazy_init()  # what torch's pipeline stage and tests read is set up by the root's lazy init
+    names = {id(s): name for name, s in found.items() if s is not None}
     return {"has": {name: s is not None for name, s in found.items()},
             "groups": {name: len(s._fsdp_param_groups) for name, s in found.items() if s is not None},
+            "is_root": {name: s._is_root for name, s in found.items() if s is not None},
+            "all_states": [names[id(s)] for s in state(model)._state_ctx.all_states],
             "same_as_torchs": all(s is torch_fully_shard.state(m) for (_, s), m in zip(found.items(), model.modules()))}
 
 
@@ -243,6 +247,8 @@ def test_fully_shard_state_answers_as_torchs(world):
     ours = run_distributed(_state_reads, world, "shardwise")[0]
     assert ours["has"] == theirs["has"] == {"": True, "a": True, "b": False, "c": False}
     assert ours["groups"] == theirs["groups"]
+    assert ours["is_root"] == theirs["is_root"] == {"": True, "a": False}
+    assert ours["all_states"] == theirs["all_states"] == ["", "a"]
     assert ours["same_as_torchs"] and theirs["same_as_torchs"]
 
 
