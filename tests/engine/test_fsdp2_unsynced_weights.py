@@ -278,3 +278,33 @@ def test_torch_fully_shard_over_shardwise_units_leaves_them_to_shardwise(world):
         assert o["managed"] == t["managed"] == ["c", ""]
         assert o["units"] == t["units"] == [True, True, True, False]
         _assert_same(t, o)
+
+
+# ------------------------------------------------------------------ a parameter tied across two calls
+def _tied_across_calls(which: str) -> tuple[str, str]:
+    fully_shard = torch_fully_shard if which == "fsdp2" else shardwise.fully_shard
+    torch.manual_seed(0)
+    model = _Net().to(device())
+    model.b.weight = model.a.weight  # one tensor, held by two units
+    step = "wrap"
+    try:
+        fully_shard(model.a)
+        fully_shard(model.b)
+        fully_shard(model)
+        step = "forward"
+        model(torch.ones(2, 4, device=device()))
+    except ValueError as e:
+        return step, str(e)
+    return "accepted", ""
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_parameter_tied_across_two_calls_is_refused_earlier_than_fsdp2_refuses_it(world):
+    """FSDP2 refuses it at the first forward; shardwise at the second call, naming it (kept: the same program
+    is refused, before any weight moves)."""
+    theirs = run_distributed(_tied_across_calls, world, "fsdp2")[0]
+    ours = run_distributed(_tied_across_calls, world, "shardwise")[0]
+    assert theirs[0] == "forward" and "is shared with a parameter already managed" in theirs[1], theirs
+    assert ours[0] == "wrap" and ours[1].startswith(
+        "parameter 'weight' is tied to a parameter that an earlier fully_shard call already sharded"), ours
+    assert "fully_shard([a, b])" in ours[1]
