@@ -156,13 +156,13 @@ def _unwritten(entries: list[_Entry]) -> list[_Entry]:
     by_device: dict[torch.device, list[_Entry]] = {}
     for e in undecided:
         by_device.setdefault(e.total.device, []).append(e)
-    out = []
+    unchanged = set()
     for group in by_device.values():
         now = torch.stack([e.param._local_tensor.sum(dtype=torch.float64) for e in group])
         then = torch.stack([e.total for e in group])
         same = (now == then) | (now.isnan() & then.isnan())
-        out += [e for e, s in zip(group, same.tolist()) if s]
-    return out
+        unchanged.update(id(e) for e, s in zip(group, same.tolist()) if s)
+    return [e for e in undecided if id(e) in unchanged]  # in the order recorded: the first named is the model's
 
 
 def _message(unwritten: list[_Entry], root: nn.Module, mode: str) -> str:
