@@ -85,6 +85,12 @@ class TorchStateView:
         pass  # the engine's state is complete once fully_shard returns
 
     @property
+    def _modules_to_run_forward(self) -> set:
+        """A grouped unit's modules still to run in this forward (FSDP2 tracks none for one module)."""
+        unit = self.unit
+        return {m for m in unit.modules if id(m) in unit.modules_to_run} if len(unit.modules) > 1 else set()
+
+    @property
     def _state_ctx(self) -> SimpleNamespace:
         state = self.state
         views = {}
