@@ -328,11 +328,15 @@ def move_buffers(root: nn.Module, device: torch.device) -> None:
 
 
 def register_hooks(state: ShardedState) -> None:
-    """The root's and each unit's forward hooks on each of their modules, the load-state-dict hook that
-    takes loaded values in, and on every module holding a parameter the state-dict hooks that register the
-    sharded parameters first (a unit that keeps its gathered weights after forward holds those until then);
-    their handles are kept in ``state.hook_handles`` (an adopting call removes them)."""
+    """The root's and each unit's forward hooks on each of their modules; the load-state-dict hooks (before: the
+    unit's modules hold the sharded parameters again, as FSDP2's, so a load after a forward with no backward
+    writes the main weights; after: loaded values taken in); and on every module holding a parameter the
+    state-dict hooks that register the sharded parameters first (a unit that keeps its gathered weights after
+    forward holds those until then). Their handles are kept in ``state.hook_handles`` (an adopting call removes
+    them)."""
     handles = state.hook_handles
+    for unit in state.all_units:
+        handles += [m.register_load_state_dict_pre_hook(lambda *_, unit=unit: unit.reshard()) for m in unit.modules]
     for module in state.root.modules:
         handles.append(module.register_forward_pre_hook(state.root_pre_forward, with_kwargs=True, prepend=True))
         handles.append(module.register_forward_hook(state.root_post_forward))

@@ -45,6 +45,8 @@ from .resolution import resolve_units
 from .sharded_module import ShardedModule, make_fsdp_modules
 from .sharded_state import ShardedState
 from .spmd_mesh import read_spmd_mesh
+from .torch_fsdp_state import state as torch_state
+from .weight_origin import resolve_check_mode, watch_weights
 
 __all__ = ["fully_shard", "ShardedModule", "ShardedState"]
 
@@ -86,7 +88,7 @@ def fully_shard(
     collectives: Collectives | None = None,
     graph_safe: bool = False,
     sync_module_states: bool = False,
-    check_module_states: bool = True,
+    check_module_states: bool | str = "warn",
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters, gradients and optimizer state over ``mesh``; torch FSDP2's signature.
 
@@ -110,9 +112,12 @@ def fully_shard(
     ``"dense"`` | ``"expert"`` (split along dim 0 over ``ep_axis``) | ``"local_expert"`` (each EP rank's own
     tensor: its DTensor leaves ``ep_axis`` out; a ``tp_axis`` on ``expert_mesh`` is expert TP); ``gradient_reduction`` (``"mean"`` or ``"sum"``); ``bucket_size`` (split
     what the root owns); ``collectives`` (replace how buffers travel); ``graph_safe`` (static buffers for
-    ``shardwise.capture_step``); ``sync_module_states`` (every rank takes the first rank's weights; without
-    it, weights that differ across data-parallel ranks are refused, unless ``check_module_states=False``: a
-    caller that syncs them later, as Megatron's ``broadcast_params``). Returns ``module``.
+    ``shardwise.capture_step``); ``sync_module_states`` (every rank takes the first rank's weights);
+    ``check_module_states``: weights that differ across data-parallel ranks here, or that ``to_empty()``
+    leaves uninitialised, and that nothing writes before the first forward get one warning there
+    (``"warn"``, the default; FSDP2 is silent), an error on every rank (``"raise"``), or no check and no
+    checksums (``"off"`` or ``False``: a caller that syncs them later, as Megatron's ``broadcast_params``).
+    Returns ``module``.
     """
     modules = check_call(module, unit_modules)
     spmd = None
@@ -128,14 +133,14 @@ def fully_shard(
         bucket_size=bucket_size, plan_fn=plan_fn, offload_policy=resolve_offload(offload_policy),
         collectives=collectives, graph_safe=graph_safe, shard_placement_fn=shard_placement_fn,
         ignored_params=None if ignored_params is None else frozenset(ignored_params),
-        sync_module_states=sync_module_states, check_module_states=check_module_states,
+        sync_module_states=sync_module_states, check_module_states=resolve_check_mode(check_module_states),
     )
     adopted = check_modules(modules)
     if spmd is not None:
         earlier = {id(p) for m in modules for p in m.parameters() if getattr(p, SHARDED_MARK, False)}
         spmd.take_parameters(modules, skip=earlier | {id(p) for p in options.ignored_params or ()})
     described = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
-    check_rank_consistency(described, options)  # one small collective; ranks that disagree fail here, never hang
+    differing = check_rank_consistency(described, options)  # one small collective; ranks that disagree fail here
     plan_fn = check_options(options)
     plan, expert_plan = build_plans(options)
     reshard = resolve_reshard_after_forward(reshard_after_forward, plan, expert_plan)  # FSDP2's reading of an int
@@ -160,4 +165,8 @@ def fully_shard(
     state = ShardedState(own, adopt_units(modules, adopted, new_units), plan, streams, prefetch)
     register_hooks(state)
     make_fsdp_modules(state)
+    watch_weights(state, adopted, described, differing, options.check_module_states)  # until the first forward
     return module
+
+
+fully_shard.state = torch_state  # torch's fully_shard carries it (its contract's ``state``): the same answer

@@ -51,7 +51,7 @@ class FullyShardOptions:
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None
     ignored_params: frozenset | None = None
     sync_module_states: bool = False
-    check_module_states: bool = True
+    check_module_states: str = "warn"  # weight_origin.CHECK_MODES, resolved
 
     def must_agree(self) -> dict[str, Any]:
         """The options every rank of a mesh must pass alike that the consistency check does not
@@ -61,4 +61,4 @@ class FullyShardOptions:
 
 # Options that change the collectives' schedule or sizes: a rank that differs here hangs or corrupts.
 _AGREED = ("mixed_precision", "reshard_after_forward", "prefetch", "gradient_reduction", "bucket_size", "graph_safe",
-           "sync_module_states")
+           "sync_module_states", "check_module_states")

@@ -233,6 +233,8 @@ def broadcast_from_first_replica(model: nn.Module, axes: Optional[Iterable[str]]
             if (wanted is None or name in wanted) and axis.size > 1 and isinstance(placement.optimizer, Replicate):
                 group.broadcast_main_weights(axis)
     state.mark_weights_modified()
+    if state.weight_watch is not None:  # the replicas agree now: nothing to say at the first forward
+        state.weight_watch.forget_differing()
 
 
 def shard_like(param: DTensor, full: torch.Tensor) -> DTensor:

@@ -17,6 +17,13 @@ differing field and the ranks, and every rank raises the same ``ValueError``.
 No rank can stop before the exchange (describing never raises: a problem found
 locally travels in the exchange), so no rank is left waiting in a collective.
 
+The parameters' values (one float64 sum each, of those every data-parallel rank
+should hold alike) travel as a digest of their own: values that differ are no
+refusal (FSDP2 shards whatever each rank holds, and a load after wrapping makes
+them agree), so a second exchange of the sums only names the parameters that
+differ, which :func:`check_rank_consistency` returns for ``weight_origin`` to
+watch until something writes them.
+
 Local problems, found without communication and raised on every rank:
 a mesh or expert mesh that is not a DeviceMesh, an expert mesh with no parameter for it (``plan_fn`` chose none),
 tensor-parallel slices (``tensor_model_parallel=True``) of a TP group of more
@@ -221,7 +228,7 @@ def describe(module: nn.Module, options: FullyShardOptions) -> dict:
         "units": _unit_names(module, o.unit_modules),
         "expert_params": _expert_params(module, o.expert_mesh, o.plan_fn),
         # Under TP, replicated parameters may differ across the TP group until the build syncs them.
-        "values": () if o.sync_module_states or not o.check_module_states
+        "values": () if o.sync_module_states or o.check_module_states in (False, "off")
         or o.tp_axis in ((o.mesh and o.mesh.mesh_dim_names) or ())
         else _checksums(module, o.expert_mesh, o.plan_fn),
     }
@@ -231,7 +238,7 @@ def _checksums(module: nn.Module, expert_mesh, plan_fn) -> tuple:
     """``(name, sum in float64)`` of every parameter all data-parallel ranks must hold alike: not yet sharded,
     materialized, and neither a tensor-parallel slice nor an expert (those differ across their ranks by
     design). One reduction per parameter and one host read for all, so weights loaded on one rank only
-    (FSDP1's ``sync_module_states`` habit) are caught before they are mixed row by row."""
+    (FSDP1's ``sync_module_states`` habit) are named before they are mixed row by row."""
     experts = set(_expert_params(module, expert_mesh, plan_fn))
     names, sums, seen = [], [], set()
     for name, p in module.named_parameters():
@@ -247,8 +254,18 @@ def _checksums(module: nn.Module, expert_mesh, plan_fn) -> tuple:
 
 
 def _digest(description: dict) -> str:
-    compared = {k: v for k, v in description.items() if k != "given"}
+    compared = {k: v for k, v in description.items() if k not in ("given", "values")}
     return hashlib.blake2b(repr(compared).encode(), digest_size=16).hexdigest()
+
+
+def _values_digest(description: Optional[dict]) -> str:
+    values = () if description is None else description.get("values", ())
+    return hashlib.blake2b(repr(values).encode(), digest_size=16).hexdigest()
+
+
+def _differing_values(mine: tuple, theirs: tuple) -> list[str]:
+    """The names of the parameters whose sums differ between two ranks' ``values`` (NaN sums agree)."""
+    return [name for (name, u), (_, v) in zip(mine, theirs) if u != v and not (u != u and v != v)]
 
 
 # ------------------------------------------------------- naming a difference
@@ -298,11 +315,6 @@ def first_difference(a: dict, b: dict, ra: int, rb: int) -> Optional[str]:
             if name not in ua:
                 return f"module {name!r} is a unit (unit_modules) on rank {rb} but not on rank {ra}"
         return f"the units are {list(ua)} on rank {ra} but {list(ub)} on rank {rb}"
-    for (name, u), (_, v) in zip(a.get("values", ()), b.get("values", ())):
-        if u != v and not (u != u and v != v):  # NaN sums agree
-            return (f"parameter {name!r} holds other values on rank {rb} than on rank {ra} (sums {v!r} and {u!r}): "
-                    "load the same weights on every rank before fully_shard, or pass sync_module_states=True to "
-                    f"broadcast the first rank's")
     xa, xb = a.get("expert_params", ()), b.get("expert_params", ())
     if xa != xb:
         for name, mine, theirs in [(n, ra, rb) for n in xa if n not in xb] + [(n, rb, ra) for n in xb if n not in xa]:
@@ -469,8 +481,9 @@ def _check_mesh_types(**meshes) -> None:
                 f"or shardwise.build_expert_mesh(ep)), got a {type(value).__name__}")
 
 
-def check_rank_consistency(module: nn.Module, options: FullyShardOptions) -> None:
-    """Raise ``ValueError`` on every rank unless all ranks of each mesh wrap the same thing.
+def check_rank_consistency(module: nn.Module, options: FullyShardOptions) -> tuple[str, ...]:
+    """Raise ``ValueError`` on every rank unless all ranks of each mesh wrap the same thing; the names of
+    the parameters (in ``module``) whose values differ across the ranks of this rank's mesh.
 
     Takes ``fully_shard``'s options, unresolved (``mesh=None`` is the
     default data-parallel mesh over all ranks; ``placements`` or
@@ -507,10 +520,10 @@ def check_rank_consistency(module: nn.Module, options: FullyShardOptions) -> Non
     if world == 1:
         if problem:
             raise ValueError(problem)
-        return
-    gathered = _all_gather((digest, peers, problem))
+        return ()
+    gathered = _all_gather((digest, peers, problem, _values_digest(description)))
     # Every rank reads the same list: the same verdict, the same (second) exchange, the same message.
-    for r, (_, ranks, _) in enumerate(gathered):
+    for r, (_, ranks, _, _) in enumerate(gathered):
         for s in ranks:
             if 0 <= s < world and gathered[s][1] != ranks:
                 raise ValueError(
@@ -542,3 +555,10 @@ def check_rank_consistency(module: nn.Module, options: FullyShardOptions) -> Non
         )
     if local:
         raise ValueError(local)
+    # Values: not a refusal (see the module docstring); the same verdict on every rank decides the exchange.
+    if all(gathered[s][3] == gathered[g[1][0]][3] for g in gathered for s in g[1]):
+        return ()
+    values = _all_gather(description["values"])
+    return tuple(sorted({name for s in peers if s != peers[0]
+                         for name in _differing_values(values[peers[0]], values[s])},
+                        key=[n for n, _ in values[peers[0]]].index))

@@ -207,6 +207,15 @@ class ShardedModule(FSDPModule):
             state.adopt_module_params(deep=True, strict_dtype=True)
         return result
 
+    def to_empty(self, *, device, recurse: bool = True):
+        """FSDP2's ``to_empty``: the shards get fresh storage on ``device``; the engine then watches it until
+        something writes it (``weight_origin``: the first forward names what is still uninitialised)."""
+        result = super().to_empty(device=device, recurse=recurse)
+        watch = self.sharded_state.weight_watch
+        if watch is not None:
+            watch.record_emptied(g for unit in self._units(recurse) for g in unit.groups)
+        return result
+
     # ---------------------------------------------------------------- the whole model's
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

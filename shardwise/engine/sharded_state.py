@@ -90,6 +90,7 @@ class ShardedState:
         self.post_optim_event = None  # FSDP2's set_post_optim_event: the next gathers wait on it
         self.hook_handles: list = []  # removed when an ancestor's fully_shard adopts these units
         self.applying = False  # inside a unit's nn.Module._apply (to_empty, to, ...): adopt once, at the outermost
+        self.weight_watch = None  # weight_origin.WeightWatch: weights not to be trusted until written (fully_shard's)
         # Every hook is opaque to torch.compile, made once: a compiled region that reaches one
         # (the module's forward hooks, autograd's callbacks under a compiled backward) runs it
         # eagerly and whole. The forward hooks shadow the methods, so fully_shard registers these.
@@ -127,6 +128,8 @@ class ShardedState:
         if _in_backward():
             return args, kwargs
         self.adopt_module_params()
+        if self.weight_watch is not None and self.weight_watch.armed:  # the first forward (weight_origin)
+            self.weight_watch.check(self.root.module)
         self._wait_post_optim_event()
         args, kwargs = self._cast_inputs(self.root, args, kwargs)
         for g in self.groups:

@@ -9,7 +9,17 @@ state: ``register_fsdp_forward_method`` (``_get_fsdp_state()._pre_forward`` /
 exactly those reads for one shardwise unit module, so torch's
 ``PipelineStage`` and ``register_fsdp_forward_method`` drive shardwise units
 as they drive FSDP2's. :func:`install` registers it where
-``torch.distributed.fsdp.fully_shard.state(module)`` looks.
+``torch.distributed.fsdp.fully_shard.state(module)`` looks (and
+:func:`state`, ``shardwise.fully_shard.state``, reads it there).
+
+torch's own walks over a model (``_get_managed_modules``: which modules a
+``fully_shard`` call manages) ask another registry, the composable API's
+module-to-state map, for an ``FSDPState``, and stop at a module that has one.
+:func:`install` puts an inert ``FSDPState`` there for each unit module (no
+parameter group: a torch root that lists it in its lazy init finds nothing to
+gather, reduce or finalize), so torch's ``fully_shard`` on an ancestor leaves
+the shardwise units' parameters to shardwise, as it leaves a nested FSDP2
+module's to that module.
 """
 
 from __future__ import annotations
@@ -18,9 +28,13 @@ from types import SimpleNamespace
 
 import torch.nn as nn
 from torch.distributed._composable.contract import STATE_KEY
+from torch.distributed._composable_state import _insert_module_state, _module_state_mapping
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-__all__ = ["TorchStateView", "install"]
+__all__ = ["TorchStateView", "install", "state"]
+
+_MARKER_ATTR = "_shardwise_torch_marker"  # keeps the inert FSDPState alive (torch's map holds it weakly)
 
 
 class _UnitGroupView:
@@ -64,10 +78,23 @@ class TorchStateView:
         return [_UnitGroupView(self)]
 
     @property
+    def _is_root(self) -> bool:
+        return self.unit is self.state.root
+
+    def _lazy_init(self) -> None:
+        pass  # the engine's state is complete once fully_shard returns
+
+    @property
+    def _modules_to_run_forward(self) -> set:
+        """A grouped unit's modules still to run in this forward (FSDP2 tracks none for one module)."""
+        unit = self.unit
+        return {m for m in unit.modules if id(m) in unit.modules_to_run} if len(unit.modules) > 1 else set()
+
+    @property
     def _state_ctx(self) -> SimpleNamespace:
         state = self.state
         views = {}
-        for unit in state.all_units:
+        for unit in [state.root] + state.units:  # FSDP2's order: the root's state first, then the model's order
             view = unit.module.__dict__.get(STATE_KEY, {}).get(torch_fully_shard.__wrapped__)
             if isinstance(view, TorchStateView):
                 views[id(unit)] = view
@@ -93,6 +120,17 @@ class TorchStateView:
 
 
 def install(module: nn.Module, state_attr: str, unit_attr: str) -> None:
-    """Make ``torch.distributed.fsdp.fully_shard.state(module)`` answer with the engine's view."""
+    """Make ``torch.distributed.fsdp.fully_shard.state(module)`` answer with the engine's view, and torch's
+    walks over the model (``_get_managed_modules``) stop at ``module`` as at an FSDP2 unit."""
     module.__dict__.setdefault(STATE_KEY, {})[torch_fully_shard.__wrapped__] = TorchStateView(
         module, state_attr, unit_attr)
+    if module not in _module_state_mapping:  # an ancestor's shardwise call installs again: one marker is enough
+        marker = module.__dict__[_MARKER_ATTR] = FSDPState()
+        _insert_module_state(module, marker)
+
+
+def state(module: nn.Module):
+    """``shardwise.fully_shard.state(module)``: what torch's ``fully_shard.state(module)`` answers, the
+    engine's :class:`TorchStateView` for a shardwise unit module (FSDP2's state for a module torch's
+    ``fully_shard`` wrapped; ``None`` for any other)."""
+    return torch_fully_shard.state(module)
