@@ -24,7 +24,7 @@ def shard_dim_of(ref: ParamRef, answer, mesh) -> int:
     placement = _placement_over_own_mesh(ref, answer, mesh)
     if placement is None:
         return 0
-    if not isinstance(placement, Shard) or type(placement) is not Shard:
+    if type(placement) is not Shard:  # (a _StridedShard is not a placement FSDP2 takes either)
         raise ValueError(f"shard_placement_fn returned {answer!r} for parameter {ref.fqn!r}: expected None, "
                          "Shard(dim) or a ShardPlacementResult, as FSDP2's fully_shard")
     ndim = ref.param.dim()

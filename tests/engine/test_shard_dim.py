@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -135,15 +135,18 @@ def _variants() -> dict:
     out["negative_dim"] = _both(placement_fn=lambda p: Shard(-1) if p.dim() >= 2 else None)
     out["keep_after_forward"] = _both(reshard_after_forward=False)
     out["bf16"] = _both(param_dtype=torch.bfloat16)
+    out["offload"] = _both(offload_policy=CPUOffloadPolicy(pin_memory=False))
+    out["graph_safe"] = _train("fsdp2"), _train("shardwise", graph_safe=True)  # shardwise's kept buffers
     return out
 
 
 def test_shard_dim_variants_train_as_fsdp2():
-    """Fused AdamW on the non-contiguous local tensors, ``Shard(-1)``, ``reshard_after_forward=False``, and
-    bf16 compute with fp32 reduction (the gathered bf16 rows permuted back; compared within bf16's precision:
-    eps 2**-7 relative, the step's one rounding of each weight and gradient)."""
+    """Fused AdamW, ``Shard(-1)``, ``reshard_after_forward=False``, CPU offload (torch's ``CPUOffloadPolicy``),
+    shardwise's graph-safe mode (its staging pool's blocks), and bf16 compute with fp32 reduction (the gathered
+    bf16 blocks copied out; compared within bf16's precision: eps 2**-7 relative, the step's one rounding of
+    each weight and gradient)."""
     out = run_distributed(_variants, 2)[0]
-    for key in ("fused", "negative_dim", "keep_after_forward"):
+    for key in ("fused", "negative_dim", "keep_after_forward", "offload", "graph_safe"):
         _assert_same(*out[key])
     bf16_rtol = torch.finfo(torch.bfloat16).eps
     theirs, ours = out["bf16"]
