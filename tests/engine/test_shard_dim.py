@@ -191,6 +191,28 @@ def test_shard_dim1_meta_device_init_matches_fsdp2(world):
     _assert_faces(out["fsdp2"], out["ours"], "initialised after to_empty", rtol=0)
 
 
+def _two_sharded_axes() -> tuple[dict, dict]:
+    """shardwise's ``placements=`` sharding everything over both axes of a 2 x 2 mesh: dim 1 split twice, level
+    after level (two transitions through blocks), is FSDP2's one split into 4 over the same rank order."""
+    from shardwise.engine.placements import STRATEGY_PLACEMENTS
+
+    zero3 = STRATEGY_PLACEMENTS["optim_grads_params"]
+    theirs = _train("fsdp2")
+    ours = _train("shardwise", mesh_shape=(2, 2), placements={"replicate": zero3, "shard": zero3})
+    return theirs, ours
+
+
+@pytest.mark.parametrize("world", [4])
+def test_shard_dim1_over_two_sharded_axes_is_fsdp2_over_their_product(world):
+    theirs, ours = run_distributed(_two_sharded_axes, world)[0]
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=RTOL, atol=0)
+    for key in ("params", "grads", "state"):
+        for name, (_, stride, value) in theirs[key].items():
+            assert ours[key][name][0] == (Shard(theirs[key][name][0][0].dim),) * 2, (key, name, ours[key][name][0])
+            assert ours[key][name][1] == stride, (key, name)
+            torch.testing.assert_close(ours[key][name][2], value, rtol=RTOL, atol=1e-7, msg=f"{key} {name}")
+
+
 # ------------------------------------------------------------------ torch's tools, checkpoints both ways
 def _model(which: str, mesh):
     torch.manual_seed(0)
