@@ -16,7 +16,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import Shard
 
 from .collectives import StreamSet
 from .fully_shard_options import FullyShardOptions
@@ -25,6 +24,7 @@ from .param_group import ParamGroup, ParamRef
 from .quantized_gather import gather_mark
 from .replaced_params import is_replaced
 from .resolution import plan_choice
+from .shard_placement import shard_dim_of
 from .sharded_state import ShardedState
 from .unit import Unit, UnitSettings
 
@@ -206,7 +206,7 @@ class GroupBuilder:
         buckets: dict[tuple, list[ParamRef]] = {}
         for ref in self.ownership.refs(owner):
             if self.options.shard_placement_fn is not None:
-                _check_shard_placement(ref, self.options.shard_placement_fn(ref.param))
+                ref.shard_dim = shard_dim_of(ref, self.options.shard_placement_fn(ref.param), self.options.mesh)
             ref_plan = _place_model_parallel(ref, self.plan, self.expert_plan, tp_axis, self.options.ep_axis, self.plan_fn)
             if self.options.sync_module_states and not ref.param.is_meta:
                 _broadcast_from_first_replica(ref.param, ref_plan, self.device)
@@ -293,20 +293,6 @@ def adopt_units(roots: nn.Module | list[nn.Module], adopted: list, new_units: li
         for group in unit.groups:  # labelled by its place when built: relabel it by its place in the model
             group.name = unit.name + group.name[group.name.index("["):] if "[" in group.name else group.name
     return sorted(units, key=lambda u: order.get(id(u.module), len(order)))
-
-
-def _check_shard_placement(ref: ParamRef, placement) -> None:
-    """``shard_placement_fn``'s answer for one parameter: ``None`` or ``Shard(0)`` are built."""
-    if placement is None or (isinstance(placement, Shard) and placement.dim in (0, -ref.param.dim())):
-        return
-    if isinstance(placement, Shard):
-        raise NotImplementedError(
-            f"shard_placement_fn returned {placement!r} for parameter {ref.fqn!r}: shardwise shards dim 0 only "
-            "(Shard(0)); a Shard(dim > 0) layout is not built. Return None or Shard(0), or store the parameter "
-            "with the split dimension first")
-    raise NotImplementedError(
-        f"shard_placement_fn returned {placement!r} for parameter {ref.fqn!r}: a per-parameter mesh is not built "
-        "through shard_placement_fn; give experts their mesh with fully_shard(..., expert_mesh=..., plan_fn=...)")
 
 
 def _broadcast_from_first_replica(param: torch.Tensor, plan: ShardingPlan, device: torch.device) -> None:

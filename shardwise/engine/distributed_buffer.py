@@ -74,6 +74,14 @@ class Levels:
         ]
         self._gaps: dict[int, list[tuple[int, int]]] = {}
         self._same_layout: dict[tuple[int, int], bool] = {}
+        # Parameters sharded along a dim > 0 (``ShardedParam.blocked``): a transition over an axis of more than
+        # one rank moves them through a temporary of W blocks (``unblock`` after a gather, ``block`` before a
+        # reduce-scatter); per level, those parameters and the temporary's layout.
+        self._blocked: dict[int, tuple[list[int], LevelLayout]] = {}
+        for level, axis in enumerate(self.axes, start=1):
+            blocked = [i for i, p in enumerate(self.params) if p.blocked and p.piece_numel(level)]
+            if blocked and axis.size > 1:
+                self._blocked[level] = (blocked, LevelLayout([self.params[i].gathered_numel(level) for i in blocked]))
 
     def same_layout(self, a: int, b: int) -> bool:
         """Whether levels ``a`` and ``b`` (either order) are one buffer in all but name: every axis between
@@ -103,6 +111,21 @@ class Levels:
                 gathered.append(parent[: p.gathered_numel(level)])
                 own.append(piece[: p.piece_numel(level)])
         return gathered, own
+
+    def blocked(self, level: int) -> list[int]:
+        """The parameters whose transition between ``level - 1`` and ``level`` goes through blocks."""
+        return self._blocked[level][0] if level in self._blocked else []
+
+    def blocks_total(self, level: int) -> int:
+        return self._blocked[level][1].total
+
+    def with_blocks(self, level: int, views: list[torch.Tensor], temp: torch.Tensor) -> list[torch.Tensor]:
+        """``views`` (slots of ``level - 1``) with each blocked parameter's replaced by its place in ``temp``."""
+        blocked, layout = self._blocked[level]
+        views = list(views)
+        for i, view in zip(blocked, layout.views(temp)):
+            views[i] = view
+        return views
 
     # ------------------------------------------------------------- new buffers
     def empty(self, level: int, dtype: torch.dtype) -> "DistributedBuffer":
@@ -300,7 +323,18 @@ class DistributedBuffer:
                     temp = levels.new(total, dtype)
                 temps.append(temp)
                 out_views = levels.layouts[level - 1].views(temp)
-            _move(levels.collectives.gather, *levels.paired(level, out_views, views), levels.axes[level - 1])
+            blocked = levels.blocked(level)
+            if blocked:  # Shard(d > 0): gathered as blocks into a temporary, then FSDP2's copy-out
+                dtype = views[0].dtype
+                temp = levels.take(levels.blocks_total(level), dtype) if levels.streams.graph_safe else \
+                    levels.new(levels.blocks_total(level), dtype)
+                temps.append(temp)
+                gathered = levels.with_blocks(level, out_views, temp)
+            else:
+                gathered = out_views
+            _move(levels.collectives.gather, *levels.paired(level, gathered, views), levels.axes[level - 1])
+            for i in blocked:
+                levels.params[i].unblock(gathered[i], out_views[i], level)
             views = out_views
         target.state = BufferState.HOLDS
         return temps
@@ -350,6 +384,13 @@ class DistributedBuffer:
             return into
         flat, views = self.flat, self.views()
         for level in range(self.level + 1, top + 1):
+            blocked = levels.blocked(level)
+            if blocked:  # Shard(d > 0): FSDP2's copy-in, the parent pieces as blocks in a temporary
+                temp = levels.take(levels.blocks_total(level), flat.dtype)
+                staged.append(temp)
+                parents, views = views, levels.with_blocks(level, views, temp)
+                for i in blocked:
+                    levels.params[i].block(parents[i], views[i], level)
             if level == top and into is not None:
                 out, out_views = into.flat, into.views()
             else:

@@ -95,7 +95,8 @@ def fully_shard(
     FSDP2's arguments, with its meaning: ``mesh`` (``None``: all ranks; 1-D shards, 2-D is HSDP: replicate
     over the first axis, shard over the second, whatever their names), ``reshard_after_forward`` (``None``:
     True for a unit, False for the root; an int ``k``: kept sharded over ``k`` ranks until backward),
-    ``shard_placement_fn`` (``None`` or ``Shard(0)`` per parameter),
+    ``shard_placement_fn`` (``None`` or ``Shard(d)`` per parameter, a dim > 0 split evenly; a
+    ``ShardPlacementResult`` over ``mesh`` itself),
     ``mp_policy`` (torch's ``MixedPrecisionPolicy`` or shardwise's; parameters keep their own dtype),
     ``offload_policy`` (torch's ``OffloadPolicy``/``CPUOffloadPolicy`` or shardwise's, which can offload a
     fraction of the units), ``ignored_params`` (left unsharded and untouched), ``dp_mesh_dims`` (``mesh`` is

@@ -231,7 +231,7 @@ class ShardingPlan:
         self.dp_size = math.prod(a.size for a in self.axes.values())
 
     def dtensor_spec(
-        self, model_parallel_dims: Mapping[str, int] = {}, local_axes: Sequence[str] = ()
+        self, model_parallel_dims: Mapping[str, int] = {}, local_axes: Sequence[str] = (), shard_dim: int = 0
     ) -> tuple[DeviceMesh, tuple[Placement, ...]]:
         """The mesh and placements of a parameter's DTensors (its optimizer placement).
 
@@ -244,6 +244,8 @@ class ShardingPlan:
         ``local_axes`` are model-parallel axes over which each rank holds a tensor
         of its own (not a slice of one global tensor): they are left out of the
         mesh, which then spans only the ranks that share this rank's tensor.
+        ``shard_dim`` is the dim the data-parallel axes split (``shard_placement_fn``'s
+        ``Shard(d)``; dim 0 otherwise).
         """
         mesh = self._dtensor_mesh(frozenset(local_axes))
         out = []
@@ -251,7 +253,7 @@ class ShardingPlan:
             if name in model_parallel_dims:
                 out.append(Shard(model_parallel_dims[name]))
             elif name in self.opt_axis_names:
-                out.append(Shard(0))
+                out.append(Shard(shard_dim))
             else:
                 out.append(Replicate())
         return mesh, tuple(out)

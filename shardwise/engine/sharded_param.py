@@ -5,10 +5,21 @@ group asks it for slot sizes (to pack its flat buffers), for the views a
 collective reads and writes, and for the DTensors it hands out; the state-dict
 and checkpoint code only ever see those DTensors, which torch's own tools
 understand.
+
+A parameter sharded along a dim ``d > 0`` (``shard_placement_fn`` returning
+``Shard(d)``, FSDP2's meaning, split evenly) has "rows" along dim ``d``: its
+piece at every level is ``torch.chunk`` along ``d``, stored contiguous in the
+parameter's own layout, so its DTensors' local tensors are FSDP2's, stride for
+stride. Such a piece is not a slice of its parent's flat storage: ``W``
+contiguous pieces gathered one after the other are ``W`` blocks, which the
+parent interleaves along ``d``. A transition over an axis of more than one
+rank therefore moves through a temporary: ``unblock`` after a gather (FSDP2's
+copy-out), ``block`` before a reduce-scatter (its copy-in), one copy each.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +50,7 @@ class ParamRef:
     holders: list[tuple[nn.Module, str]]
     model_parallel_dims: dict[str, int] = field(default_factory=dict)
     local_axes: list[str] = field(default_factory=list)
+    shard_dim: int = 0  # the dim the data-parallel axes split (shard_placement_fn's Shard(d)), >= 0
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -60,13 +72,22 @@ class ShardedParam:
         self.ref = ref
         self.fqn = ref.fqn
         self.shape = torch.Size(ref.param.shape)
-        self.row_numel = row_numel(self.shape)
-        self.rows = self.shape[0]
+        self.shard_dim = ref.shard_dim
+        # Pieces along dim d (blocked in a gather) only where an axis really splits it: else every level is the
+        # whole parameter, which dim-0 rows describe as well.
+        self.blocked = self.shard_dim != 0 and any(a.size > 1 for a in plan.opt_axes)
+        if self.blocked:
+            _check_even(ref.fqn, self.shape, self.shard_dim, plan)
+        self.row_dim = self.shard_dim if self.blocked else 0
+        self.rows = self.shape[self.row_dim]
+        # elements before and after dim d: one "row" is `outer` runs of `inner` elements
+        self._outer, self._inner = math.prod(self.shape[: self.row_dim]), math.prod(self.shape[self.row_dim + 1 :])
+        self.row_numel = self._outer * self._inner if self.blocked else row_numel(self.shape)
         self.pieces: list[RowPiece] = nested_chunks(self.rows, [(a.size, a.index) for a in plan.opt_axes])
         self.global_shape = plan.global_shape(self.shape, ref.model_parallel_dims)
         self.spmd = spmd_param_of(ref.param)  # taken from a DTensor on an SPMD mesh (dp_mesh_dims): its faces
         if self.spmd is None:
-            self.mesh, self.placements = plan.dtensor_spec(ref.model_parallel_dims, ref.local_axes)
+            self.mesh, self.placements = plan.dtensor_spec(ref.model_parallel_dims, ref.local_axes, self.shard_dim)
         else:
             self.mesh, self.placements = self.spmd.sharded_mesh, self.spmd.sharded_placements
         self._specs: dict[torch.dtype, DTensorSpec] = {}  # the DTensor face per dtype (dtensor)
@@ -101,9 +122,31 @@ class ShardedParam:
         return parent_slot[piece.index * size : (piece.index + 1) * size]
 
     def local(self, slot: torch.Tensor, level: int) -> torch.Tensor:
-        """The real rows of a slot of ``level``, shaped like the parameter."""
+        """The real rows of a slot of ``level``, shaped like the parameter (contiguous)."""
         rows = self.real_rows(level)[1]
-        return slot[: rows * self.row_numel].view(rows, *self.shape[1:])
+        shape = list(self.shape)
+        shape[self.row_dim] = rows
+        return slot[: rows * self.row_numel].view(shape)
+
+    def _blocks(self, level: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+        """The gathered region of ``level - 1``'s slot as (outer, W, chunk, inner), interleaved along dim d,
+        and the same elements as W blocks one after the other, (W, outer, chunk, inner)."""
+        piece = self.pieces[level - 1]
+        return ((self._outer, piece.count, piece.chunk, self._inner),
+                (piece.count, self._outer, piece.chunk, self._inner))
+
+    def unblock(self, blocks: torch.Tensor, parent_slot: torch.Tensor, level: int) -> None:
+        """After a gather from ``level`` into ``blocks`` (the W pieces one after the other): the parent's piece
+        in its own layout, in ``parent_slot``."""
+        interleaved, blocked = self._blocks(level)
+        numel = math.prod(blocked)
+        parent_slot[:numel].view(interleaved).copy_(blocks[:numel].view(blocked).transpose(0, 1))
+
+    def block(self, parent_slot: torch.Tensor, blocks: torch.Tensor, level: int) -> None:
+        """Before a reduce-scatter to ``level``: the parent's piece as the W pieces one after the other."""
+        interleaved, blocked = self._blocks(level)
+        numel = math.prod(blocked)
+        blocks[:numel].view(blocked).copy_(parent_slot[:numel].view(interleaved).transpose(0, 1))
 
     def compute_tensor(self, local: torch.Tensor) -> torch.Tensor:
         """What forward reads over the gathered ``local``: itself, or under an SPMD mesh the DTensor the model's
@@ -132,4 +175,22 @@ class ShardedParam:
     def shard_of(self, full: torch.Tensor, level: int | None = None) -> torch.Tensor:
         """This rank's rows of a model-parallel-local full value (no communication)."""
         first, rows = self.real_rows(self.levels if level is None else level)
-        return full[first : first + rows]
+        return full.narrow(self.row_dim, first, rows)
+
+
+def _check_even(fqn: str, shape: torch.Size, dim: int, plan: ShardingPlan) -> None:
+    """FSDP2's rule for a dim other than 0: the axes split it evenly (no padding to move with it). Placements
+    beyond FSDP2's (parameters replicated while optimizer state is sharded: ZeRO-1/2, HFSDP) keep dim 0."""
+    pieces = math.prod(a.size for a in plan.opt_axes)
+    if shape[dim] % pieces:
+        raise NotImplementedError(
+            f"shard_placement_fn returned Shard({dim}) for parameter {fqn!r} of shape {tuple(shape)}: dim {dim} "
+            f"({shape[dim]}) does not split evenly over the {pieces} ranks that shard it; as FSDP2, shardwise "
+            "shards a dim other than 0 evenly only. Return Shard(0) or None for it, or a dim divisible by "
+            f"{pieces}")
+    if len(plan.param_axes) != len(plan.opt_axes):
+        raise NotImplementedError(
+            f"shard_placement_fn returned Shard({dim}) for parameter {fqn!r}, whose parameters are replicated over "
+            f"axes {[a.name for a in plan.opt_axes[len(plan.param_axes):]]} that shard its optimizer state "
+            "(strategy optim / optim_grads, or HFSDP): Shard(dim > 0) is built for FSDP2's placements, parameters "
+            "sharded like their optimizer state (optim_grads_params, HSDP); return Shard(0) or None there")
