@@ -59,10 +59,15 @@ class _Net(nn.Module):
         return h if skip_head else self.head(h)
 
 
-def _wrap(impl: str, model: _Net, mp_policy, unused_params: bool | None, head_unit: bool) -> None:
+def _wrap(impl: str, model: _Net, mp_policy, unused_params: bool | None, head_unit: bool, hsdp: bool,
+          strategy: str | None) -> None:
     fully_shard = torch_fully_shard if impl == "fsdp2" else shardwise.fully_shard
-    mesh = init_device_mesh(device().type, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    mesh = (init_device_mesh(device().type, (world, 1), mesh_dim_names=("replicate", "shard")) if hsdp
+            else init_device_mesh(device().type, (world,)))
     kwargs = {"mesh": mesh} if mp_policy is None else {"mesh": mesh, "mp_policy": mp_policy}
+    if strategy is not None and impl == "shardwise":  # shardwise's ZeRO stages: the same numbers as FSDP2's
+        kwargs["strategy"] = strategy
     for block in model.blocks:
         fully_shard(block, **kwargs)
     if head_unit:  # torchtitan's [norm, lm_head] unit
@@ -102,12 +107,12 @@ def _chunked_backward(model: _Net, x, y, plan: dict, chunks: int, micro_batches:
 
 
 def _train(impl: str, plans: list, mp_policy=None, unused_params=None, chunks: int = 0, accumulate: str = "fsdp2",
-           weight_decay: float = 0.1) -> dict:
+           weight_decay: float = 0.1, hsdp: bool = False, strategy: str | None = None) -> dict:
     """Steps of AdamW over micro-batches (``plans[step][micro]``: what each forward uses); the last micro-batch of
     a step syncs. Returns, per step, which ``.grad`` are ``None`` and the full gradients; the final parameters."""
     torch.manual_seed(0)
     model = _Net().to(device())
-    _wrap(impl, model, mp_policy, unused_params, head_unit=chunks > 0)
+    _wrap(impl, model, mp_policy, unused_params, head_unit=chunks > 0, hsdp=hsdp, strategy=strategy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=weight_decay)
     names = [n for n, _ in model.named_parameters()]
     nones, grads = [], []
@@ -176,11 +181,20 @@ def test_unused_parameters_keep_no_grad_as_fsdp2(world):
     _assert_same_grads(ref, got, exact=False)
 
 
-def test_unused_parameters_under_shardwise_no_sync():
-    """``model.no_sync()`` (reduce each micro-batch, finalize at the last) installs the same ``.grad`` set as
-    FSDP2's ``set_requires_gradient_sync`` accumulation, with the same values."""
+@pytest.mark.parametrize("strategy", [None, "optim"])
+def test_unused_parameters_under_shardwise_no_sync(strategy):
+    """``model.no_sync()`` (reduce each micro-batch, finalize at the last; at ZeRO-1 the gradients stay Partial
+    until then) installs the same ``.grad`` set as FSDP2's ``set_requires_gradient_sync`` accumulation, with the
+    same values."""
     ref = run_distributed(_train, 2, "fsdp2", PLANS)[0]
-    got = run_distributed(_train, 2, "shardwise", PLANS, accumulate="no_sync")[0]
+    got = run_distributed(_train, 2, "shardwise", PLANS, accumulate="no_sync", strategy=strategy)[0]
+    _assert_same_grads(ref, got, exact=False)
+
+
+def test_unused_parameters_under_hsdp():
+    """A 2-D mesh (HSDP: replicas all-reduced): the ranks agree over the replica axis."""
+    ref = run_distributed(_train, 2, "fsdp2", PLANS, hsdp=True)[0]
+    got = run_distributed(_train, 2, "shardwise", PLANS, hsdp=True)[0]
     _assert_same_grads(ref, got, exact=False)
 
 
@@ -228,14 +242,15 @@ def test_ranks_that_disagree_all_install_what_some_rank_used():
 BF16_PLANS = [[{"extra": (0, 1), "side": True}] * 4] * 3  # 4 micro-batches, 3 steps, everything used
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_bf16_unsynced_accumulation_is_fsdp2s_bit_for_bit(world):
+@pytest.mark.parametrize("world,strategy", [(1, None), (2, None), (2, "optim")])
+def test_bf16_unsynced_accumulation_is_fsdp2s_bit_for_bit(world, strategy):
     """``param_dtype=bf16, reduce_dtype=fp32``, 4 micro-batches with ``set_requires_gradient_sync(False)`` for
     the first 3: the gradients held back accumulate in fp32 as FSDP2's do; gradients at every step and the
-    parameters after 3 AdamW steps are FSDP2's bit for bit."""
+    parameters after 3 AdamW steps are FSDP2's bit for bit (shardwise's ZeRO-1 too, whose gradient level is
+    the unsharded one)."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     ref = run_distributed(_train, world, "fsdp2", BF16_PLANS, mp_policy=policy)[0]
-    got = run_distributed(_train, world, "shardwise", BF16_PLANS, mp_policy=policy)[0]
+    got = run_distributed(_train, world, "shardwise", BF16_PLANS, mp_policy=policy, strategy=strategy)[0]
     _assert_same_grads(ref, got, exact=True)
 
 
