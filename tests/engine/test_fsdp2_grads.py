@@ -20,6 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import shardwise
+from shardwise.engine.model_ops import hand_out_unused_grads
 from tests.helpers.distributed import device, run_distributed
 
 DIM, CLASSES, ROWS = 16, 5, 6
@@ -73,7 +74,9 @@ def _wrap(impl: str, model: _Net, mp_policy, unused_params: bool | None, head_un
     if head_unit:  # torchtitan's [norm, lm_head] unit
         fully_shard([model.norm, model.head], **kwargs)
     fully_shard(model, **kwargs)
-    if unused_params is not None:
+    if unused_params == "face":  # the Megatron face's choice (shardwise only): FSDP2's True for units that ran
+        hand_out_unused_grads(model) if impl == "shardwise" else model.set_reduce_scatter_unused_params(True)
+    elif unused_params is not None:
         model.set_reduce_scatter_unused_params(unused_params)
 
 
@@ -203,6 +206,16 @@ def test_reduce_scatter_unused_params_true_gives_every_parameter_a_grad():
     unit that never ran (block 1 at step 2), on both."""
     ref = run_distributed(_train, 2, "fsdp2", PLANS, unused_params=True)[0]
     got = run_distributed(_train, 2, "shardwise", PLANS, unused_params=True)[0]
+    assert not any(any(n) for n in got["nones"])
+    _assert_same_grads(ref, got, exact=False)
+
+
+def test_hand_out_unused_grads_gives_zeros_where_unused():
+    """``model_ops.hand_out_unused_grads`` (the Megatron face: its optimizer reads every parameter's slot): every
+    parameter of the units that ran gets ``.grad``, zeros where unused, as FSDP2's
+    ``set_reduce_scatter_unused_params(True)`` gives them."""
+    ref = run_distributed(_train, 1, "fsdp2", PLANS[:2], unused_params="face")[0]
+    got = run_distributed(_train, 1, "shardwise", PLANS[:2], unused_params="face")[0]
     assert not any(any(n) for n in got["nones"])
     _assert_same_grads(ref, got, exact=False)
 
