@@ -10,6 +10,8 @@ same additions in the same order, so gradients and parameters are compared bit f
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -125,7 +127,7 @@ def _train(impl: str, plans: list, mp_policy=None, unused_params=None, chunks: i
             if accumulate == "fsdp2":
                 model.set_requires_gradient_sync(last)
             x, y = _data(step, micro)
-            with model.no_sync() if accumulate == "no_sync" and not last else _null():
+            with model.no_sync() if accumulate == "no_sync" and not last else contextlib.nullcontext():
                 if chunks:
                     _chunked_backward(model, x, y, plan, chunks, len(micro_plans))
                 else:
@@ -136,14 +138,6 @@ def _train(impl: str, plans: list, mp_policy=None, unused_params=None, chunks: i
         opt.zero_grad()
     params = {n: p.detach().full_tensor().cpu() for n, p in model.named_parameters()}
     return {"names": names, "nones": nones, "grads": grads, "params": params}
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 # step 0: `side` used in the first micro-batch only, blocks.1.extra in the second only;
