@@ -8,6 +8,9 @@ the ``.grad`` DTensors that view them: once ``optimizer.zero_grad()`` drops
 those, the next window allocates afresh and its first reduction overwrites
 (no zero-fill); grads the user kept are accumulated onto. An offloaded
 group streams the finished shard to the host right behind its reduction.
+Which parameters get ``.grad`` is FSDP2's rule (``grad_presence``); gradients
+that wait unsharded between reductions accumulate in the comm dtype, as FSDP2's
+do (``unsynced_grads``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import torch
 
 from .collectives import InFlight
 from .distributed_buffer import BufferState, DistributedBuffer
+from .grad_presence import GradPresence
+from .unsynced_grads import UnsyncedGrads
 
 __all__ = ["GradState", "GradWindow"]
 
@@ -42,7 +47,8 @@ class GradWindow:
     or Megatron's ``decoupled_grad``, uncast); ``grad_aliases``: attributes of the gathered parameters
     that alias their ``.grad`` (Megatron's ``main_grad``), dropped with it. The offload branch:
     ``host_grad`` (the host buffer, reused), ``host_ready`` (the copy's event), ``host_kept`` (grads the
-    user kept, added to at install).
+    user kept, added to at install). ``presence``: which parameters got a gradient in the window
+    (``GradPresence``); ``unsynced``: gradients waiting unsharded for a later reduction (``UnsyncedGrads``).
     """
 
     def __init__(self, group):  # its ParamGroup (which imports this module)
@@ -58,6 +64,10 @@ class GradWindow:
         self.host_grad: torch.Tensor | None = None
         self.host_ready: "torch.cuda.Event | None" = None
         self.host_kept = None
+        self.presence = GradPresence(len(group.params))
+        # graph-safe: the optimizer reads, after a replay that runs no Python, the .grad of every parameter
+        self.presence.install_all = group.graph_safe
+        self.unsynced = UnsyncedGrads()
 
     @property
     def grad_acc_flat(self) -> torch.Tensor | None:
@@ -101,31 +111,53 @@ class GradWindow:
             self.grad_acc = self.main_grad
         else:  # a Partial accumulation buffer of its own, restarted every window
             self.grad_acc = self._fresh("grad_acc", self.group.grad_level)
+        self.presence.reset()
         self.state = GradState.ACCUMULATING
 
-    def _fresh(self, kind: str, level: int) -> DistributedBuffer:
-        """An ``EMPTY`` gradient buffer of ``level``: a new one, or in graph-safe mode the one this group made
-        at its first window (kept for good: the same addresses every step, whoever drops ``.grad``)."""
+    def _fresh(self, kind: str, level: int, dtype: torch.dtype | None = None) -> DistributedBuffer:
+        """An ``EMPTY`` gradient buffer of ``level`` (``dtype``: the main grads' unless given): a new one, or in
+        graph-safe mode the one this group made at its first window (kept for good: the same addresses every
+        step, whoever drops ``.grad``)."""
+        dtype = dtype or self.group.main_grad_dtype
         if not self.group.graph_safe:
-            return self.group.levels.empty(level, self.group.main_grad_dtype)
+            return self.group.levels.empty(level, dtype)
         flat = self.graph_safe_buffers.get(kind)
         if flat is None:
-            flat = self.graph_safe_buffers[kind] = self.group.levels.new(self.group.layouts[level].total,
-                                                                     self.group.main_grad_dtype)
+            flat = self.graph_safe_buffers[kind] = self.group.levels.new(self.group.layouts[level].total, dtype)
         return DistributedBuffer(self.group.levels, level, flat, BufferState.EMPTY)
+
+    @property
+    def has_unsharded_grads(self) -> bool:
+        """Whether gradients wait for a reduction: on the gathered parameters, or accumulated apart."""
+        return self.unsynced.waiting or any(p.grad is not None for p in self.group.unsharded_params)
+
+    def stash_unsynced(self) -> None:
+        """A post-backward that does not reduce: move the gathered parameters' gradients into the comm-dtype
+        accumulator where their dtype is another (FSDP2's accumulation; ``unsynced_grads``). Megatron's
+        ``main_grad`` alias (fused wgrad accumulation writes into ``.grad``) keeps autograd's own."""
+        if self.grad_aliases:
+            return
+        comm = self.group.comm_dtype
+        self.unsynced.stash(self.group.unsharded_params, comm, lambda: self._fresh("unsynced", 0, comm))
 
     def _flat_unsharded(self, staged: list) -> DistributedBuffer:
         """The unsharded grads (zeros where missing) in one comm-dtype buffer, one kernel: the accumulation
-        buffer itself when that is a fresh one of level 0 and this dtype (ZeRO-0/1), else a staged one."""
-        acc = self.grad_acc
-        flat = acc if acc.takes(0, self.group.comm_dtype) else self.group.levels.staged(0, self.group.comm_dtype, staged)
+        buffer itself when that is a fresh one of level 0 and this dtype (ZeRO-0/1), else a staged one; the
+        waiting accumulator with this backward's grads added, when there is one."""
         grads = []
         for param, sharded in zip(self.group.unsharded_params, self.group.params):
             grads.append(sharded.local_grad(param.grad))  # a DTensor's local tensor under an SPMD mesh
             param.grad = None
             for alias in self.grad_aliases:
                 setattr(param, alias, None)
+        if self.unsynced.waiting:  # FSDP2: the accumulated grad += this backward's, then reduced
+            flat, held = self.unsynced.take(grads)
+            self.presence.note([h or g is not None for h, g in zip(held, grads)])
+            return flat
+        acc = self.grad_acc
+        flat = acc if acc.takes(0, self.group.comm_dtype) else self.group.levels.staged(0, self.group.comm_dtype, staged)
         flat.load(grads)
+        self.presence.note([g is not None for g in grads])
         return flat
 
     def reduce(self, finalize: bool) -> InFlight:
@@ -139,18 +171,21 @@ class GradWindow:
         self.released = ()
         staged: list = []
         acc = self.grad_acc
+        own = self.unsynced.waiting  # the flat buffer will be the waiting accumulator
         flat = self._flat_unsharded(staged)
         with self.group.streams.on(self.group.streams.reduce):
             # the first micro-batch's reduction lands in the fresh accumulation buffer itself (when the
             # grads were loaded into it, ZeRO-0/1, it holds them already and takes nothing more)
-            into = acc if acc.takes(self.group.grad_level, flat.flat.dtype) else None
-            shard = flat.reduce_scatter(self.group.grad_level, staged, into=into)
+            lands = self.group.grad_level > 0 and acc.takes(self.group.grad_level, flat.flat.dtype)
+            shard = flat.reduce_scatter(self.group.grad_level, staged, into=acc if lands else None)
             if self.group.grad_scale != 1.0:
                 shard.flat.mul_(self.group.grad_scale)
             if shard is not acc:
                 acc.accumulate(shard)
             if finalize:
                 self._finalize(staged)
+        if own:  # the waiting accumulator: the reduce stream may still read it
+            self.released = self.released + (flat.flat,)
         return self._in_flight(staged)
 
     def _in_flight(self, staged: list) -> InFlight:
@@ -195,6 +230,7 @@ class GradWindow:
                 host = torch.empty(numel, dtype=dtype)
             self.main_grad = main_grad.copy_to(host)
             self.released = self.released + (main_grad.flat,)
+        self.presence.agree(self.group.plan.axes.values(), self.group.levels.device)
 
     def discard(self) -> None:
         """Drop installed grads and any accumulation still open (the next backward overwrites)."""
@@ -212,6 +248,8 @@ class GradWindow:
             param.grad = None
             for alias in self.grad_aliases:
                 setattr(param, alias, None)
+        self.unsynced.drop()
+        self.presence.reset()
         self.grad_acc = None
         self.main_grad = None
         self.state = GradState.IDLE
@@ -247,11 +285,12 @@ class GradWindow:
             self._install_host()
             return
         flat, attr = self.main_grad.flat, self.grad_attr
+        present = self.presence.present()
         if all(getattr(p, attr, None) is not None and getattr(p, attr)._local_tensor._base is flat
                for p in self.group.sharded_params):
             pass  # accumulated onto the grads already installed
         else:
-            self._hand_out(self.main_grad.dtensors())
+            self._hand_out(self.main_grad.dtensors(), present)
         self.main_grad = None
         self.state = GradState.IDLE
         # An optimizer step on these grads may not show in any version counter: on CUDA, torch's
@@ -275,19 +314,23 @@ class GradWindow:
         windows accumulated, and every window starts the buffer afresh."""
         return self.grad_attr == "grad" and self.group.main_grad_dtype != self.group.main_dtype
 
-    def _hand_out(self, grads) -> None:
-        """Set each sharded parameter's ``grad_attr`` to its main grad.
+    def _hand_out(self, grads, present: list[bool]) -> None:
+        """Set each sharded parameter's ``grad_attr`` to its main grad, where ``present`` (``grad_presence``):
+        a parameter no rank gave a gradient keeps what it has (``None`` after ``zero_grad``).
 
         ``.grad`` must have its parameter's dtype: main grads of another dtype are
         handed out as a cast copy (the grads a user kept across steps are added to);
         graph-safe mode casts into a kept buffer, so the copies too keep their addresses.
         """
         if not self.hands_out_copies:
-            for param, grad in zip(self.group.sharded_params, grads):
-                setattr(param, self.grad_attr, grad)
+            for param, grad, here in zip(self.group.sharded_params, grads, present):
+                if here or getattr(param, self.grad_attr, None) is not None:
+                    setattr(param, self.grad_attr, grad)
             return
         copies = None  # graph-safe mode's kept copies, made only where some .grad was dropped
         for i, (param, grad) in enumerate(zip(self.group.sharded_params, grads)):
+            if not present[i]:  # its reduced gradient is zeros: a kept .grad stays as it is
+                continue
             if param.grad is not None:
                 param.grad.add_(grad.to(self.group.main_dtype))
             elif not self.group.graph_safe:
@@ -321,8 +364,9 @@ class GradWindow:
                     old.add_(new)
             self.main_grad = target
         self.host_kept = None
+        present = self.presence.present()
         if kept is None or any(getattr(p, self.grad_attr, None) is None for p in self.group.sharded_params):
-            self._hand_out(self.main_grad.dtensors())
+            self._hand_out(self.main_grad.dtensors(), present)
         self.main_grad_ref = weakref.ref(self.main_grad.flat)
         self.main_grad = None
         self.state = GradState.IDLE

@@ -30,6 +30,7 @@ __all__ = [
     "sharding_plan",
     "parameter_groups",
     "set_grad_attribute",
+    "hand_out_unused_grads",
     "add_grad_alias",
     "wait_for_reductions",
     "install_grads",
@@ -89,6 +90,13 @@ def set_grad_attribute(model: nn.Module, name: str) -> None:
         raise ValueError(f"set_grad_attribute: name={name!r} is not an attribute name (e.g. 'decoupled_grad')")
     for group in sharded_state(model).groups:
         group.grad_attr = name
+
+
+def hand_out_unused_grads(model: nn.Module) -> None:
+    """Give every trainable parameter of a reduced group its gradient, zeros where no rank used it (a face whose
+    optimizer reads every parameter's slot of a gradient buffer), instead of FSDP2's ``None``."""
+    for group in sharded_state(model).groups:
+        group.window.presence.install_all = True
 
 
 def add_grad_alias(model: nn.Module, name: str) -> None:

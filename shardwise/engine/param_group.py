@@ -382,7 +382,11 @@ class ParamGroup:
 
     # --------------------------------------------------------------- grads (the window's)
     def has_unsharded_grads(self) -> bool:
-        return any(p.grad is not None for p in self.unsharded_params)
+        return self.window.has_unsharded_grads
+
+    def stash_unsynced_grads(self) -> None:
+        """A post-backward that does not reduce: accumulate the gathered grads in the comm dtype, as FSDP2."""
+        self.window.stash_unsynced()
 
     def reduce_grads(self, finalize: bool) -> InFlight:
         """Reduce this micro-batch's grads into the window; finalize at a step's end (``GradWindow.reduce``)."""

@@ -144,11 +144,14 @@ class ShardedModule(FSDPModule):
         self._unit.settings.extra["force_sum_reduction_for_comms"] = bool(enable)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
-        """Accepted for ``True`` (what the engine always does: a group's unused parameters reduce as zeros,
-        so every rank runs the same collectives)."""
-        if not reduce_scatter_unused_params:
-            raise _not_built("set_reduce_scatter_unused_params(False)",
-                             "a group always reduces every parameter (unused ones as zeros), so ranks stay in step")
+        """``True``: every trainable parameter gets ``.grad`` at a step's end (zeros where no rank used it, even in
+        a unit that did not run, which FSDP2 then reduces too); ``False`` (FSDP2's default): only those some rank
+        gave a gradient in the window. A group always reduces every parameter (unused ones as zeros), so ranks
+        stay in step either way."""
+        for unit in self._units(recurse):
+            unit.settings.extra["reduce_scatter_unused_params"] = bool(reduce_scatter_unused_params)
+            for group in unit.groups:
+                group.window.presence.install_all = bool(reduce_scatter_unused_params) or group.graph_safe
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False``: backward does not gather this unit's weights (its backward must not read them)."""

@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 
 from .backward_steps import BackwardSteps
 from .collectives import InFlight, StreamSet
-from .param_group import ParamGroup
+from .param_group import GradState, ParamGroup
 from .mesh import ShardingPlan
 from .param_adoption import adopt_module_params
 from .unit import Unit
@@ -238,11 +238,22 @@ class ShardedState:
         else:
             unit.pending_backward -= 1
         if unit.pending_backward > 0 or unit.expected_recompute > 0 or unit.reduced:
+            if not unit.reduced:
+                self._stash_unsynced(unit)
             return
         if not self.defer_reduction and unit.settings.requires_gradient_sync:
             self._reduce(unit)
+        else:
+            self._stash_unsynced(unit)
         if unit.settings.reshard_after_backward:
             unit.reshard()
+
+    @staticmethod
+    def _stash_unsynced(unit: Unit) -> None:
+        """A post-backward (or a backward's end) that leaves the unit's grads unreduced: FSDP2 accumulates them
+        in the reduction's dtype from here on (``unsynced_grads``)."""
+        for group in unit.trainable_groups:
+            group.stash_unsynced_grads()
 
     def _reduce(self, unit: Unit) -> None:
         # Let the compute stream catch up with the previous reduction before its
@@ -288,6 +299,8 @@ class ShardedState:
                     unit.install_grads()
                 if unit.settings.reshard_after_backward:
                     unit.reshard()
+            else:
+                self._stash_unsynced(unit)
             unit.reset_iteration(keep_forward_counts=True, keep_forward_state=not unit.reduced)
 
     def _reduce_order(self) -> list[Unit]:
@@ -309,10 +322,14 @@ class ShardedState:
         """Reduce every unit holding gradients not yet reduced; wait; install ``.grad`` when syncing."""
         for unit in self._reduce_order():
             if not unit.settings.requires_gradient_sync:  # FSDP2's no-sync: grads stay unsharded, accumulating
+                self._stash_unsynced(unit)
                 continue
             # grads from a forward before the last backward's end count too (pipeline micro-batches)
             if (unit.ran_with_grad or any(g.has_unsharded_grads() for g in unit.groups)) and not unit.reduced:
                 self._reduce(unit)
+            elif (unit.settings.extra.get("reduce_scatter_unused_params") and self.sync_grads and not unit.reduced
+                  and all(g.grad_state is GradState.IDLE for g in unit.trainable_groups)):
+                self._reduce(unit)  # FSDP2 reduces a unit that did not run as zeros, and hands them out
             elif not unit.ran_with_grad and self.sync_grads and unit.settings.requires_all_reduce:
                 self.in_flight.extend(unit.finalize_idle_groups())
         self._land_in_flight()

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..engine.model_ops import add_grad_alias, compute_parameters, set_grad_attribute
+from ..engine.model_ops import add_grad_alias, compute_parameters, hand_out_unused_grads, set_grad_attribute
 
 __all__ = ["hand_out_decoupled_grads", "give_compute_params_main_grad", "check_grads_finite", "grads_of",
            "wire_megatron_grads"]
@@ -97,7 +97,10 @@ def check_grads_finite(module: nn.Module, groups: Iterable[Optional[dist.Process
 
 
 def wire_megatron_grads(module: nn.Module, config, ddp_config) -> None:
-    """After sharding: decoupled grads and fused wgrad accumulation, as the (raw) configs ask."""
+    """After sharding: decoupled grads and fused wgrad accumulation, as the (raw) configs ask; and every
+    parameter's gradient handed out, zeros where unused (Megatron's optimizer reads each parameter's slot of
+    its gradient buffer, not FSDP2's ``None``)."""
+    hand_out_unused_grads(module)
     if getattr(ddp_config, "megatron_fsdp_use_decoupled_grad", False):
         hand_out_decoupled_grads(module)
     if getattr(config, "gradient_accumulation_fusion", False):
