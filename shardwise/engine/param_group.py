@@ -144,8 +144,10 @@ class ParamGroup:
         # With ZeRO-3-like placements (parameters sharded exactly like the optimizer state) a
         # lower-precision model-weight shard is cast from the main weights on the gather
         # stream right before each gather instead of being kept: 2 bytes/param less at rest.
-        self.casts_on_gather = not self.main_aliases_model and kp == m and kp > 0 and not offload
+        # (``policy.keep_compute_weights`` keeps it instead, cast once per update; an FP8 gather casts anyway.)
         marks = [gather_mark(r.param) for r in self.refs]
+        keep = policy.keep_compute_weights and all(mark is None for mark in marks)
+        self.casts_on_gather = not self.main_aliases_model and kp == m and kp > 0 and not offload and not keep
         self.quantized: QuantizedGather | None = None
         if any(mark is not None for mark in marks):
             self._check_quantized(marks, policy, plan)
@@ -153,9 +155,10 @@ class ParamGroup:
         # The unsharded parameters are kept for good, as views of the model shard, wherever a gather would only
         # copy the model shard into a buffer of the same layout: parameters replicated (kp == 0, ZeRO-0/1/2),
         # or every parameter axis of one rank (one GPU, a one-rank dp_shard) with the compute weights being
-        # the main weights themselves (no cast, no FP8 bytes, nothing on the host). Then the optimizer's
-        # in-place update of the main weights is what forward reads, with no gather, free or allocation.
-        self.persistent_unsharded = kp == 0 or (self.main_aliases_model and self.quantized is None
+        # the main weights themselves or a kept model shard (no FP8 bytes, nothing on the host). Then the
+        # optimizer's in-place update of the main weights (or its cast into the kept shard, once per update)
+        # is what forward reads, with no gather, free or allocation.
+        self.persistent_unsharded = kp == 0 or (not self.casts_on_gather and self.quantized is None
                                                 and not offload and self.levels.same_layout(0, kp))
         self._allocate([ref.param.detach() for ref in self.refs])
         self.weight_state = WeightState.UNSHARDED if self.persistent_unsharded else WeightState.SHARDED
