@@ -137,8 +137,11 @@ class ParamGroup:
         self.opt_level = len(plan.opt_axes)
         self.levels = Levels(self.params, plan.opt_axes, self.collectives, streams, device)
         self.layouts = self.levels.layouts
-        self._set_dtypes(first.dtype)
+        # ``policy.keep_compute_weights``: the compute-dtype shard kept at rest, cast once per update (an FP8
+        # gather casts before every gather anyway)
         marks = [gather_mark(r.param) for r in self.refs]
+        self.keeps_compute_weights = policy.keep_compute_weights and all(mark is None for mark in marks)
+        self._set_dtypes(first.dtype)
         self.quantized: QuantizedGather | None = None
         if any(mark is not None for mark in marks):
             self._check_quantized(marks, policy, plan)
@@ -167,17 +170,20 @@ class ParamGroup:
         self.main_aliases_model = self.compute_dtype == self.main_dtype and not self.offloaded
         # With ZeRO-3-like placements (parameters sharded exactly like the optimizer state) a
         # lower-precision model-weight shard is cast from the main weights on the gather
-        # stream right before each gather instead of being kept: 2 bytes/param less at rest.
-        self.casts_on_gather = not self.main_aliases_model and kp == m and kp > 0 and not self.offloaded
+        # stream right before each gather instead of being kept: 2 bytes/param less at rest (unless the policy
+        # keeps it: ``keeps_compute_weights``).
+        self.casts_on_gather = (not self.main_aliases_model and kp == m and kp > 0 and not self.offloaded
+                                and not self.keeps_compute_weights)
 
     def _keeps_unsharded(self) -> bool:
         """Whether the unsharded parameters are kept for good, as views of the model shard: wherever a gather
         would only copy the model shard into a buffer of the same layout (parameters replicated, kp == 0,
-        ZeRO-0/1/2; or every parameter axis of one rank, one GPU or a one-rank dp_shard, with the compute weights
-        being the main weights themselves: no cast, no FP8 bytes, nothing on the host). Then the optimizer's
-        in-place update of the main weights is what forward reads, with no gather, free or allocation."""
+        ZeRO-0/1/2; or every parameter axis of one rank, one GPU or a one-rank dp_shard, with a model shard kept:
+        the main weights themselves or the compute-dtype shard ``keep_compute_weights`` keeps; no FP8 bytes,
+        nothing on the host). Then the optimizer's in-place update of the main weights (or its cast into the kept
+        shard, once per update) is what forward reads, with no gather, free or allocation."""
         kp = self.param_level
-        return kp == 0 or (self.main_aliases_model and self.quantized is None
+        return kp == 0 or (not self.casts_on_gather and self.quantized is None
                            and not self.offloaded and self.levels.same_layout(0, kp))
 
     def _allocate(self, fulls: list[torch.Tensor] | None) -> None:

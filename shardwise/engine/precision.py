@@ -40,6 +40,12 @@ class MixedPrecisionPolicy:
         (``None``: left as computed).
     cast_forward_inputs: every unit casts the floating tensors among its
         forward's inputs to ``param_dtype`` (token ids are left alone).
+    keep_compute_weights: keep the ``param_dtype`` weight shard at rest and cast it from the main
+        weights once after each update, instead of casting right before every gather (Megatron-FSDP's
+        layout: ``param_dtype`` bytes per parameter more at rest, divided by the shard size). Where
+        the parameters' shard axes have one rank (one GPU) the gathered weights are then that shard
+        itself: no cast, copy or allocation per micro-batch. ``False`` (FSDP2's way) keeps only the
+        main weights at rest.
     """
 
     param_dtype: torch.dtype | None = None
@@ -49,6 +55,7 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = False
+    keep_compute_weights: bool = False
 
     def __post_init__(self):
         if self.reduce_dtype is not None:
@@ -64,8 +71,9 @@ class MixedPrecisionPolicy:
                     f"MixedPrecisionPolicy.{field}={value!r} is not a floating dtype "
                     f"the engine can shard; use one of {[str(d) for d in _FLOATS]}"
                 )
-        if not isinstance(self.cast_forward_inputs, bool):
-            raise TypeError(f"MixedPrecisionPolicy.cast_forward_inputs={self.cast_forward_inputs!r} must be a bool")
+        for field in ("cast_forward_inputs", "keep_compute_weights"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"MixedPrecisionPolicy.{field}={getattr(self, field)!r} must be a bool")
 
     def compute_dtype(self, original: torch.dtype) -> torch.dtype:
         return self.param_dtype or original

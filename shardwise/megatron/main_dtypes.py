@@ -70,5 +70,7 @@ def mixed_precision_for(cfg, ddp, raw_ddp: Any, module: nn.Module) -> MixedPreci
         main_grads = _dtype(ddp.megatron_fsdp_main_grads_dtype, "megatron_fsdp_main_grads_dtype") \
             or compute("megatron_fsdp_main_grads_dtype")
         comm = _dtype(ddp.megatron_fsdp_grad_comm_dtype, "megatron_fsdp_grad_comm_dtype")
+    # Megatron-FSDP keeps a model-weight buffer in the compute dtype beside the main weights: so does the
+    # face (cast once per optimizer step; on one GPU forward then reads that shard itself, no cast per micro-batch)
     return MixedPrecisionPolicy(param_dtype=param_dtype, main_params_dtype=main_params,
-                                main_grads_dtype=main_grads, grad_comm_dtype=comm)
+                                main_grads_dtype=main_grads, grad_comm_dtype=comm, keep_compute_weights=True)
