@@ -140,16 +140,43 @@ class GradWindow:
         comm = self.group.comm_dtype
         self.unsynced.stash(self.group.unsharded_params, comm, lambda: self._fresh("unsynced", 0, comm))
 
-    def _flat_unsharded(self, staged: list) -> DistributedBuffer:
-        """The unsharded grads (zeros where missing) in one comm-dtype buffer, one kernel: the accumulation
-        buffer itself when that is a fresh one of level 0 and this dtype (ZeRO-0/1), else a staged one; the
-        waiting accumulator with this backward's grads added, when there is one."""
+    def _take_grads(self) -> list:
+        """This backward's unsharded grads (``None`` where a parameter got none), taken off the parameters."""
         grads = []
         for param, sharded in zip(self.group.unsharded_params, self.group.params):
             grads.append(sharded.local_grad(param.grad))  # a DTensor's local tensor under an SPMD mesh
             param.grad = None
             for alias in self.grad_aliases:
                 setattr(param, alias, None)
+        return grads
+
+    def _adds_in_place(self) -> bool:
+        """Whether this micro-batch's grads are added straight into the accumulation buffer: it already holds
+        the earlier micro-batches' sum at level 0's rows in the comm dtype (every gradient axis of one rank:
+        one GPU), so a staged copy would only be added to it (Megatron-LM's no-sync micro-batches)."""
+        acc, group = self.grad_acc, self.group
+        return (acc.state is BufferState.HOLDS and not self.unsynced.waiting and group.grad_scale == 1.0
+                and acc.flat.dtype == group.comm_dtype and group.levels.same_layout(0, group.grad_level))
+
+    def _add_in_place(self, finalize: bool) -> InFlight:
+        """``reduce`` where :meth:`_adds_in_place`: one add per parameter into the buffer, no staging."""
+        grads = self._take_grads()
+        self.presence.note([g is not None for g in grads])
+        staged: list = []
+        with self.group.streams.on(self.group.streams.reduce):
+            pairs = [(local, g) for local, g in zip(self.grad_acc.locals(), grads) if g is not None]
+            if pairs:
+                torch._foreach_add_([local for local, _ in pairs], [g for _, g in pairs])
+            if finalize:
+                self._finalize(staged)
+        self.released = self.released + tuple(g for _, g in pairs)  # the reduce stream reads them
+        return self._in_flight(staged)
+
+    def _flat_unsharded(self, staged: list) -> DistributedBuffer:
+        """The unsharded grads (zeros where missing) in one comm-dtype buffer, one kernel: the accumulation
+        buffer itself when that is a fresh one of level 0 and this dtype (ZeRO-0/1), else a staged one; the
+        waiting accumulator with this backward's grads added, when there is one."""
+        grads = self._take_grads()
         if self.unsynced.waiting:  # FSDP2: the accumulated grad += this backward's, then reduced
             flat, held = self.unsynced.take(grads)
             self.presence.note([h or g is not None for h, g in zip(held, grads)])
@@ -169,6 +196,8 @@ class GradWindow:
         if self.state is not GradState.ACCUMULATING:
             self._open()
         self.released = ()
+        if self._adds_in_place():
+            return self._add_in_place(finalize)
         staged: list = []
         acc = self.grad_acc
         own = self.unsynced.waiting  # the flat buffer will be the waiting accumulator
