@@ -225,16 +225,16 @@ def teardown() -> None:
     groups destroyed with their threads.
 
     ``destroy_model_parallel`` only forgets Megatron's groups: each set-up's dozens of groups (gloo copies
-    included) kept their threads, ~30 set-ups piled up thousands per rank and slowed everything beside the
+    included) kept their threads: ~30 set-ups piled up about 1,800 per rank, which slowed everything beside the
     run. Destroying them alone made the next set-up fail with "Could not resolve the process group
     registered under the name N": DTensor's sharding-propagation cache keeps output specs whose DeviceMesh
     holds the destroyed groups' names, and a mesh of the next set-up over the same ranks compares equal to
     it (DeviceMesh equality leaves the groups out), so an op on the new model's parameters got the old mesh
     back. The cache is cleared with the groups. shardwise's own single-rank group (the index of a parameter
-    without a TP axis) is dropped too, so that the next set-up makes a live one.
+    without a TP axis) is dropped too, so that the next set-up makes a live one. A group's threads end when
+    its last reference goes (the model's meshes, in reference cycles): at Python's next collection, not
+    forced here (a ``gc.collect()`` per teardown cost more CPU than the threads it ended sooner).
     """
-    import gc
-
     from megatron.core import rerun_state_machine
     from torch.distributed import distributed_c10d
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
@@ -248,7 +248,6 @@ def teardown() -> None:
         dist.destroy_process_group(group)
     _clear_sharding_prop_cache()
     dist_index._OWN_GROUPS.clear()
-    gc.collect()  # the groups' last references (the model's meshes) go now: their threads end here
 
 
 def setup_model_and_optimizer():
