@@ -230,16 +230,17 @@ def teardown() -> None:
     registered under the name N": DTensor's sharding-propagation cache keeps output specs whose DeviceMesh
     holds the destroyed groups' names, and a mesh of the next set-up over the same ranks compares equal to
     it (DeviceMesh equality leaves the groups out), so an op on the new model's parameters got the old mesh
-    back. The cache is cleared with the groups. shardwise's own single-rank group (the index of a parameter
-    without a TP axis) is dropped too, so that the next set-up makes a live one. A group's threads end when
-    its last reference goes (the model's meshes, in reference cycles): at Python's next collection, not
-    forced here (a ``gc.collect()`` per teardown cost more CPU than the threads it ended sooner).
+    back. The cache is cleared with the groups. shardwise's Megatron face forgets the groups it keeps for
+    reuse (its single-rank group for a parameter without a TP axis, ``build_process_groups``'s), so that
+    the next set-up makes live ones. A group's threads end when its last reference goes (the model's
+    meshes, in reference cycles): at Python's next collection, not forced here (a ``gc.collect()`` per
+    teardown cost more CPU than the threads it ended sooner).
     """
     from megatron.core import rerun_state_machine
     from torch.distributed import distributed_c10d
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-    from shardwise.megatron import dist_index
+    from shardwise.megatron import dist_index, process_groups
 
     check._teardown()
     rerun_state_machine.destroy_rerun_state_machine()
@@ -248,6 +249,7 @@ def teardown() -> None:
         dist.destroy_process_group(group)
     _clear_sharding_prop_cache()
     dist_index._OWN_GROUPS.clear()
+    process_groups._GROUP_CACHE.clear()
 
 
 def setup_model_and_optimizer():
