@@ -221,11 +221,35 @@ def setup(cmdline: str) -> None:
 
 
 def teardown() -> None:
-    """Megatron-LM's global state gone, so the next recipe (or the fresh load) starts clean."""
+    """Megatron-LM's global state gone, so the next recipe (or the fresh load) starts clean, and its process
+    groups destroyed with their threads.
+
+    ``destroy_model_parallel`` only forgets Megatron's groups: each set-up's dozens of groups (gloo copies
+    included) kept their threads: ~30 set-ups piled up about 1,800 per rank, which slowed everything beside the
+    run. Destroying them alone made the next set-up fail with "Could not resolve the process group
+    registered under the name N": DTensor's sharding-propagation cache keeps output specs whose DeviceMesh
+    holds the destroyed groups' names, and a mesh of the next set-up over the same ranks compares equal to
+    it (DeviceMesh equality leaves the groups out), so an op on the new model's parameters got the old mesh
+    back. The cache is cleared with the groups. shardwise's Megatron face forgets the groups it keeps for
+    reuse (its single-rank group for a parameter without a TP axis, ``build_process_groups``'s), so that
+    the next set-up makes live ones. A group's threads end when its last reference goes (the model's
+    meshes, in reference cycles): at Python's next collection, not forced here (a ``gc.collect()`` per
+    teardown cost more CPU than the threads it ended sooner).
+    """
     from megatron.core import rerun_state_machine
+    from torch.distributed import distributed_c10d
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    from shardwise.megatron import dist_index, process_groups
 
     check._teardown()
     rerun_state_machine.destroy_rerun_state_machine()
+    default = distributed_c10d._get_default_group()
+    for group in [g for g in distributed_c10d._world.pg_map if g is not default]:
+        dist.destroy_process_group(group)
+    _clear_sharding_prop_cache()
+    dist_index._OWN_GROUPS.clear()
+    process_groups._GROUP_CACHE.clear()
 
 
 def setup_model_and_optimizer():

@@ -42,6 +42,7 @@ def test_the_simulated_step_allocates_what_a_gloo_run_allocates_at_world_2(cand)
         _same(fake, real)
 
 
+@pytest.mark.slow  # 4 gloo processes
 @pytest.mark.parametrize("cand", [Candidate(micro_batch=2), Candidate(replicas=2, outer_strategy="optim"),
                                   Candidate(replicas=2)], ids=lambda c: c.label())
 def test_the_simulated_step_allocates_what_a_gloo_run_allocates_at_world_4(cand):
@@ -162,6 +163,7 @@ def test_the_command_plans_a_preset_and_names_what_it_recommends(capsys):
     assert "name one model" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # calibrate() spawns its gloo processes
 def test_calibrate_measures_this_machine_and_plan_reads_it_back(tmp_path):
     """``--calibrate``: a gloo all-gather line (latency, bandwidth) through the points it timed, a layer's rate,
     written where asked; ``--calibration`` then plans for that machine in place of a named GPU."""

@@ -140,6 +140,7 @@ def test_a_file_from_before_the_gpu_calibration_still_loads(tmp_path):
         load_calibration(tmp_path / "broken.json")
 
 
+@pytest.mark.slow  # measure_collectives spawns 2 gloo processes
 def test_the_measuring_functions_on_the_cpu():
     """The functions the NCCL branch calls, with gloo and the CPU as their parameters."""
     sizes = [2**16, 2**18]
@@ -153,6 +154,7 @@ def test_the_measuring_functions_on_the_cpu():
                                                                            / point["seconds"])
 
 
+@pytest.mark.slow  # measure_engine spawns its gloo process
 def test_the_engines_own_time_becomes_host_per_unit_and_on_the_cpu_adamws_rate(tmp_path):
     from shardwise.app.plan.calibrate_engine import measure_engine
     from shardwise.app.plan.step_time import ADAM_BYTES

@@ -32,6 +32,8 @@ from tests.helpers.megatron_wheel import megatron_core_019
 SCRIPT = REPO / "scripts" / "megatron_lm_recipes.py"
 TREES = [p for p in os.environ.get("SHARDWISE_MEGATRON_LM", "").split(os.pathsep) if p]
 WORLD = 4  # TP2 x DP2, HSDP: two replicas of two
+# torchrun on 4 processes (a subprocess, minutes): out of the quick tier (docs/testing.md)
+pytestmark = pytest.mark.slow
 
 
 def _recipes() -> list[str]:
