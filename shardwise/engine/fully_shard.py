@@ -41,6 +41,7 @@ from .rank_consistency import check_rank_consistency
 from .resolution import resolve_units
 from .sharded_module import ShardedModule, make_fsdp_modules
 from .sharded_state import ShardedState
+from .step_checks import mark_ignored, watch_state
 
 __all__ = ["fully_shard", "ShardedModule", "ShardedState"]
 
@@ -139,4 +140,7 @@ def fully_shard(
     state = ShardedState(own, adopt_units(modules[0], adopted, new_units), plan, streams, prefetch)
     register_hooks(state)
     make_fsdp_modules(state)
+    for p in options.ignored_params or ():
+        mark_ignored(p)  # left unreduced on purpose: the step checks never warn about it
+    watch_state(state)  # the optimizer step checks (step_checks) see its units
     return module
