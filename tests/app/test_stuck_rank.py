@@ -138,6 +138,36 @@ def test_a_stopped_rank_ends_the_run_within_its_timeout(tmp_path, data):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_by_the_watchdog_well_before_the_timeout(tmp_path, data):
+    """With the default --timeout (300 s) the collective would wait five minutes and could not say who it
+    waited for; the heartbeat names the stopped rank after --stall-timeout, on the rank that survives."""
+    stall_s, margin_s = 5, 20
+    out = tmp_path / "run"
+    proc = _start(out, data, "--stall-timeout", str(stall_s))
+    try:
+        deadline = time.monotonic() + HARD_LIMIT_S
+        _wait_for_steps(proc, out, 2, deadline)
+        workers = _workers(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        err = _communicate(proc, deadline)
+        elapsed = time.monotonic() - stopped
+    finally:
+        _finish(proc)
+    assert proc.returncode == 1, err
+    assert elapsed < stall_s + margin_s, f"took {elapsed:.1f}s"
+    lines = _stderr_lines(err)
+    survivor = [line for line in lines if line.startswith("shardwise train: rank 0: error:")]
+    assert len(survivor) == 1, lines
+    assert survivor[0].startswith(f"shardwise train: rank 0: error: rank 1 stopped making progress: no heartbeat "
+                                  f"for {stall_s} s (its last: step "), survivor[0]
+    assert any(line.startswith(f"shardwise train: rank 1 (pid {workers[1]}, stopped) was still running")
+               for line in lines), lines
+    assert "Traceback" not in err
+
+
 def _train_then_ctrl_c(out: Path, data: str, meanwhile=None) -> tuple[subprocess.Popen, str]:
     """Start a run, let it train 2 steps, call ``meanwhile(proc, deadline)``, press Ctrl-C; the run and its stderr."""
     proc = _start(out, data)
