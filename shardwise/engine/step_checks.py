@@ -85,9 +85,8 @@ def _first_look(optimizer) -> list:
         for group in unit.groups:
             for p in group.sharded_params:
                 owner_of_sharded[id(p)] = unit
-            if not group.persistent_unsharded:
-                for p in group.unsharded_params:
-                    owner_of_gathered[id(p)] = unit
+            for p in group.unsharded_params:
+                owner_of_gathered[id(p)] = unit
     name = type(optimizer).__name__
     gathered = {owner_of_gathered[id(p)].name for p in params if id(p) in owner_of_gathered}
     if gathered:
