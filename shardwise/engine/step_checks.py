@@ -13,10 +13,11 @@ steady step:
   ``fully_shard`` call owns them (the blocks were wrapped, the root not), so nothing reduces their
   gradients and the ranks drift apart. A warning, not an error: a script may all-reduce them itself;
 - a unit still gathered (``unshard()`` without ``reshard()``) when a forward starts after its weights
-  changed (an optimizer step, a load): that forward would compute with the old weights (refused there).
+  changed (an optimizer step, a load): that forward would compute with the old weights (refused there);
+- parameters still on the meta device at the first forward (listed; FSDP2 lists them too, there).
 
 The optimizer checks ride on a global optimizer step pre-hook, as ``replaced_params``' does; the forward
-check is called by the root's pre-forward.
+checks are called by the root's pre-forward.
 """
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .param_group import SHARDED_MARK, WeightState
 
-__all__ = ["UnreducedGradientWarning", "watch_state", "mark_ignored", "check_gathered_weights_current"]
+__all__ = ["UnreducedGradientWarning", "watch_state", "mark_ignored", "check_gathered_weights_current",
+           "check_materialized"]
 
 _IGNORED_MARK = "_shardwise_ignored"
 _states: "weakref.WeakSet" = weakref.WeakSet()
 # optimizer -> (its number of param groups when looked at, the units whose sharded parameters it steps)
 _seen: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, list]]" = weakref.WeakKeyDictionary()
 _hook = None
+_materialized: "weakref.WeakSet" = weakref.WeakSet()  # states whose first forward found no meta parameter
 
 
 class UnreducedGradientWarning(UserWarning):
@@ -143,3 +146,19 @@ def check_gathered_weights_current(units) -> None:
             "across a step) and their weights changed since they were gathered (an optimizer step or a load): this "
             "forward would compute with the old weights; call reshard() on them after the last backward, before "
             "the next forward")
+
+
+def check_materialized(state) -> None:
+    """At a model's first forward: refuse parameters still on the meta device (a module left there, never
+    ``to_empty()``-ed), listing them, instead of failing inside a gather on a device mismatch."""
+    if state in _materialized:
+        return
+    meta = [ref.fqn if unit.is_root else f"{unit.name}.{ref.fqn}" for unit in state.all_units
+            for group in unit.groups for ref, p in zip(group.refs, group.sharded_params) if p.device.type == "meta"]
+    if meta:
+        shown = ", ".join(repr(n) for n in meta[:8]) + (f" and {len(meta) - 8} more" if len(meta) > 8 else "")
+        raise RuntimeError(
+            f"{len(meta)} parameters are still on the meta device at the first forward: {shown}; materialize them "
+            "first: model.to_empty(device=...) and the model's own initialisation (or fully_shard(..., "
+            "init_fn=shardwise.MetaInitializer(model)))")
+    _materialized.add(state)

@@ -316,7 +316,7 @@ def test_misuse_is_refused_at_wrap_time_naming_it():
     assert "reshard_after_forward=2 (an int" in out["int_reshard"] and "not built" in out["int_reshard"]
     assert "dp_mesh_dims=...) (a full SPMD mesh" in out["dp_mesh_dims"]
     assert "shard_placement_fn returned Shard(dim=1) for parameter 'a.weight'" in out["shard_dim1"], out["shard_dim1"]
-    assert "mp_policy must be a MixedPrecisionPolicy" in out["policy"]
+    assert "mp_policy='bf16' must be a MixedPrecisionPolicy" in out["policy"]
 
 
 # ------------------------------------------------------------------ ignored_params, register_fsdp_forward_method

@@ -154,3 +154,69 @@ def test_the_watchdog_names_a_rank_that_never_beats():
     assert second is None
     with pytest.raises(AssertionError, match="stall_s=0 must be a positive number of seconds"):
         run_distributed(shardwise.StallWatchdog, 1, 0)
+
+
+# ------------------------------------------------------------------ messages as clear as FSDP2's, or clearer
+def _unclear_before(which: str) -> dict:
+    """Three misuses whose shardwise message used to be an internal error, and a wrong-typed policy."""
+    fully_shard = torch_fully_shard if which == "fsdp2" else shardwise.fully_shard
+    out = {}
+
+    def capture(key, fn):
+        try:
+            fn()
+            out[key] = None
+        except Exception as e:  # noqa: BLE001 -- FSDP2 raises AssertionError for deepcopy
+            out[key] = f"{type(e).__name__}: {e}"
+
+    def torch_wrapped_block():
+        model = TinyLM(CONFIG).to(device())
+        torch_fully_shard(model.blocks[0])
+        fully_shard(model)
+        model(*(t.to(device()) for t in batch(0, 2, CONFIG))).backward()
+
+    def meta_block():
+        model = TinyLM(CONFIG).to(device())
+        model.blocks[1].to("meta")
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        model(*(t.to(device()) for t in batch(0, 2, CONFIG)))
+
+    def deepcopy_wrapped():
+        import copy
+
+        model = TinyLM(CONFIG).to(device())
+        for block in model.blocks:
+            fully_shard(block)
+        copy.deepcopy(fully_shard(model))
+
+    capture("torch_wrapped", torch_wrapped_block)
+    capture("meta", meta_block)
+    capture("deepcopy", deepcopy_wrapped)
+    if which == "shardwise":
+        capture("mixed_precision", lambda: shardwise.fully_shard(TinyLM(CONFIG), mixed_precision="bf16"))
+    return out
+
+
+def test_each_unclear_message_is_one_clear_line():
+    """FSDP2 takes in its own units (nothing to say), lists meta parameters at the first forward and refuses
+    deepcopy; shardwise refuses torch's units at wrap time by name, lists the meta parameters with their
+    unit's prefix as FSDP2 does, refuses deepcopy saying what to use, and names the policy argument passed."""
+    theirs = run_distributed(_unclear_before, 1, "fsdp2")[0]
+    ours = run_distributed(_unclear_before, 1, "shardwise")[0]
+    assert theirs["torch_wrapped"] is None
+    assert ours["torch_wrapped"].startswith(
+        "ValueError: submodule 'blocks.0' (FSDPBlock) is already sharded by torch.distributed.fsdp.fully_shard")
+    meta = [f"'blocks.1.{n}'" for n in ("norm1.weight", "norm1.bias", "qkv.weight", "proj.weight")]
+    assert all(name.strip("'") in theirs["meta"] for name in meta), theirs["meta"]
+    assert ours["meta"].startswith("RuntimeError: 11 parameters are still on the meta device at the first forward: "
+                                   + ", ".join(meta)), ours["meta"]
+    assert "model.to_empty(device=...)" in ours["meta"]
+    assert "deepcopy" in theirs["deepcopy"] and "state dict" in theirs["deepcopy"]
+    assert ours["deepcopy"].startswith("TypeError: copy.deepcopy of a sharded module (ShardedTinyLM, a fully_shard "
+                                       "unit) is not supported")
+    assert "shardwise.full_state_dict(model)" in ours["deepcopy"]
+    assert ours["mixed_precision"] == ("TypeError: mixed_precision='bf16' must be a MixedPrecisionPolicy "
+                                       "(torch.distributed.fsdp's or shardwise's), got str")
+    assert all("\n" not in message for message in ours.values())
