@@ -73,10 +73,11 @@ def _check_step(optimizer, args, kwargs) -> None:
     seen = _seen.get(optimizer)
     if seen is None or seen[0] != len(optimizer.param_groups):
         seen = _seen[optimizer] = (len(optimizer.param_groups), _first_look(optimizer))
-    for unit in seen[1]:
-        if not unit.settings.requires_gradient_sync and any(g.has_unsharded_grads() for g in unit.groups):
-            _refuse_unsynced(optimizer, [u for u in seen[1] if not u.settings.requires_gradient_sync
-                                         and any(g.has_unsharded_grads() for g in u.groups)])
+    # every step: one attribute per unit (sync is on in a steady step, and nothing more is read)
+    unsynced = [u for u in seen[1] if not u.settings.requires_gradient_sync
+                and any(g.has_unsharded_grads() for g in u.groups)]
+    if unsynced:
+        _refuse_unsynced(optimizer, unsynced)
 
 
 def _first_look(optimizer) -> list:
@@ -99,11 +100,11 @@ def _first_look(optimizer) -> list:
             "shards at every gather, so its steps would be lost and the units would never train; call reshard() "
             "on them, then build the optimizer from model.parameters()")
     stepped = {id(owner_of_sharded[id(p)]): owner_of_sharded[id(p)] for p in params if id(p) in owner_of_sharded}
-    _warn_unowned(name, params, stepped.values())
+    _warn_unowned(name, params)
     return list(stepped.values())
 
 
-def _warn_unowned(name: str, params: list, units) -> None:
+def _warn_unowned(name: str, params: list) -> None:
     multi_rank = [p for p in params if getattr(p, SHARDED_MARK, False) and isinstance(p, DTensor)
                   and p.device_mesh.size() > 1]
     if not multi_rank:

@@ -68,6 +68,10 @@ class StallWatchdog:
     # ------------------------------------------------------------------ the loop
     def start(self) -> "StallWatchdog":
         if self.world > 1 and self._thread is None:
+            try:  # the first beat before this returns: a rank stopped right after start is seen with its last
+                self._beat()
+            except Exception:  # noqa: BLE001 -- the thread retries, and judges the store
+                pass
             self._thread = threading.Thread(target=self._run, name="shardwise-stall-watchdog", daemon=True)
             self._thread.start()
         return self
@@ -100,8 +104,7 @@ class StallWatchdog:
             first = False
             now = time.monotonic()
             try:
-                self.store.add(f"beat/{self.rank}", 1)
-                self.store.set(f"doing/{self.rank}", self.describe()[:200])
+                self._beat()
                 count = self.store.add(f"beat/{neighbour}", 0)
                 posted = self.store.check(["stalled"]) and self.store.get("stalled").decode()
                 store_ok_at = now
@@ -125,6 +128,10 @@ class StallWatchdog:
                     pass
                 self._stalled(message)
                 return
+
+    def _beat(self) -> None:
+        self.store.add(f"beat/{self.rank}", 1)
+        self.store.set(f"doing/{self.rank}", self.describe()[:200])
 
     def _neighbour_message(self, neighbour: int, count: int) -> str:
         try:
