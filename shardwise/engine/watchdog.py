@@ -62,6 +62,8 @@ class StallWatchdog:
         base.set_timeout(datetime.timedelta(seconds=max(1.0, self.interval_s)))
         self.store = dist.PrefixStore(f"shardwise_watchdog/{next(_GENERATIONS)}/", base)
         self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._store_ok_at = time.monotonic()
         self._thread: threading.Thread | None = None
         self.stalled: str | None = None  # the message, once a stall is seen
 
@@ -72,8 +74,11 @@ class StallWatchdog:
                 self._beat()
             except Exception:  # noqa: BLE001 -- the thread retries, and judges the store
                 pass
+            self._store_ok_at = time.monotonic()
             self._thread = threading.Thread(target=self._run, name="shardwise-stall-watchdog", daemon=True)
             self._thread.start()
+            # A store operation on a stopped host may block past any timeout: a second thread judges the store
+            threading.Thread(target=self._watch_store, name="shardwise-stall-watchdog-store", daemon=True).start()
         return self
 
     def close(self) -> None:
@@ -81,7 +86,7 @@ class StallWatchdog:
         if self._thread is None:
             return
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout=self.stall_s)  # a store operation on a stopped host may never return
         self._thread = None
         try:
             self.store.add(f"beat/{self.rank}", _DONE)
@@ -94,9 +99,15 @@ class StallWatchdog:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _watch_store(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            if time.monotonic() - self._store_ok_at > self.stall_s:
+                self._stalled(self._store_host_message())
+                return
+
     def _run(self) -> None:
         neighbour = (self.rank + 1) % self.world
-        seen, seen_at, store_ok_at = None, time.monotonic(), time.monotonic()
+        seen, seen_at = None, time.monotonic()
         first = True
         while True:  # the first beat at once, then one every interval_s
             if self._stop.is_set() or (not first and self._stop.wait(self.interval_s)):
@@ -107,11 +118,8 @@ class StallWatchdog:
                 self._beat()
                 count = self.store.add(f"beat/{neighbour}", 0)
                 posted = self.store.check(["stalled"]) and self.store.get("stalled").decode()
-                store_ok_at = now
-            except Exception:  # noqa: BLE001 -- a timeout or a lost connection: the store's host stopped
-                if now - store_ok_at > self.stall_s:
-                    self._stalled(self._store_host_message())
-                    return
+                self._store_ok_at = time.monotonic()
+            except Exception:  # noqa: BLE001 -- a timeout or a lost connection: _watch_store judges the store
                 continue
             if posted:
                 self._stalled(posted)
@@ -149,5 +157,9 @@ class StallWatchdog:
                 f"for {self.stall_s:g} s; it is stopped (SIGSTOP, a debugger), frozen or dead")
 
     def _stalled(self, message: str) -> None:
-        self.stalled = message
+        with self._lock:  # one call, whichever thread sees it first
+            if self.stalled is not None:
+                return
+            self.stalled = message
+        self._stop.set()
         self.on_stall(message)
