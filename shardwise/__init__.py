@@ -24,6 +24,7 @@ from .engine.precision import MixedPrecisionPolicy
 from .engine.replaced_params import check_optimizer_params
 from .engine.state_dict import full_state_dict
 from .engine.teardown import destroy_process_groups
+from .engine.watchdog import StallWatchdog
 
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "capture_step",
     "CapturedStep",
     "convert_to_fp8",
+    "StallWatchdog",
     # state and teardown
     "full_state_dict",
     "destroy_process_groups",

@@ -130,6 +130,9 @@ class TrainConfig:
         "when resuming on another number of ranks, keep the checkpoint's global batch by changing --grad-accum"))
     timeout: float = field(default=300.0, metadata=_help(
         "seconds a collective waits for the other ranks before the run fails (the process-group timeout)"))
+    stall_timeout: float = field(default=60.0, metadata=_help(
+        "seconds without a heartbeat from a rank (stopped, frozen) before every other rank stops, naming it "
+        "(0 = off; only used when below --timeout)"))
     nproc: int = field(default=0, metadata=_help("local worker processes (0 = one per GPU, or 2 on CPU)"))
     meta_init: bool = field(default=True, metadata=_help(
         "build the model on the meta device and initialize it one layer at a time while sharding "
@@ -292,6 +295,8 @@ def _validate(cfg: TrainConfig, model: GPTConfig, problems: Problems, explicit=f
             problems.add(name, getattr(cfg, name), "must be in [0, 1)")
     if not cfg.timeout > 0:
         problems.add("timeout", cfg.timeout, "must be a positive number of seconds")
+    if not cfg.stall_timeout >= 0:
+        problems.add("stall_timeout", cfg.stall_timeout, "must be 0 (off) or a positive number of seconds")
     if not 0 <= cfg.offload_fraction <= 1:
         problems.add("offload_fraction", cfg.offload_fraction, "must be a fraction in [0, 1]")
     if cfg.compile:

@@ -38,7 +38,7 @@ import warnings
 from typing import Callable
 
 __all__ = ["free_port", "launch_local", "under_launcher", "process_started_at", "run_guarded", "WorkerError",
-           "report_started", "available_cores",
+           "report_started", "available_cores", "fail_now",
            "dump_stacks_on_sigusr1", "one_line_warnings", "describe_collective_error", "EXIT_INTERRUPTED"]
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -210,6 +210,8 @@ def run_guarded(fn: Callable, args: tuple, prog: str, report_to: str | None = No
     workers) the error is written there for the launcher, which says each error once with the ranks
     that raised it, instead of printed.
     """
+    global _GUARDED
+    _GUARDED = (prog, report_to)
     one_line_warnings(prog)
     dump_stacks_on_sigusr1()
     interrupted = []
@@ -235,22 +237,38 @@ def run_guarded(fn: Callable, args: tuple, prog: str, report_to: str | None = No
         if interrupted:
             return EXIT_INTERRUPTED
         one_line = getattr(e, "one_line", False)
-        report = {"message": _one_line(e) if one_line else f"{type(e).__name__}: {_one_line(e)[:500]}",
-                  "traceback": "" if one_line else traceback.format_exc()}
-        if report_to is not None:
-            try:
-                with open(report_to, "w") as f:
-                    json.dump(report, f)
-            except OSError:
-                report_to = None  # the launcher's folder is gone: say it here
-        if report_to is None:
-            print(f"{report['traceback']}{prog}: error: {report['message']}", file=sys.stderr, flush=True)
+        _report({"message": _one_line(e) if one_line else f"{type(e).__name__}: {_one_line(e)[:500]}",
+                 "traceback": "" if one_line else traceback.format_exc()}, prog, report_to)
         return int(getattr(e, "exit_code", 1)) if one_line else 1
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
         sys.stdout.flush()
         sys.stderr.flush()
+
+
+def _report(report: dict, prog: str, report_to: str | None) -> None:
+    """An error for the launcher (``report_to``), which says it once for the ranks that raised it; else printed."""
+    if report_to is not None:
+        try:
+            with open(report_to, "w") as f:
+                json.dump(report, f)
+            return
+        except OSError:
+            pass  # the launcher's folder is gone: say it here
+    print(f"{report['traceback']}{prog}: error: {report['message']}", file=sys.stderr, flush=True)
+
+
+_GUARDED: tuple[str, str | None] = ("shardwise", None)  # run_guarded's prog and report file, for fail_now
+
+
+def fail_now(message: str) -> None:
+    """Report ``message`` as this worker's one-line error and exit 1 at once: for a thread that found the
+    run cannot go on while the main thread waits in a collective nothing else can end (a stalled peer)."""
+    prog, report_to = _GUARDED
+    _report({"message": message, "traceback": ""}, prog, report_to)
+    sys.stderr.flush()
+    os._exit(1)
 
 
 # ------------------------------------------------------------------ local launcher

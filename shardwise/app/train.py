@@ -63,8 +63,8 @@ from .config import (ConfigError, TrainConfig, build_parser, check_world, defaul
 from .corpus import describe_coverage, open_data
 from .data import TokenLoader
 from .errors import PROG, Problems, say
-from .launch import (EXIT_INTERRUPTED, WorkerError, available_cores, describe_collective_error, launch_local,
-                     one_line_warnings, process_started_at, report_started, run_guarded, under_launcher)
+from .launch import (EXIT_INTERRUPTED, WorkerError, available_cores, describe_collective_error, fail_now,
+                     launch_local, one_line_warnings, process_started_at, report_started, run_guarded, under_launcher)
 from .loop import DataParallelRun, Phase, run_steps
 from .memory import DoesNotFit
 from .lr import LRSchedule, lr_schedule, resumed_schedule
@@ -215,6 +215,16 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = Non
         if owns_group:
             destroy_process_groups()
 
+
+
+def _stall_watchdog(cfg: TrainConfig, phase: Phase):
+    """A started ``StallWatchdog`` when --stall-timeout is on and below --timeout (else the collectives' own
+    timeout comes first): a stopped rank is named on every other, which then exits with that line."""
+    if not 0 < cfg.stall_timeout < cfg.timeout or dist.get_world_size() == 1:
+        return None
+    from ..engine.watchdog import StallWatchdog
+
+    return StallWatchdog(cfg.stall_timeout, describe=lambda: phase.now, on_stall=fail_now).start()
 
 
 def _build_model(cfg: TrainConfig, model_cfg: GPTConfig, device: torch.device, policy, rank: int) -> tuple:
@@ -368,10 +378,13 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
                f"{f' cp{cfg.cp}' if cfg.cp > 1 else ''}",
                disable=rank != 0, dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
     loop_started_at = time.time()
+    watchdog = _stall_watchdog(cfg, phase)
     try:
         trained = run_steps(cfg, run, optimizer, loader, checkpoints, schedule, start, grad_accum,
                             tokens, device, phase, bar, metrics_file, launch, flops_per_token, evaluator, loggers)
     finally:
+        if watchdog is not None:
+            watchdog.close()
         bar.close()  # ends the progress line before anything else is printed
         if loggers is not None:
             loggers.close()

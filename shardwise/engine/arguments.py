@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import OffloadPolicy as TorchOffloadPolicy
 from torch.distributed.tensor import DTensor
@@ -66,6 +67,13 @@ def check_modules(modules: list[nn.Module], state_attr: str = STATE_ATTR) -> lis
     adopted: dict[int, object] = {}
     inside = {id(sub) for m in modules for sub in m.modules()}
     for m in modules:
+        for name, sub in m.named_modules():
+            if isinstance(sub, FSDPModule) and not hasattr(sub, state_attr):
+                where = f"submodule {name!r} ({type(sub).__name__})" if name else f"module {type(sub).__name__}"
+                raise ValueError(
+                    f"{where} is already sharded by torch.distributed.fsdp.fully_shard: one library shards a "
+                    "model; build it again and call shardwise.fully_shard on its blocks and root (from shardwise "
+                    "import fully_shard in every call)")
         if hasattr(m, state_attr):
             raise ValueError(f"module {type(m).__name__} is already sharded by shardwise.fully_shard (one unit "
                              "per module: call fully_shard once on it)")
@@ -100,8 +108,9 @@ def resolve_policy(mp_policy, mixed_precision) -> MixedPrecisionPolicy:
         return policy or MixedPrecisionPolicy()
     if isinstance(policy, TorchMixedPrecisionPolicy):
         return from_torch_policy(policy)
-    raise TypeError(f"mp_policy must be a MixedPrecisionPolicy (torch.distributed.fsdp's or shardwise's), "
-                    f"got {type(policy).__name__}")
+    argument = "mp_policy" if mp_policy is not None else "mixed_precision"  # the one the caller passed
+    raise TypeError(f"{argument}={policy!r} must be a MixedPrecisionPolicy (torch.distributed.fsdp's or "
+                    f"shardwise's), got {type(policy).__name__}")
 
 
 def resolve_offload(offload_policy) -> OffloadPolicy | None:

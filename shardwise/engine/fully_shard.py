@@ -45,6 +45,7 @@ from .resolution import resolve_units
 from .sharded_module import ShardedModule, make_fsdp_modules
 from .sharded_state import ShardedState
 from .spmd_mesh import read_spmd_mesh
+from .step_checks import mark_ignored, watch_state
 from .torch_fsdp_state import state as torch_state
 from .weight_origin import resolve_check_mode, watch_weights
 
@@ -167,6 +168,9 @@ def fully_shard(
     register_hooks(state)
     make_fsdp_modules(state)
     watch_weights(state, adopted, described, differing, options.check_module_states)  # until the first forward
+    for p in options.ignored_params or ():
+        mark_ignored(p)  # left unreduced on purpose: the step checks never warn about it
+    watch_state(state)  # the optimizer step checks (step_checks) see its units
     return module
 
 

@@ -350,6 +350,11 @@ class ParamGroup:
         with torch.profiler.record_function("shardwise::gather"):
             self._gather = self._unsharded.start_gather(self._gather_source)
         self.weight_state = WeightState.GATHERING
+        self._gathered_version = self._main_version()
+
+    def weights_changed_since_gather(self) -> bool:
+        """Whether the main weights moved (an optimizer step, a load) since the unsharded ones were gathered."""
+        return self._main_version() != getattr(self, "_gathered_version", None)
 
     def _gather_source(self, staged: list) -> DistributedBuffer:
         """What the gather reads, made on the gather stream right before it."""

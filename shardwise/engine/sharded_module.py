@@ -52,6 +52,14 @@ class ShardedModule(FSDPModule):
     # [Sharded<Orig>, ShardedModule, FSDPModule, Orig, ...]: where torch's __new__ finds the original class
     _orig_cls_mro_index: int = 3
 
+    def __deepcopy__(self, memo):
+        # A copy would share the engine's buffers and hooks with the original (or fail inside torch's storage
+        # copy): say so, with what to do instead (FSDP2 refuses deepcopy too).
+        raise TypeError(
+            f"copy.deepcopy of a sharded module ({type(self).__name__}, a fully_shard unit) is not supported: its "
+            "parameters are views of the engine's shared buffers; copy the model before fully_shard, or build a "
+            "new one and load shardwise.full_state_dict(model) (or torch's get_model_state_dict) into it")
+
     # ---------------------------------------------------------------- the engine's state
     @property
     def sharded_state(self) -> ShardedState:

@@ -20,6 +20,7 @@ from .collectives import InFlight, StreamSet
 from .param_group import GradState, ParamGroup
 from .mesh import ShardingPlan
 from .param_adoption import adopt_module_params
+from .step_checks import check_gathered_weights_current, check_materialized
 from .unit import Unit
 
 __all__ = ["ShardedState", "opaque_to_compiler"]
@@ -128,6 +129,8 @@ class ShardedState:
         if _in_backward():
             return args, kwargs
         self.adopt_module_params()
+        check_materialized(self)  # once: a module left on the meta device is named, not a device mismatch
+        check_gathered_weights_current(self.all_units)  # a unit left gathered across a step would read old weights
         if self.weight_watch is not None and self.weight_watch.armed:  # the first forward (weight_origin)
             self.weight_watch.check(self.root.module)
         self._wait_post_optim_event()

@@ -138,6 +138,40 @@ def test_a_stopped_rank_ends_the_run_within_its_timeout(tmp_path, data):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("stopped_rank", [1, 0])
+def test_a_stopped_rank_is_named_by_the_watchdog_well_before_the_timeout(tmp_path, data, stopped_rank):
+    """With the default --timeout (300 s) the collective would wait five minutes and could not say who it
+    waited for; the heartbeat names the stopped rank after --stall-timeout, on the rank that survives (rank 0
+    hosts the c10d store: its peers find the store silent)."""
+    stall_s, margin_s, survivor_rank = 5, 20, 1 - stopped_rank
+    out = tmp_path / "run"
+    proc = _start(out, data, "--stall-timeout", str(stall_s))
+    try:
+        deadline = time.monotonic() + HARD_LIMIT_S
+        _wait_for_steps(proc, out, 2, deadline)
+        workers = _workers(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[stopped_rank], signal.SIGSTOP)
+        stopped = time.monotonic()
+        err = _communicate(proc, deadline)
+        elapsed = time.monotonic() - stopped
+    finally:
+        _finish(proc)
+    assert proc.returncode == 1, err
+    assert elapsed < stall_s + margin_s, f"took {elapsed:.1f}s"
+    lines = _stderr_lines(err)
+    prefix = f"shardwise train: rank {survivor_rank}: error: rank {stopped_rank} stopped making progress: "
+    survivor = [line for line in lines if line.startswith(f"shardwise train: rank {survivor_rank}: error:")]
+    assert len(survivor) == 1, lines
+    why = (f"no heartbeat for {stall_s} s (its last: " if stopped_rank == 1 else
+           f"the c10d store it hosts has not answered for {stall_s} s; it is stopped")
+    assert survivor[0].startswith(prefix + why), survivor[0]
+    assert any(line.startswith(f"shardwise train: rank {stopped_rank} (pid {workers[stopped_rank]}, stopped) was "
+                               "still running") for line in lines), lines
+    assert "Traceback" not in err
+
+
 def _train_then_ctrl_c(out: Path, data: str, meanwhile=None) -> tuple[subprocess.Popen, str]:
     """Start a run, let it train 2 steps, call ``meanwhile(proc, deadline)``, press Ctrl-C; the run and its stderr."""
     proc = _start(out, data)

@@ -324,7 +324,7 @@ def test_misuse_is_refused_at_wrap_time_naming_it():
     # Shard(1) is built (tests/engine/test_shard_dim.py); a bias has no dim 1, which FSDP2 refuses too
     assert "shard_placement_fn returned Shard(dim=1) for parameter 'a.bias' of shape (4,): it has no dim 1" in \
         out["shard_dim1"], out["shard_dim1"]
-    assert "mp_policy must be a MixedPrecisionPolicy" in out["policy"]
+    assert "mp_policy='bf16' must be a MixedPrecisionPolicy" in out["policy"]
 
 
 # ------------------------------------------------------------------ ignored_params, register_fsdp_forward_method

@@ -13,7 +13,7 @@ USER_NAMES = {
     "fully_shard", "ShardedModule", "MixedPrecisionPolicy", "OffloadPolicy", "AxisPlacements", "Collectives",
     "MetaInitializer", "build_dp_mesh", "build_expert_mesh", "clip_grad_norm_", "BackwardOptimizer",
     "check_optimizer_params", "compile_units", "capture_step", "CapturedStep", "convert_to_fp8", "full_state_dict",
-    "destroy_process_groups",
+    "destroy_process_groups", "StallWatchdog",
 }
 README = Path(shardwise.__file__).parent.parent / "README.md"
 
