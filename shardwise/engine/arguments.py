@@ -10,6 +10,7 @@ built for ``mesh=None``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -27,6 +28,8 @@ from .mesh import PLAN_CHOICES, ShardingPlan, build_dp_mesh, experts_by_mark, fo
 from .offload import OffloadPolicy
 from .param_group import SHARDED_MARK
 from .placements import normalize_placements, resolve_axis_placements
+from .post_forward_shard import resolve_reshard_after_forward
+from .spmd_mesh import read_spmd_mesh
 from .precision import MixedPrecisionPolicy, from_torch_policy
 from .sharded_module import STATE_ATTR
 
@@ -254,3 +257,33 @@ def _expert_plan(plan, placements, expert_mesh, expert_placements, ep_axis, tp_a
     # all-to-all; averaging over them and scaling by edp/dp averages over the global batch.
     expert.grad_scale = expert.dp_size / plan.dp_size
     return expert
+
+
+def resolve_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward, placements, strategy, outer_dp_sharding_strategy,
+                      expert_mesh, tp_axis: str) -> tuple:
+    """``(spmd, mesh, placements, tp_axis)``: under ``dp_mesh_dims`` the full SPMD mesh read as the engine's mesh
+    (``spmd_mesh``; its DTensor parameters are taken later by :func:`take_spmd_parameters`), else the arguments
+    as they came (``spmd`` ``None``)."""
+    if dp_mesh_dims is None:
+        return None, mesh, placements, tp_axis
+    spmd = read_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward, placements=placements, strategy=strategy,
+                          outer_dp_sharding_strategy=outer_dp_sharding_strategy, expert_mesh=expert_mesh)
+    return spmd, spmd.engine_mesh, spmd.placements, spmd.tp_axis or tp_axis
+
+
+def take_spmd_parameters(spmd, modules: list[nn.Module], options: FullyShardOptions) -> None:
+    """Under ``dp_mesh_dims`` (``spmd``, else nothing to do): the modules' DTensor parameters on the full SPMD
+    mesh taken as the engine's TP slices, but for those an earlier call sharded and the ignored ones."""
+    if spmd is None:
+        return
+    earlier = {id(p) for m in modules for p in m.parameters() if getattr(p, SHARDED_MARK, False)}
+    spmd.take_parameters(modules, skip=earlier | {id(p) for p in options.ignored_params or ()})
+
+
+def resolve_reshard(options: FullyShardOptions, plan: ShardingPlan,
+                    expert_plan: ShardingPlan | None) -> FullyShardOptions:
+    """``options`` with FSDP2's reading of an int ``reshard_after_forward`` (``post_forward_shard``)."""
+    reshard = resolve_reshard_after_forward(options.reshard_after_forward, plan, expert_plan)
+    if reshard is options.reshard_after_forward:
+        return options
+    return dataclasses.replace(options, reshard_after_forward=reshard)

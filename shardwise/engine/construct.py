@@ -21,12 +21,15 @@ from .collectives import StreamSet
 from .fully_shard_options import FullyShardOptions
 from .mesh import DENSE, EXPERT, EXPERT_CHOICES, ShardingPlan, experts_by_mark
 from .param_group import ParamGroup, ParamRef
+from .post_forward_shard import PostForwardShard, is_group_size
 from .quantized_gather import gather_mark
 from .replaced_params import is_replaced
 from .resolution import plan_choice
 from .shard_placement import shard_dim_of
 from .sharded_state import ShardedState
+from .step_checks import mark_ignored, watch_state
 from .unit import Unit, UnitSettings
+from .weight_origin import watch_weights
 
 __all__ = [
     "Ownership",
@@ -338,3 +341,21 @@ def register_hooks(state: ShardedState) -> None:
                 lambda m, a, k, unit=unit: state.unit_pre_forward(unit, m, a, k), with_kwargs=True, prepend=True))
             handles.append(module.register_forward_hook(
                 lambda m, a, o, unit=unit: state.unit_post_forward(unit, m, a, o)))
+
+
+def attach_post_forward_shards(units: list[Unit], plan: ShardingPlan, options: FullyShardOptions) -> None:
+    """Under ``reshard_after_forward=k`` (an int), each unit keeps its weights over ``k`` ranks between forward
+    and backward (graph-safe mode keeps them gathered anyway)."""
+    if is_group_size(options.reshard_after_forward) and not options.graph_safe:
+        for unit in units:
+            unit.post_forward = PostForwardShard(unit.groups, plan, options.reshard_after_forward)
+
+
+def start_checks(state: ShardedState, adopted: list, described: nn.Module, differing, options: FullyShardOptions) -> None:
+    """The checks that run later: weights not to be trusted until written, looked at by the first forward
+    (``weight_origin``), and the optimizer-step checks (``step_checks``), which never warn about the ignored
+    parameters (left unreduced on purpose)."""
+    watch_weights(state, adopted, described, differing, options.check_module_states)
+    for p in options.ignored_params or ():
+        mark_ignored(p)
+    watch_state(state)

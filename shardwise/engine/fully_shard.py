@@ -12,7 +12,6 @@ shortcut: those modules become units in the same call, deepest first.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -29,25 +28,25 @@ from .arguments import (
     check_parameters,
     resolve_offload,
     resolve_policy,
+    resolve_reshard,
+    resolve_spmd_mesh,
+    take_spmd_parameters,
 )
 from .construct import (
-    GroupBuilder, Ownership, adopt_units, build_units, move_buffers, register_hooks, taken_modules, unit_settings,
+    GroupBuilder, Ownership, adopt_units, attach_post_forward_shards, build_units, move_buffers, register_hooks,
+    start_checks, taken_modules, unit_settings,
 )
 from .device import device_for
 from .fully_shard_options import FullyShardOptions, UnitSpec
 from .graph_safe import check_graph_safe
 from .offload import choose_offloaded
-from .param_group import SHARDED_MARK
 from .placements import AxisPlacements
-from .post_forward_shard import PostForwardShard, is_group_size, resolve_reshard_after_forward
 from .rank_consistency import check_rank_consistency
 from .resolution import resolve_units
 from .sharded_module import ShardedModule, make_fsdp_modules
 from .sharded_state import ShardedState
-from .spmd_mesh import read_spmd_mesh
-from .step_checks import mark_ignored, watch_state
 from .torch_fsdp_state import state as torch_state
-from .weight_origin import resolve_check_mode, watch_weights
+from .weight_origin import resolve_check_mode
 
 __all__ = ["fully_shard", "ShardedModule", "ShardedState"]
 
@@ -122,11 +121,8 @@ def fully_shard(
     Returns ``module``.
     """
     modules = check_call(module, unit_modules)
-    spmd = None
-    if dp_mesh_dims is not None:  # the full SPMD mesh: read as the engine's mesh, its DTensor parameters taken below
-        spmd = read_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward, placements=placements, strategy=strategy,
-                              outer_dp_sharding_strategy=outer_dp_sharding_strategy, expert_mesh=expert_mesh)
-        mesh, placements, tp_axis = spmd.engine_mesh, spmd.placements, spmd.tp_axis or tp_axis
+    spmd, mesh, placements, tp_axis = resolve_spmd_mesh(  # dp_mesh_dims: the full SPMD mesh as the engine's
+        mesh, dp_mesh_dims, reshard_after_forward, placements, strategy, outer_dp_sharding_strategy, expert_mesh, tp_axis)
     options = FullyShardOptions(
         mesh=mesh, placements=placements, strategy=strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy,
         unit_modules=unit_modules, mixed_precision=resolve_policy(mp_policy, mixed_precision), init_fn=init_fn,
@@ -138,16 +134,12 @@ def fully_shard(
         sync_module_states=sync_module_states, check_module_states=resolve_check_mode(check_module_states),
     )
     adopted = check_modules(modules)
-    if spmd is not None:
-        earlier = {id(p) for m in modules for p in m.parameters() if getattr(p, SHARDED_MARK, False)}
-        spmd.take_parameters(modules, skip=earlier | {id(p) for p in options.ignored_params or ()})
+    take_spmd_parameters(spmd, modules, options)  # under dp_mesh_dims: the DTensor parameters as TP slices
     described = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
     differing = check_rank_consistency(described, options)  # one small collective; ranks that disagree fail here
     plan_fn = check_options(options)
     plan, expert_plan = build_plans(options)
-    reshard = resolve_reshard_after_forward(reshard_after_forward, plan, expert_plan)  # FSDP2's reading of an int
-    if reshard is not reshard_after_forward:
-        options = dataclasses.replace(options, reshard_after_forward=reshard)
+    options = resolve_reshard(options, plan, expert_plan)  # FSDP2's reading of an int reshard_after_forward
     check_bucket_size(bucket_size)
     check_graph_safe(described, graph_safe, options.offload_policy, expert_mesh)
     unit_list = resolve_units(modules[0], unit_modules)
@@ -160,17 +152,12 @@ def fully_shard(
     builder = GroupBuilder(ownership, plan, expert_plan, options, device, streams, plan_fn,
                            offloaded=choose_offloaded(options.offload_policy, ownership.sizes()))
     new_units, own = build_units(modules, unit_list, builder.build_groups, unit_settings(options))
-    if is_group_size(options.reshard_after_forward) and not graph_safe:
-        for unit in new_units + [own]:
-            unit.post_forward = PostForwardShard(unit.groups, plan, options.reshard_after_forward)
+    attach_post_forward_shards(new_units + [own], plan, options)  # reshard_after_forward=k
     move_buffers(described, device)
     state = ShardedState(own, adopt_units(modules, adopted, new_units), plan, streams, prefetch)
     register_hooks(state)
     make_fsdp_modules(state)
-    watch_weights(state, adopted, described, differing, options.check_module_states)  # until the first forward
-    for p in options.ignored_params or ():
-        mark_ignored(p)  # left unreduced on purpose: the step checks never warn about it
-    watch_state(state)  # the optimizer step checks (step_checks) see its units
+    start_checks(state, adopted, described, differing, options)  # the first forward's and the optimizer's
     return module
 
 

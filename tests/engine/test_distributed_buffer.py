@@ -374,7 +374,8 @@ def test_a_group_is_made_of_buffers_and_states(gloo_mesh):
     group.install_grads()
     assert group.grad_state is GradState.IDLE and group.refresh_state is RefreshState.STALE
     grad = group.sharded_params[0].grad
-    assert torch.equal(grad.full_tensor(), torch.full((5, 6), 3.0)) and torch.count_nonzero(group.sharded_params[1].grad.to_local()) == 0
+    # the bias received no gradient in the window: no .grad, FSDP2's rule (tests/engine/test_fsdp2_grads.py)
+    assert torch.equal(grad.full_tensor(), torch.full((5, 6), 3.0)) and group.sharded_params[1].grad is None
     assert group.resident_bytes()["main_grad"] == group.layouts[2].total * 4
     group.refresh_model_weights()
     assert group.refresh_state is RefreshState.CURRENT
