@@ -69,6 +69,11 @@ def _train(impl: str, tied: bool, param_dtype: str, dp_replicate: int, backend: 
 
     import shardwise
 
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    # A pooled worker ran earlier tests: DTensor's sharding-propagation cache hands back their (equal) meshes,
+    # and FSDP2 under dp_mesh_dims insists on the very mesh object its parameters carry
+    _clear_sharding_prop_cache()
     world = dist.get_world_size()
     tt_dims.device_type = "cpu"
     tt_utils.set_spmd_backend(backend)  # the trainer's: the loss reads it
