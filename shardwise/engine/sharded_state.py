@@ -280,7 +280,10 @@ class ShardedState:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward_callback)
 
     def _finish_backward(self) -> None:
-        whole = self.root_in_backward
+        # A backward that did not pass through the root's outputs is partial (a chunked loss's head, the rest
+        # still to come) only where the root ran a forward it awaits; a unit called on its own (its forward
+        # outside the root's, as FSDP2 allows) ends its whole step here.
+        whole = self.root_in_backward or not self.root.ran_with_grad
         self.root_in_backward = False
         self.callback_queued = False
         if not whole:

@@ -365,3 +365,40 @@ def test_ignored_params_stay_untouched_and_torchs_forward_methods_gather():
         # an ignored parameter's gradient is this rank's own, never reduced (the ranks' inputs differ)
         torch.testing.assert_close(result["kept_grad"], reference.c.weight.grad, rtol=RTOL, atol=0)
     assert not torch.allclose(results[0]["kept_grad"], results[1]["kept_grad"])
+
+
+# ------------------------------------------------------------------ a unit called on its own
+def _non_root_step(impl: str) -> dict:
+    """A step through the root, then a forward and backward through one unit alone (its input needs no grad),
+    as torch's ``test_non_root_forward_backward``: that unit's backward is the whole backward of its step."""
+    fully_shard = torch_fully_shard if impl == "fsdp2" else shardwise.fully_shard
+    torch.manual_seed(42)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)) for _ in range(3)])
+    model = model.to(device())
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(42 + dist.get_rank())
+    x = torch.randn(4, 8, device=device())
+    losses = [model(x).sum()]
+    losses[0].backward()
+    opt.step()
+    opt.zero_grad()
+    losses.append(model[0](x).sum())
+    losses[1].backward()
+    kinds = sorted({type(p).__name__ for p in model.parameters()} | {type(p.grad).__name__ for p in model.parameters()})
+    opt.step()
+    losses.append(model(x).sum())
+    return {"losses": [loss.item() for loss in losses], "kinds": kinds,
+            "params": {n: p.detach().full_tensor().cpu() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_unit_called_on_its_own_ends_its_own_step_as_fsdp2(world):
+    theirs = run_distributed(_non_root_step, world, "fsdp2")[0]
+    ours = run_distributed(_non_root_step, world, "shardwise")[0]
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=RTOL, atol=0)
+    assert ours["kinds"] == theirs["kinds"] == ["DTensor", "NoneType"]  # resharded, grads reduced (or None)
+    for name, value in theirs["params"].items():
+        torch.testing.assert_close(ours["params"][name], value, rtol=RTOL, atol=1e-7, msg=name)
