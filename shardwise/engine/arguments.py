@@ -180,7 +180,8 @@ def check_parameters(root: nn.Module, init_fn: Callable | None) -> None:
             )
         if p.dim() == 0:
             raise ValueError(
-                f"parameter {name!r} is 0-dimensional; shardwise shards along dim 0, so store it with shape (1,)"
+                f"parameter {name!r} is 0-dimensional; shardwise shards along dim 0. Change {name} to a 1D tensor "
+                "with numel equal to 1."
             )
     # Meta parameters without an init_fn stay on the meta device, sharded: model.to_empty(device=...) and the
     # model's own initialisation then fill the shards (FSDP2's flow).

@@ -121,8 +121,9 @@ def named_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if mesh.mesh_dim_names is not None:
         return mesh
     if mesh.ndim not in (1, 2):
-        raise ValueError(f"an unnamed mesh must be 1-D (FSDP) or 2-D (HSDP), got {mesh.ndim}-D; name its axes "
-                         "(mesh_dim_names) to say which are data-parallel")
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: an unnamed mesh must be 1-D "
+                         f"(FSDP) or 2-D (HSDP), this one is {mesh.ndim}-D; name its axes (mesh_dim_names) to say "
+                         "which are data-parallel")
     names = ("dp_shard",) if mesh.ndim == 1 else ("dp_replicate", "dp_shard")
     groups = [mesh.get_group(i) for i in range(mesh.ndim)]
     return DeviceMesh.from_group(groups if mesh.ndim > 1 else groups[0], mesh.device_type, mesh=mesh.mesh,

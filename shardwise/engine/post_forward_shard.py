@@ -34,7 +34,6 @@ from .param_group import ModuleParams, ParamGroup, WeightState
 
 __all__ = ["PostForwardShard", "resolve_reshard_after_forward", "is_group_size"]
 
-_MESHES: dict[tuple, DeviceMesh] = {}  # one post-forward mesh per (ranks, k): its groups are made once
 
 
 def is_group_size(value) -> bool:
@@ -70,12 +69,13 @@ def resolve_reshard_after_forward(value, plan: ShardingPlan, expert_plan: Shardi
 
 
 def _post_forward_mesh(plan: ShardingPlan, k: int) -> DeviceMesh:
-    """FSDP2's post-forward mesh: the data-parallel ranks viewed as ``(-1, k)`` (made on every rank, once)."""
-    table = plan.mesh.mesh.reshape(-1, k)
-    key = (plan.mesh.device_type, tuple(table.flatten().tolist()), k)
-    if key not in _MESHES:
-        _MESHES[key] = DeviceMesh(plan.mesh.device_type, table)
-    return _MESHES[key]
+    """FSDP2's post-forward mesh: the data-parallel ranks viewed as ``(-1, k)`` (made on every rank, once per
+    mesh: kept on the plan's mesh object, so a new world, whose meshes are new objects, never meets the groups
+    of one that was destroyed)."""
+    made = plan.mesh.__dict__.setdefault("_shardwise_post_forward_meshes", {})
+    if k not in made:
+        made[k] = DeviceMesh(plan.mesh.device_type, plan.mesh.mesh.reshape(-1, k))
+    return made[k]
 
 
 class PostForwardShard:

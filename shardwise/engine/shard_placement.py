@@ -15,7 +15,12 @@ from torch.distributed.tensor import Shard
 from .quantized_gather import gather_mark
 from .sharded_param import ParamRef
 
-__all__ = ["shard_dim_of"]
+__all__ = ["InvalidShardDim", "shard_dim_of"]
+
+
+class InvalidShardDim(ValueError, AssertionError):
+    """A ``Shard(d)`` for a dim the parameter does not have: a ``ValueError``, and the ``AssertionError`` FSDP2
+    raises there, so code written against either catches it."""
 
 
 def shard_dim_of(ref: ParamRef, answer, mesh) -> int:
@@ -30,8 +35,9 @@ def shard_dim_of(ref: ParamRef, answer, mesh) -> int:
     ndim = ref.param.dim()
     dim = placement.dim + ndim if placement.dim < 0 else placement.dim
     if not 0 <= dim < ndim:
-        raise ValueError(f"shard_placement_fn returned {answer!r} for parameter {ref.fqn!r} of shape "
-                         f"{tuple(ref.param.shape)}: it has no dim {placement.dim}")
+        raise InvalidShardDim(f"shard_placement_fn returned {answer!r} for parameter {ref.fqn!r} of shape "
+                              f"{tuple(ref.param.shape)}: it has no dim {placement.dim} (Shard dim {placement.dim} "
+                              f"is invalid for {ndim}D tensor)")
     if dim and gather_mark(ref.param) is not None:
         raise NotImplementedError(
             f"shard_placement_fn returned {answer!r} for parameter {ref.fqn!r}, which is marked for the FP8 weight "

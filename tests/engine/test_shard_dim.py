@@ -327,8 +327,10 @@ def test_uneven_and_impossible_shard_dims_are_refused_at_wrap_as_fsdp2_refuses_t
                                          "'w.weight' of shape (4, 3): dim 1 (3) does not split evenly over the 2"), \
         out["ours_uneven"]
     assert "Shard dim 2 is invalid for 2D tensor" in out["fsdp2_no_dim"]
-    assert out["ours_no_dim"].startswith("ValueError: shard_placement_fn returned Shard(dim=2) for parameter "
+    # a ValueError and FSDP2's AssertionError at once (shard_placement.InvalidShardDim), with FSDP2's words too
+    assert out["ours_no_dim"].startswith("InvalidShardDim: shard_placement_fn returned Shard(dim=2) for parameter "
                                          "'w.weight' of shape (4, 3): it has no dim 2"), out["ours_no_dim"]
+    assert "Shard dim 2 is invalid for 2D tensor" in out["ours_no_dim"]
     assert out["fsdp2_own_mesh"] == out["ours_own_mesh"] == "accepted"
     assert "a per-parameter mesh is not taken through shard_placement_fn" in out["ours_other_mesh"]
     assert "fully_shard(..., expert_mesh=..., plan_fn=...)" in out["ours_other_mesh"]
