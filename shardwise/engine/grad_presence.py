@@ -59,7 +59,11 @@ class GradPresence:
         axes = [a for a in axes if a.size > 1]
         if self.install_all or not axes:
             return
-        flags = torch.tensor(self.used, dtype=torch.int32, device=device)
+        if all(self.used):  # a fill on the device: no copy from the host, so no wait for the stream
+            flags = torch.ones(self.size, dtype=torch.int32, device=device)
+        else:  # from page-locked memory: a copy from pageable memory would make the host wait for the stream
+            host = torch.tensor(self.used, dtype=torch.int32)
+            flags = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
         for axis in axes:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=axis.group)
         self._agreed = flags
