@@ -8,21 +8,23 @@ every rank runs the same collectives whatever each one used) and hands out
 ``.grad`` by this rule instead:
 
 - a parameter gets ``.grad`` when it received a gradient in the window (any
-  micro-batch since the last installation) on *some* rank of the group's
-  data-parallel axes. The ranks agree through one small ``MAX`` all-reduce of
-  the flags per group and step, at the window's end. (FSDP2 decides per rank
-  and reduce-scatters only the parameters with a gradient, so ranks that
-  disagree run collectives of different sizes: a hang or a wrong sum; with
-  the agreement every rank installs the same set, and the values are the
-  mean with the non-users' zeros, what ``set_reduce_scatter_unused_params(True)``
-  reduces in FSDP2.)
+  micro-batch since the last installation) on this rank, or on some other rank
+  of the group's data-parallel axes. No collective says which: a rank that used
+  every parameter installs them all; one that did not use a parameter looks at
+  this rank's rows of its reduced gradient (one host read, only then): rows
+  that are not all zero mean another rank used it, so it installs it too, as
+  that rank does. (FSDP2 decides per rank and reduce-scatters only the
+  parameters with a gradient, so ranks that disagree run collectives of
+  different sizes: a hang or a wrong sum. Here every rank reduces the whole
+  group, and the values are the mean with the non-users' zeros, what
+  ``set_reduce_scatter_unused_params(True)`` reduces in FSDP2.) What this
+  cannot see: another rank's gradient that is exactly zero on all of this
+  rank's rows, or a rank holding no rows of the parameter; there the ranks
+  may differ on a ``.grad`` whose values here are zeros.
 - ``install_all`` (FSDP2's ``set_reduce_scatter_unused_params(True)``,
   graph-safe mode whose captured step writes the same tensors every replay, and
   the Megatron face, whose optimizer reads every parameter's gradient buffer):
-  every parameter gets ``.grad``, zeros where nothing was used; no collective.
-
-A rank reads the agreed flags (a host sync on a GPU) only where it did not use
-every parameter itself: a rank that used them all installs them all.
+  every parameter gets ``.grad``, zeros where nothing was used.
 """
 
 from __future__ import annotations
@@ -30,49 +32,44 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 __all__ = ["GradPresence"]
 
 
 class GradPresence:
-    """The flags of one group's window: ``used`` on this rank, then agreed over ``axes`` at the window's end."""
+    """The flags of one group's window: ``used`` on this rank; ``shared``: whether the group's gradients are
+    reduced over more than one rank (else ``used`` is the whole answer)."""
 
     def __init__(self, size: int):
         self.size = size
         self.install_all = False
+        self.shared = False
         self.used: list[bool] = [False] * size
-        self._agreed: torch.Tensor | None = None  # the MAX over the axes, while in flight
 
     def reset(self) -> None:
         """A new window: nothing used yet."""
         self.used = [False] * self.size
-        self._agreed = None
 
     def note(self, used: Sequence[bool]) -> None:
         """Parameters that brought a gradient into the window (this rank)."""
         self.used = [a or bool(b) for a, b in zip(self.used, used)]
 
-    def agree(self, axes: Sequence, device: torch.device) -> None:
-        """Start the agreement over the data-parallel ``axes`` (on the current stream; those of one rank are
-        skipped). Every rank of the axes calls it at the same point: the window's end."""
-        axes = [a for a in axes if a.size > 1]
-        if self.install_all or not axes:
-            return
-        if all(self.used):  # a fill on the device: no copy from the host, so no wait for the stream
-            flags = torch.ones(self.size, dtype=torch.int32, device=device)
-        else:  # from page-locked memory: a copy from pageable memory would make the host wait for the stream
-            host = torch.tensor(self.used, dtype=torch.int32)
-            flags = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
-        for axis in axes:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=axis.group)
-        self._agreed = flags
+    def reduced_over(self, axes: Sequence) -> None:
+        """The data-parallel ``axes`` the window's gradients were reduced over (at its end)."""
+        self.shared = any(a.size > 1 for a in axes)
 
-    def present(self) -> list[bool]:
-        """Which parameters get ``.grad`` at this window's installation."""
-        agreed, self._agreed = self._agreed, None
-        if self.install_all:
+    def present(self, reduced: Sequence[torch.Tensor]) -> list[bool]:
+        """Which parameters get ``.grad`` at this window's installation; ``reduced``: this rank's rows of each
+        parameter's reduced gradient."""
+        if self.install_all or all(self.used):
             return [True] * self.size
-        if agreed is None or all(self.used):
+        if not self.shared:
             return list(self.used)
-        return [bool(v) for v in agreed.tolist()]
+        unused = [i for i, u in enumerate(self.used) if not u]
+        seen = [reduced[i].ne(0).any() if reduced[i].numel() else torch.zeros((), dtype=torch.bool,
+                                                                               device=reduced[i].device)
+                for i in unused]
+        out = list(self.used)
+        for i, nonzero in zip(unused, torch.stack(seen).tolist()):  # one host read
+            out[i] = bool(nonzero)
+        return out

@@ -259,7 +259,7 @@ class GradWindow:
                 host = torch.empty(numel, dtype=dtype)
             self.main_grad = main_grad.copy_to(host)
             self.released = self.released + (main_grad.flat,)
-        self.presence.agree(self.group.plan.axes.values(), self.group.levels.device)
+        self.presence.reduced_over(self.group.plan.axes.values())
 
     def discard(self) -> None:
         """Drop installed grads and any accumulation still open (the next backward overwrites)."""
@@ -314,7 +314,7 @@ class GradWindow:
             self._install_host()
             return
         flat, attr = self.main_grad.flat, self.grad_attr
-        present = self.presence.present()
+        present = self.presence.present(self.main_grad.locals())
         if all(getattr(p, attr, None) is not None and getattr(p, attr)._local_tensor._base is flat
                for p in self.group.sharded_params):
             pass  # accumulated onto the grads already installed
@@ -393,7 +393,7 @@ class GradWindow:
                     old.add_(new)
             self.main_grad = target
         self.host_kept = None
-        present = self.presence.present()
+        present = self.presence.present(self.main_grad.locals())
         if kept is None or any(getattr(p, self.grad_attr, None) is None for p in self.group.sharded_params):
             self._hand_out(self.main_grad.dtensors(), present)
         self.main_grad_ref = weakref.ref(self.main_grad.flat)
