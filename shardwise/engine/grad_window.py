@@ -314,12 +314,11 @@ class GradWindow:
             self._install_host()
             return
         flat, attr = self.main_grad.flat, self.grad_attr
-        present = self.presence.present(self.main_grad.locals())
         if all(getattr(p, attr, None) is not None and getattr(p, attr)._local_tensor._base is flat
                for p in self.group.sharded_params):
             pass  # accumulated onto the grads already installed
         else:
-            self._hand_out(self.main_grad.dtensors(), present)
+            self._hand_out(self.main_grad.dtensors(), self.presence.present(self.main_grad.locals()))
         self.main_grad = None
         self.state = GradState.IDLE
         # An optimizer step on these grads may not show in any version counter: on CUDA, torch's
@@ -393,9 +392,8 @@ class GradWindow:
                     old.add_(new)
             self.main_grad = target
         self.host_kept = None
-        present = self.presence.present(self.main_grad.locals())
         if kept is None or any(getattr(p, self.grad_attr, None) is None for p in self.group.sharded_params):
-            self._hand_out(self.main_grad.dtensors(), present)
+            self._hand_out(self.main_grad.dtensors(), self.presence.present(self.main_grad.locals()))
         self.main_grad_ref = weakref.ref(self.main_grad.flat)
         self.main_grad = None
         self.state = GradState.IDLE

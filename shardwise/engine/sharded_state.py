@@ -242,21 +242,14 @@ class ShardedState:
             unit.pending_backward -= 1
         if unit.pending_backward > 0 or unit.expected_recompute > 0 or unit.reduced:
             if not unit.reduced:
-                self._stash_unsynced(unit)
+                unit.stash_unsynced_grads()
             return
         if not self.defer_reduction and unit.settings.requires_gradient_sync:
             self._reduce(unit)
         else:
-            self._stash_unsynced(unit)
+            unit.stash_unsynced_grads()
         if unit.settings.reshard_after_backward:
             unit.reshard()
-
-    @staticmethod
-    def _stash_unsynced(unit: Unit) -> None:
-        """A post-backward (or a backward's end) that leaves the unit's grads unreduced: FSDP2 accumulates them
-        in the reduction's dtype from here on (``unsynced_grads``)."""
-        for group in unit.trainable_groups:
-            group.stash_unsynced_grads()
 
     def _reduce(self, unit: Unit) -> None:
         # Let the compute stream catch up with the previous reduction before its
@@ -306,7 +299,7 @@ class ShardedState:
                 if unit.settings.reshard_after_backward:
                     unit.reshard()
             else:
-                self._stash_unsynced(unit)
+                unit.stash_unsynced_grads()
             unit.reset_iteration(keep_forward_counts=True, keep_forward_state=not unit.reduced)
 
     def _reduce_order(self) -> list[Unit]:
@@ -328,7 +321,7 @@ class ShardedState:
         """Reduce every unit holding gradients not yet reduced; wait; install ``.grad`` when syncing."""
         for unit in self._reduce_order():
             if not unit.settings.requires_gradient_sync:  # FSDP2's no-sync: grads stay unsharded, accumulating
-                self._stash_unsynced(unit)
+                unit.stash_unsynced_grads()
                 continue
             # grads from a forward before the last backward's end count too (pipeline micro-batches)
             if (unit.ran_with_grad or any(g.has_unsharded_grads() for g in unit.groups)) and not unit.reduced:

@@ -114,9 +114,8 @@ class Unit:
             g.finish_unshard()
 
     def unshard(self) -> None:
-        self._restore_post_forward()
+        self.finish_unshard()
         for g in self.groups:
-            g.finish_unshard()
             g.use_unsharded()
 
     def reshard(self, after_forward: bool = False) -> None:
@@ -150,6 +149,12 @@ class Unit:
             if flight is not None:
                 out.append((g, flight))
         return out
+
+    def stash_unsynced_grads(self) -> None:
+        """A post-backward (or a backward's end) that leaves the grads unreduced: FSDP2 accumulates them in the
+        reduction's dtype from here on (``unsynced_grads``)."""
+        for g in self.trainable_groups:
+            g.stash_unsynced_grads()
 
     def install_grads(self) -> None:
         for g in self.trainable_groups:
