@@ -110,22 +110,30 @@ def _stderr_lines(err: str) -> list[str]:
     return lines
 
 
-@pytest.mark.slow
-def test_a_stopped_rank_ends_the_run_within_its_timeout(tmp_path, data):
-    timeout_s, margin_s = 5, 20
+def _stop_a_rank(tmp_path, data, rank: int, *options: str):
+    """Start a 2-rank ``shardwise train`` with ``options``, SIGSTOP ``rank`` (by PID) after two steps, and wait
+    for the launcher: ``(proc, worker pids, stderr, seconds from the stop to the launcher's end)``."""
     out = tmp_path / "run"
-    proc = _start(out, data, "--timeout", str(timeout_s))
+    proc = _start(out, data, *options)
     try:
         deadline = time.monotonic() + HARD_LIMIT_S
         _wait_for_steps(proc, out, 2, deadline)
         workers = _workers(proc.pid)
         assert len(workers) == 2, workers
-        os.kill(workers[1], signal.SIGSTOP)  # rank 1 hangs (as a deadlock or a dead GPU would look)
+        os.kill(workers[rank], signal.SIGSTOP)
         stopped = time.monotonic()
         err = _communicate(proc, deadline)
         elapsed = time.monotonic() - stopped
     finally:
         _finish(proc)
+    return proc, workers, err, elapsed
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_run_within_its_timeout(tmp_path, data):
+    timeout_s, margin_s = 5, 20
+    # rank 1 hangs (as a deadlock or a dead GPU would look)
+    proc, workers, err, elapsed = _stop_a_rank(tmp_path, data, 1, "--timeout", str(timeout_s))
     assert proc.returncode == 1, err
     assert elapsed < timeout_s + margin_s, f"took {elapsed:.1f}s"
     lines = _stderr_lines(err)
@@ -145,19 +153,7 @@ def test_a_stopped_rank_is_named_by_the_watchdog_well_before_the_timeout(tmp_pat
     waited for; the heartbeat names the stopped rank after --stall-timeout, on the rank that survives (rank 0
     hosts the c10d store: its peers find the store silent)."""
     stall_s, margin_s, survivor_rank = 5, 20, 1 - stopped_rank
-    out = tmp_path / "run"
-    proc = _start(out, data, "--stall-timeout", str(stall_s))
-    try:
-        deadline = time.monotonic() + HARD_LIMIT_S
-        _wait_for_steps(proc, out, 2, deadline)
-        workers = _workers(proc.pid)
-        assert len(workers) == 2, workers
-        os.kill(workers[stopped_rank], signal.SIGSTOP)
-        stopped = time.monotonic()
-        err = _communicate(proc, deadline)
-        elapsed = time.monotonic() - stopped
-    finally:
-        _finish(proc)
+    proc, workers, err, elapsed = _stop_a_rank(tmp_path, data, stopped_rank, "--stall-timeout", str(stall_s))
     assert proc.returncode == 1, err
     assert elapsed < stall_s + margin_s, f"took {elapsed:.1f}s"
     lines = _stderr_lines(err)
