@@ -151,25 +151,33 @@ class GradWindow:
         return grads
 
     def _adds_in_place(self) -> bool:
-        """Whether this micro-batch's grads are added straight into the accumulation buffer: it already holds
-        the earlier micro-batches' sum at level 0's rows in the comm dtype (every gradient axis of one rank:
-        one GPU), so a staged copy would only be added to it (Megatron-LM's no-sync micro-batches)."""
+        """Whether this micro-batch's grads go straight into the accumulation buffer, with no staged copy:
+        every gradient axis has one rank (one GPU), so the reduction is the values themselves, and the buffer
+        holds level 0's rows in a dtype the staged path would give the same result in: the comm dtype, or any
+        dtype when the comm dtype holds the grads exactly (bf16 grads, fp32 comm: the staged copy is exact and
+        the add rounds once either way; Megatron-LM's no-sync micro-batches, the bf16-main recipe)."""
         acc, group = self.grad_acc, self.group
-        return (acc.state is BufferState.HOLDS and not self.unsynced.waiting and group.grad_scale == 1.0
-                and acc.flat.dtype == group.comm_dtype and group.levels.same_layout(0, group.grad_level))
+        return (not self.unsynced.waiting and group.grad_scale == 1.0
+                and group.levels.same_layout(0, group.grad_level)
+                and (acc.flat.dtype == group.comm_dtype or _holds_exactly(group.comm_dtype, group.compute_dtype)))
 
     def _add_in_place(self, finalize: bool) -> InFlight:
-        """``reduce`` where :meth:`_adds_in_place`: one add per parameter into the buffer, no staging."""
+        """``reduce`` where :meth:`_adds_in_place`: the first micro-batch's grads loaded into the fresh buffer
+        (zeros where missing), the later ones added, one kernel each, no staging."""
         grads = self._take_grads()
         self.presence.note([g is not None for g in grads])
         staged: list = []
+        pairs = []
         with self.group.streams.on(self.group.streams.reduce):
-            pairs = [(local, g) for local, g in zip(self.grad_acc.locals(), grads) if g is not None]
-            if pairs:
-                torch._foreach_add_([local for local, _ in pairs], [g for _, g in pairs])
+            if self.grad_acc.state is BufferState.EMPTY:
+                self.grad_acc.load(grads)
+            else:
+                pairs = [(local, g) for local, g in zip(self.grad_acc.locals(), grads) if g is not None]
+                if pairs:
+                    torch._foreach_add_([local for local, _ in pairs], [g for _, g in pairs])
             if finalize:
                 self._finalize(staged)
-        self.released = self.released + tuple(g for _, g in pairs)  # the reduce stream reads them
+        self.released = self.released + tuple(g for g in grads if g is not None)  # the reduce stream reads them
         return self._in_flight(staged)
 
     def _flat_unsharded(self, staged: list) -> DistributedBuffer:
@@ -398,3 +406,13 @@ class GradWindow:
         self.main_grad = None
         self.state = GradState.IDLE
         self.group.mark_weights_stale()
+
+
+def _holds_exactly(wide: torch.dtype, narrow: torch.dtype) -> bool:
+    """Whether every value of ``narrow`` is a value of ``wide`` (a cast there and back is the identity)."""
+    if wide == narrow:
+        return True
+    if not (wide.is_floating_point and narrow.is_floating_point):
+        return False
+    w, n = torch.finfo(wide), torch.finfo(narrow)
+    return w.bits >= n.bits and w.eps <= n.eps and w.max >= n.max and w.smallest_normal <= n.smallest_normal
