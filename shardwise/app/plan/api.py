@@ -50,13 +50,22 @@ def plan(model, *, gpus: int, gpus_per_node: int = 8, gpu: str | GpuSpec = "H100
          offload: bool = False, fp8: bool = True, hybrid: bool = True, calibration: str | Path | None = None,
          unit_modules: Sequence[type | nn.Module] | None = None, inputs: Callable[[int, int], tuple] | None = None,
          flops_per_token: Callable[[int], float] | None = None, strategies: Sequence[str] | None = None,
-         checkpointing: bool | None = None, reshard_after_forward: bool | None = None, progress=None) -> Plan:
+         checkpointing: bool | None = None, reshard_after_forward: bool | None = None,
+         replicas: int | None = None, outer_strategy: str | None = None, dry_run: bool = False,
+         dry_run_steps: int = 3, move_bytes: bool = False, cuda_graphs: bool = False, progress=None) -> Plan:
     """Per-GPU peak memory, step time, tokens/s/GPU and MFU of every candidate configuration, ranked.
 
     ``global_batch`` (sequences per optimizer step) defaults to one sequence per GPU. ``calibration``: a
     file ``shardwise plan --calibrate`` wrote (its efficiencies replace the fitted ones). ``strategies``,
-    ``checkpointing``, ``reshard_after_forward``: weigh only those (``None``: every choice).
+    ``checkpointing``, ``reshard_after_forward``, ``replicas`` (1: no HSDP), ``outer_strategy`` (``no_shard``:
+    HSDP, ``optim``: HFSDP): weigh only those (``None``: every choice). ``dry_run``: then run
+    ``dry_run_steps`` real steps of rank 0 of the recommended row on the local device (``Plan.dry_run``,
+    ``dry_run.py``; ``move_bytes``, ``cuda_graphs`` its options).
     """
+    if replicas is not None and (replicas < 1 or gpus % replicas):
+        raise ValueError(f"replicas={replicas} must be a positive divisor of gpus={gpus}")
+    if outer_strategy not in (None, "no_shard", "optim"):
+        raise ValueError(f"outer_strategy={outer_strategy!r} must be 'no_shard' (HSDP) or 'optim' (HFSDP)")
     spec = gpu if isinstance(gpu, GpuSpec) else parse_gpu(gpu)
     eff = EFFICIENCY
     if calibration:  # the measured machine replaces the named GPU and the fitted efficiencies
@@ -64,9 +73,19 @@ def plan(model, *, gpus: int, gpus_per_node: int = 8, gpu: str | GpuSpec = "H100
         spec = GpuSpec(**measured) if measured else spec
     cluster = Cluster(gpus, min(gpus_per_node, gpus), spec)
     source = resolve_model(model, seq, unit_modules=unit_modules, inputs=inputs, flops_per_token=flops_per_token)
-    return rank_candidates(source, cluster, seq, global_batch or gpus, compiled=compiled, eff=eff, offload=offload,
-                           fp8=fp8, hybrid=hybrid, micro_batches=list(micro_batches) if micro_batches else None,
-                           progress=progress, only=lambda c: (
-                               (strategies is None or c.strategy in strategies)
-                               and (checkpointing is None or c.activation_checkpointing == checkpointing)
-                               and (reshard_after_forward is None or c.reshard_after_forward == reshard_after_forward)))
+    found = rank_candidates(source, cluster, seq, global_batch or gpus, compiled=compiled, eff=eff, offload=offload,
+                            fp8=fp8, hybrid=hybrid, micro_batches=list(micro_batches) if micro_batches else None,
+                            progress=progress, only=lambda c: (
+                                (strategies is None or c.strategy in strategies)
+                                and (checkpointing is None or c.activation_checkpointing == checkpointing)
+                                and (reshard_after_forward is None or c.reshard_after_forward == reshard_after_forward)
+                                and (replicas is None or c.replicas == replicas)
+                                and (outer_strategy is None or c.replicas == 1 or c.outer_strategy == outer_strategy)))
+    if dry_run and found.recommended is not None:
+        from .dry_run import dry_run as run_dry
+
+        if progress:
+            progress(f"dry run of {found.recommended.candidate.label()}")
+        found.dry_run = run_dry(source, cluster, found.recommended.candidate, seq, found.global_batch,
+                                steps=dry_run_steps, compiled=compiled, cuda_graphs=cuda_graphs, move_bytes=move_bytes)
+    return found

@@ -5,6 +5,7 @@
         --ffn-hidden-size 28672 --vocab-size 128256 --gpus 64 --seq 8192 --global-batch 128
     shardwise plan --hf-config path/to/llama --gpus 512 --gpu H200 --json
     shardwise plan --calibrate [--calibration runs/plan/calibration.json]   # this machine's numbers
+    shardwise plan --preset tiny --gpus 64 --seq 128 --dry-run   # and real steps of rank 0 here
 
 Prints every candidate ranked (per-GPU peak memory, step time, tokens/s/GPU, MFU, the dominant term), the
 recommended one and why; ``--json`` prints the same as JSON. ``docs/plan.md`` explains the model.
@@ -54,6 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="weigh only these ZeRO stages (repeatable; HSDP/HFSDP are optim_grads_params)")
     choice.add_argument("--activation-checkpointing", choices=["on", "off", "both"], default="both")
     choice.add_argument("--reshard-after-forward", choices=["on", "off", "both"], default="both")
+    choice.add_argument("--replicas", type=int, help="weigh only this HSDP/HFSDP replica count (1: none)")
+    choice.add_argument("--outer-strategy", choices=["no_shard", "optim"],
+                        help="weigh only HSDP (no_shard) or HFSDP (optim) among the hybrid layouts")
+    dry = p.add_argument_group("dry run (docs/plan.md, \"The dry run\")")
+    dry.add_argument("--dry-run", action="store_true",
+                     help="then run a few real steps of rank 0 of the recommended configuration on this machine's "
+                          "device (the fake process group at --gpus ranks, the wire modelled) beside the prediction")
+    dry.add_argument("--dry-run-steps", type=int, default=3, help="steps measured after the warm-up (default 3)")
+    dry.add_argument("--move-bytes", action="store_true",
+                     help="emulated gathers also write their bytes through HBM (default: the stream is only held)")
+    dry.add_argument("--cuda-graphs", action="store_true", help="the dry run replays forward and backward from a "
+                     "captured CUDA graph (graph_safe=True)")
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, default=12, help="rows of the table")
     out.add_argument("--json", action="store_true")
@@ -111,7 +124,9 @@ def main(argv=None) -> int:
                      offload=args.offload, fp8=not args.no_fp8, hybrid=not args.no_hybrid,
                      calibration=args.calibration, strategies=args.strategy,
                      checkpointing=_choice(args.activation_checkpointing),
-                     reshard_after_forward=_choice(args.reshard_after_forward))
+                     reshard_after_forward=_choice(args.reshard_after_forward), replicas=args.replicas,
+                     outer_strategy=args.outer_strategy, dry_run=args.dry_run, dry_run_steps=args.dry_run_steps,
+                     move_bytes=args.move_bytes, cuda_graphs=args.cuda_graphs)
     except ValueError as error:
         print(f"shardwise plan: {error}", file=sys.stderr)
         return 2

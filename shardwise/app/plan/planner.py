@@ -50,6 +50,7 @@ class Plan:
     seq: int
     global_batch: int
     rows: list[Row] = field(default_factory=list)  # ranked: fitting ones first, fastest first
+    dry_run: object = None  # the recommended row's ``DryRun`` (``dry_run.py``) when one was asked for
 
     @property
     def recommended(self) -> Row | None:

@@ -34,6 +34,10 @@ def render(found: Plan, top: int = 12) -> str:
                   f"  why: {found.why()}"]
     else:
         lines.append(f"recommended: none; {found.why()}")
+    if found.dry_run is not None:
+        from .dry_run_report import render_dry_run
+
+        lines += ["", render_dry_run(found.dry_run, best)]
     return "\n".join(lines)
 
 
@@ -46,4 +50,5 @@ def as_json(found: Plan) -> str:
                     "hbm_gib": c.gpu.hbm_bytes / 2**30},
         "recommended": best.as_dict() if best else None, "why": found.why(),
         "candidates": [r.as_dict() for r in found.rows],
+        "dry_run": found.dry_run.as_dict() if found.dry_run is not None else None,
     }, indent=1)

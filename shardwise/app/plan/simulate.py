@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["simulated_world", "RealStaysReal", "cached_mesh"]
+__all__ = ["simulated_world", "fake_process_group", "RealStaysReal", "cached_mesh"]
 
 _ACTIVE: dict = {}  # the simulation this process is in: its world size, fake mode and the meshes built in it
 
@@ -58,8 +58,26 @@ def simulated_world(world: int):
         with _ACTIVE["mode"], RealStaysReal():
             yield _ACTIVE["mode"]
         return
+    with fake_process_group(world, "simulated_world"):
+        try:
+            with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True) as mode, RealStaysReal():
+                # the engine compares storages' addresses to skip copies; fake ones have none, and torch says so
+                warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+                _ACTIVE.update(world=world, mode=mode, meshes={})
+                yield mode
+        finally:
+            _ACTIVE.clear()
+
+
+@contextlib.contextmanager
+def fake_process_group(world: int, who: str = "fake_process_group"):
+    """Rank 0 of torch's ``fake`` process group of ``world`` ranks (collectives return at once, moving no bytes),
+    with ``all_gather_object`` answering this rank's object for every rank; gone again after. Real tensors: the
+    dry run (``dry_run.py``) runs real steps in it; :func:`simulated_world` adds FakeTensorMode."""
+    if world < 1:
+        raise ValueError(f"world={world} must be at least 1")
     if dist.is_initialized():
-        raise RuntimeError("simulated_world needs a process without a process group (torch allows one default "
+        raise RuntimeError(f"{who} needs a process without a process group (torch allows one default "
                            "group per process); plan before launching, or in a subprocess")
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -69,13 +87,8 @@ def simulated_world(world: int):
     saved = dist.all_gather_object
     dist.all_gather_object = _same_object_everywhere
     try:
-        with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True) as mode, RealStaysReal():
-            # the engine compares storages' addresses to skip copies; fake ones have none, and torch says so
-            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-            _ACTIVE.update(world=world, mode=mode, meshes={})
-            yield mode
+        yield
     finally:
-        _ACTIVE.clear()
         dist.all_gather_object = saved
         dist.destroy_process_group()
 
