@@ -86,6 +86,10 @@ class TrainConfig:
         "replay each step's forward and backward (all micro-batches, the gradient reductions) from a CUDA graph "
         "(shardwise.capture_step; the model wrapped with graph_safe=True: gathered weights and gradient buffers "
         "stay allocated); CUDA only"))
+    dry_run: bool = field(default=False, metadata=_help(
+        "before launching, run a few real steps of rank 0 of this job on this machine's device (torch's fake "
+        "process group at the job's world size, the wire modelled: shardwise plan --dry-run) and say whether "
+        "it fits and its expected tokens/s; stop if it does not fit"))
     offload: bool = field(default=False, metadata=_help(
         "keep fp32 main weights, grads and AdamW state in host memory; the optimizer steps on the CPU"))
     offload_fraction: float = field(default=1.0, metadata=_help(

@@ -434,6 +434,13 @@ def main(argv=None) -> int:
         check_world(cfg, model_cfg, world, problems)  # raises them all, then reads the data
         if device_type(cfg) == "cpu":  # the ranks share the host's memory: all of it, before any starts
             check_host_memory(cfg, model_cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        if cfg.dry_run:  # before any worker: the dry run needs the one default process group of this process
+            if launched:
+                raise ConfigError("--dry-run runs in shardwise train's own launcher, before the workers start; "
+                                  "under torchrun run it once without torchrun (or shardwise plan --dry-run)")
+            from .plan.job_dry_run import dry_run_job
+
+            say(dry_run_job(cfg, model_cfg, world, device_type(cfg))[1])
         cfg = replace(cfg, out_dir=default_out_dir(cfg))
         rank0 = not launched or os.environ.get("RANK") == "0"
         prepare_run_folder(cfg, rank0=rank0, announce=rank0)

@@ -115,3 +115,20 @@ def test_cli_prints_the_dry_run_beside_the_plan(capsys):
     assert "dry run: rank 0 of 16 ranks on one cpu, ZeRO-3, HSDP x2, no AC, mb 1; 2 micro-batch(es)" in out
     assert "peak reserved GiB" in out and "n/a on CPU" in out
     assert "modelled: 3 communicators" in out
+
+
+def test_train_dry_run_says_whether_the_job_fits(monkeypatch):
+    """``shardwise train --dry-run``: the job's flags become the dry run's candidate; it says fits and the
+    expected tokens/s, and stops the job (``DoesNotFit``) where the measured memory exceeds what is there."""
+    from shardwise.app.config import resolve_config
+    from shardwise.app.memory import DoesNotFit
+    from shardwise.app.plan import job_dry_run
+
+    cfg, model_cfg = resolve_config(["--preset", "tiny", "--seq-len", str(SEQ), "--micro-batch-size", "2",
+                                     "--strategy", "optim", "--dry-run", "--device", "cpu"])
+    assert job_dry_run.job_candidate(cfg, model_cfg) == Candidate(strategy="optim", micro_batch=2)
+    found, line = job_dry_run.dry_run_job(cfg, model_cfg, 2, "cpu")
+    assert found.world == 2 and found.candidate.label() in line and ": fits; expected" in line
+    monkeypatch.setattr(job_dry_run, "host_available_bytes", lambda: found.traced_peak)  # one rank's, not two
+    with pytest.raises(DoesNotFit, match="does not fit"):
+        job_dry_run.dry_run_job(cfg, model_cfg, 2, "cpu")

@@ -200,7 +200,7 @@ def dry_run(source: ModelSource, cluster: Cluster, cand: Candidate, seq: int, gl
         raise ValueError(f"micro_batch={cand.micro_batch} must divide a rank's {per_rank} sequences per step")
     micro = per_rank // cand.micro_batch
     cuda = device.type == "cuda"
-    with fake_process_group(cluster.gpus, "a dry run"):
+    with fake_process_group(cluster.gpus, "a dry run"), _rank_threads(cuda, cluster):
         import shardwise
 
         mesh = shardwise.build_dp_mesh(outer=cand.replicas if cand.replicas > 1 else None, device_type=device.type)
@@ -245,12 +245,29 @@ def dry_run(source: ModelSource, cluster: Cluster, cand: Candidate, seq: int, gl
             result.traced_peak = tracker.peak
             result.notes.append("CPU: memory is the traced storages of the real steps; allocator and device "
                                 "figures n/a; the wire is added to the measured step (nothing overlaps on a CPU "
-                                "rank); eager")
+                                f"rank); eager, {torch.get_num_threads()} thread(s): a rank's share of the cores")
         result.tokens_per_s_per_gpu = per_rank * seq / result.step_s
         result.shards = {n: tuple((p.to_local() if hasattr(p, "to_local") else p).shape)
                          for n, p in model.named_parameters()}
         del step, opt, model
     return result
+
+
+@contextlib.contextmanager
+def _rank_threads(cuda: bool, cluster: Cluster):
+    """On the CPU, the threads one of the node's ranks would have (its share of the cores: more threads than
+    that measure a machine the job will not have); on CUDA nothing changes."""
+    if cuda:
+        yield
+        return
+    from ..launch import available_cores
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(max(1, available_cores() // cluster.gpus_per_node))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
 
 def _local_bytes(model) -> int:
