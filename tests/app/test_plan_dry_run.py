@@ -132,3 +132,21 @@ def test_train_dry_run_says_whether_the_job_fits(monkeypatch):
     monkeypatch.setattr(job_dry_run, "host_available_bytes", lambda: found.traced_peak)  # one rank's, not two
     with pytest.raises(DoesNotFit, match="does not fit"):
         job_dry_run.dry_run_job(cfg, model_cfg, 2, "cpu")
+
+
+def test_plan_dry_run_at_world_one_has_no_wire():
+    """``shardwise.plan(..., dry_run=True)`` at one GPU (the GPU check's world 1): no collective, no NCCL
+    communicator, the whole model on rank 0; the JSON carries the dry run beside the rows."""
+    import json
+
+    import shardwise
+    from shardwise.app.plan.report import as_json
+
+    found = shardwise.plan("tiny", gpus=1, seq=SEQ, global_batch=1, compiled=False, fp8=False, hybrid=False,
+                           strategies=["optim_grads_params"], checkpointing=False, reshard_after_forward=True,
+                           dry_run=True, dry_run_steps=1)
+    dry = json.loads(as_json(found))["dry_run"]
+    assert dry["world"] == 1 and dry["calls_per_step"] == 0 and dry["wire_s"] == 0.0
+    assert (dry["nccl_communicators"], dry["nccl_bytes"]) == (0, 0)
+    assert found.dry_run.shards == _full_shapes()
+    assert dry["traced_peak"] > 0 and dry["peak_allocated"] is None

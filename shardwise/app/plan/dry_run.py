@@ -27,7 +27,7 @@ import torch
 
 from .candidates import Candidate
 from .emulated_wire import EmulatedCollectives, WireCall, WireModel
-from .hardware import EFFICIENCY, Cluster, Efficiency
+from .hardware import Cluster
 from .live_bytes import LiveBytes
 from .model_source import ModelSource
 from .simulate import fake_process_group
@@ -69,7 +69,8 @@ class DryRun:
     nccl_communicators: int
     nccl_bytes: int  # modelled
     no_wire_step_s: float | None = None  # CUDA: the same steps with every hold removed (compute and host)
-    peak_allocated: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the steps
+    peak_allocated: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the steady steps
+    all_steps_peak_allocated: int | None = None  # CUDA: from the wrapped model on, the first step included
     peak_reserved: int | None = None
     process_device_bytes: int | None = None  # CUDA: peak reserved + what the process holds outside the allocator
     traced_peak: int | None = None  # CPU: LiveBytes' peak over the steps (real tensors)
@@ -93,6 +94,7 @@ class DryRun:
         out = {k: getattr(self, k) for k in (
             "world", "device", "steps", "micro_batches", "step_s", "host_s", "wire_s", "tokens_per_s_per_gpu",
             "calls_per_step", "shard_bytes", "nccl_communicators", "nccl_bytes", "no_wire_step_s", "peak_allocated",
+            "all_steps_peak_allocated",
             "peak_reserved", "process_device_bytes", "traced_peak", "notes")}
         return {"config": self.candidate.as_dict(), "label": self.candidate.label(), **out,
                 "exposed_wire_s": self.exposed_wire_s}
@@ -136,13 +138,19 @@ class _Step:
     """One optimizer step of ``micro`` micro-batches (all but the last under ``no_sync``), as ``shardwise
     train`` runs it; with ``cuda_graphs`` forward and backward replay from one captured graph."""
 
-    def __init__(self, model, opt, inputs, micro: int, cuda_graphs: bool):
+    def __init__(self, model, opt, inputs, micro: int, cuda_graphs: bool, wire: EmulatedCollectives):
         self.model, self.opt, self.inputs, self.micro = model, opt, inputs, micro
         self.capture = cuda_graphs
+        self.graph_calls: list[WireCall] = []  # the captured step's calls (a replay runs no Python to record)
         if cuda_graphs:
             import shardwise
 
-            self.graphed = shardwise.capture_step(self._forward_backward, inputs, models=model)
+            def captured(*inputs):
+                wire.clear()  # the last call of this function is the capture: its calls are every replay's
+                self._forward_backward(*inputs)
+
+            self.graphed = shardwise.capture_step(captured, inputs, models=model)
+            self.graph_calls = list(wire.calls)
         else:
             self.graphed = None
 
@@ -181,15 +189,14 @@ def _timed(step: _Step, steps: int, cuda: bool) -> tuple[float, float]:
 
 def dry_run(source: ModelSource, cluster: Cluster, cand: Candidate, seq: int, global_batch: int, *,
             steps: int = 3, warmup: int = 2, device: torch.device | str | None = None, compiled: bool = False,
-            cuda_graphs: bool = False, move_bytes: bool = False, eff: Efficiency = EFFICIENCY) -> DryRun:
+            cuda_graphs: bool = False, move_bytes: bool = False) -> DryRun:
     """Run ``warmup + steps`` steps of rank 0 of ``cand`` on ``cluster.gpus`` ranks here (``device``: the
     current CUDA device where there is one, else the CPU) and measure the last ``steps``.
 
     ``compiled``: each unit's forward through ``torch.compile`` (CUDA only; eager on the CPU). ``move_bytes``:
-    gathers write their bytes through HBM (see ``emulated_wire.py``). ``eff`` is unused by the measurement
-    (the wire takes only the cluster's links); it is accepted so a plan's call passes its settings alike.
+    gathers write their bytes through HBM (see ``emulated_wire.py``). The wire takes only the cluster's links
+    (the step model's efficiencies are what the dry run measures instead).
     """
-    del eff
     device = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     _check(cand, device, cuda_graphs, steps, warmup)
@@ -213,10 +220,15 @@ def dry_run(source: ModelSource, cluster: Cluster, cand: Candidate, seq: int, gl
                 shardwise.compile_units(model)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not cand.offload_fraction)  # as the static trace
             inputs = tuple(t.to(device) for t in source.inputs(cand.micro_batch, seq))
-            step = _Step(model, opt, inputs, micro, cuda_graphs)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            step = _Step(model, opt, inputs, micro, cuda_graphs, wire)
             step()  # AdamW's state is made here; the peaks are the steady steps' (the static trace's moment)
             if cuda:
                 torch.cuda.synchronize()
+                first_peak = torch.cuda.max_memory_allocated()
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             if tracker is not None:
@@ -225,13 +237,14 @@ def dry_run(source: ModelSource, cluster: Cluster, cand: Candidate, seq: int, gl
                 step()
         wire.clear()
         step_s, host_s = _timed(step, steps, cuda)
-        calls = list(wire.calls)
+        calls = step.graph_calls * steps if cuda_graphs else list(wire.calls)
         wire_s = sum(c.seconds for c in calls) / steps
         result = DryRun(cand, cluster.gpus, torch.cuda.get_device_name(device) if cuda else "cpu", steps, micro,
                         step_s if cuda else step_s + wire_s, host_s, wire_s, 0.0, len(calls) // steps,
                         _local_bytes(model), *nccl_bytes(cluster.gpus, axes), calls=calls[:len(calls) // steps])
         if cuda:
             result.peak_allocated = torch.cuda.max_memory_allocated()
+            result.all_steps_peak_allocated = max(first_peak, result.peak_allocated)
             result.peak_reserved = torch.cuda.max_memory_reserved()
             free, total = torch.cuda.mem_get_info()
             result.process_device_bytes = result.peak_reserved + (total - free - torch.cuda.memory_reserved())

@@ -26,6 +26,8 @@ def render_dry_run(dry: DryRun, static: Row | None = None) -> str:
     rows = [
         ("peak allocated GiB", _gib(st.memory.peak) if st else _NA, _gib(dry.peak),
          "measured: traced storages of the real steps (CPU)" if cpu else "measured: torch.cuda.max_memory_allocated"),
+        ("  first step included GiB", _NA, _gib(dry.all_steps_peak_allocated),
+         "measured: from the wrapped model on (a bench's reset point)" if not cpu else _NA + " on CPU"),
         ("peak reserved GiB", _NA, _gib(dry.peak_reserved), "measured: the caching allocator" if not cpu else _NA + " on CPU"),
         ("process device memory GiB", _NA, _gib(dry.process_device_bytes),
          "measured: reserved peak + mem_get_info's rest (context, workspaces)" if not cpu else _NA + " on CPU"),
