@@ -57,7 +57,8 @@ def dry_run_job(cfg, model_cfg: GPTConfig, world: int, device_type: str) -> tupl
     fits = need <= have
     line = (f"dry run ({cand.label()}, rank 0 of {world} on one {found.device}): needs {need / 2**30:.2f} GiB {where} "
             f"of {have / 2**30:.2f}: {'fits' if fits else 'does not fit'}; expected {found.tokens_per_s_per_gpu:,.0f} "
-            f"tokens/s per {'GPU' if device_type == 'cuda' else 'rank'} ({found.step_s:.3f} s a step, the wire modelled)")
+            f"tokens/s per {'GPU' if device_type == 'cuda' else 'rank'} ({found.step_s:.3f} s a step, the wire "
+            "modelled)")
     if not fits:
         raise DoesNotFit(line)
     return found, line
