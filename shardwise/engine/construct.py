@@ -23,6 +23,7 @@ from .mesh import DENSE, EXPERT, EXPERT_CHOICES, ShardingPlan, experts_by_mark
 from .param_group import ParamGroup, ParamRef
 from .post_forward_shard import PostForwardShard, is_group_size
 from .quantized_gather import gather_mark
+from .gather_extensions import EXTENSIONS_KIND, has_extensions
 from .replaced_params import is_replaced
 from .resolution import plan_choice
 from .shard_placement import shard_dim_of
@@ -215,8 +216,10 @@ class GroupBuilder:
                 _broadcast_from_first_replica(ref.param, ref_plan, self.device)
             sequence_parallel = bool(getattr(ref.param, "sequence_parallel", False)) and tp_axis in ref_plan.model_parallel
             mark = gather_mark(ref.param)  # an FP8 gather: its own group (uint8 slots, its own scales)
-            key = (id(ref_plan), ref.param.dtype, ref.param.requires_grad, sequence_parallel,
-                   None if mark is None else mark.kind)
+            kind = None if mark is None else mark.kind
+            if has_extensions(ref.param, ref.fqn):  # FSDP2's all-gather extensions: gathered through their hooks
+                kind = EXTENSIONS_KIND
+            key = (id(ref_plan), ref.param.dtype, ref.param.requires_grad, sequence_parallel, kind)
             buckets.setdefault(key, []).append(ref)
             if tp_axis in ref_plan.model_parallel and tp_axis not in ref.model_parallel_dims and not ref.param.is_meta:
                 _sync_from_first_rank(ref.param, ref_plan.model_parallel[tp_axis].group, self.device)
@@ -233,7 +236,7 @@ class GroupBuilder:
         expert_plan = self.expert_plan
         ref_plan = expert_plan if expert_plan is not None and plan_id == id(expert_plan) else self.plan
         kind = (("" if rg else ",frozen") + (",experts" if ref_plan is not self.plan else "")
-                + (",fp8" if gather_kind else ""))
+                + ("" if not gather_kind else ",extensions" if gather_kind == EXTENSIONS_KIND else ",fp8"))
         label = f"{self.ownership.names.get(id(owner), '') or '<root>'}[{str(dtype).replace('torch.', '')}{kind}]"
         sum_axes = [ref_plan.model_parallel[self.options.tp_axis]] if sequence_parallel else []
         # Meta parameters are sharded on the meta device; model.to_empty() gives the shards storage later.

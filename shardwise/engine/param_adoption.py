@@ -37,6 +37,8 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 def _views_main(group: ParamGroup, i: int, param: torch.Tensor) -> bool:
     local, main = param._local_tensor, group.main_local(i)
+    if group.extensions is not None:  # a tensor subclass's own pieces (a wrapper has no data pointer to compare)
+        return local is main
     return (local.data_ptr() == main.data_ptr() and local.dtype == main.dtype and local.shape == main.shape
             and local.device == main.device)
 
@@ -133,6 +135,9 @@ def _cast_dtype(group: ParamGroup, held: list[torch.Tensor]) -> torch.dtype | No
     if group.quantized is not None:
         raise ValueError(f"the parameters of {group.name} ({', '.join(group.fqns)}) gather as FP8 and cannot be "
                          "cast after fully_shard: cast the model before fully_shard and convert_to_fp8")
+    if group.extensions is not None:
+        raise ValueError(f"the parameters of {group.name} ({', '.join(group.fqns)}) gather through FSDP2's all-gather "
+                         "extensions and are not cast after fully_shard by shardwise: cast the model before it")
     return dtypes.pop()
 
 

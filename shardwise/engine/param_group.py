@@ -19,7 +19,10 @@ flat tensor, and the transitions between levels:
 
 A group of weights marked for an FP8 gather (``quantized_gather``) gathers uint8
 e4m3 bytes into ``unsharded`` instead, cast from ``main`` with scales shared
-over the axes, and its unsharded parameters wrap those bytes.
+over the axes, and its unsharded parameters wrap those bytes. A group of
+parameters with FSDP2's all-gather extensions (``gather_extensions``) has no
+flat weight buffers: its sharded pieces are the subclass's own, and its
+gathers go through the parameters' hooks (``extensions``).
 
 The buffers move themselves; the group decides when, on which stream, and
 what stays alive until a flight is waited on. Its states: which parameters the
@@ -43,6 +46,7 @@ from .offload import HostMemory
 from .sharded_param import ParamRef, ShardedParam
 from .precision import MixedPrecisionPolicy
 from .quantized_gather import QuantizedGather, gather_mark
+from .gather_extensions import ExtensionGather, ExtensionParam, check_extension_group, has_extensions
 from .grad_window import GradState, GradWindow
 from .replaced_params import mark_replaced
 
@@ -108,7 +112,9 @@ class ParamGroup:
         self.name = name
         self.refs = list(refs)
         self.fqns = [r.fqn for r in self.refs]
-        self.params = [ShardedParam(r, plan) for r in self.refs]
+        # FSDP2's all-gather extensions (the parameters' own hooks): a group of them only (the bucket key)
+        uses_hooks = any(has_extensions(r.param, r.fqn) for r in self.refs)
+        self.params = [(ExtensionParam if uses_hooks else ShardedParam)(r, plan) for r in self.refs]
         self.plan = plan
         self.streams = streams
         # Graph-safe mode (fully_shard(graph_safe=True)): every buffer is allocated once and kept, so a step
@@ -140,6 +146,11 @@ class ParamGroup:
         # ``policy.keep_compute_weights``: the compute-dtype shard kept at rest, cast once per update (an FP8
         # gather casts before every gather anyway)
         marks = [gather_mark(r.param) for r in self.refs]
+        self.extensions: ExtensionGather | None = None
+        if uses_hooks:
+            check_extension_group(name, self.fqns, self.refs, plan, policy, offload, self.graph_safe,
+                                  any(mark is not None for mark in marks), first.dtype)
+            self.extensions = ExtensionGather(self.refs, self.levels, plan, policy, first.dtype)
         self.keeps_compute_weights = policy.keep_compute_weights and all(mark is None for mark in marks)
         self._set_dtypes(first.dtype)
         self.quantized: QuantizedGather | None = None
@@ -183,12 +194,16 @@ class ParamGroup:
         nothing on the host). Then the optimizer's in-place update of the main weights (or its cast into the kept
         shard, once per update) is what forward reads, with no gather, free or allocation."""
         kp = self.param_level
+        if self.extensions is not None:  # every gather goes through the hooks
+            return False
         return kp == 0 or (not self.casts_on_gather and self.quantized is None
                            and not self.offloaded and self.levels.same_layout(0, kp))
 
     def _allocate(self, fulls: list[torch.Tensor] | None) -> None:
         """Make the weight buffers on ``self.device`` (filled from the full parameters ``fulls``, zeros when
         ``None``), the sharded DTensor parameters over the main weights and the unsharded leaf parameters."""
+        if self.extensions is not None:
+            return self._allocate_extended(fulls)
         kp, m = self.param_level, self.opt_level
         with torch.no_grad():
             self._model: DistributedBuffer | None = None
@@ -224,6 +239,41 @@ class ParamGroup:
         if not self.persistent_unsharded:
             self._unsharded.free()  # the views above keep their shapes
 
+    def _allocate_extended(self, fulls: list[torch.Tensor] | None) -> None:
+        """A group gathered through its parameters' hooks: the subclass's own sharded pieces (FSDP2's), no flat
+        weight buffers; the unsharded parameters are the post-hooks' at the first gather (placeholders until then)."""
+        self.extensions.shard(fulls, self.device)
+        self._model = self._main = self._unsharded = None
+        self.sharded_params = [self._make_sharded_param(i) for i in range(len(self.params))]
+        self.unsharded_params = [nn.Parameter(torch.empty(0, device=self.device), requires_grad=self.requires_grad)
+                                 for _ in self.params]
+
+    def read_patched_hooks(self) -> None:
+        """FSDP2's hooks patched onto the sharded parameters' local tensors after ``fully_shard`` (instance
+        methods on plain tensors; FSDP2 reads them at its first forward): from now on this group gathers through
+        them, its main weights staying where they are. Every parameter of the group or none (one flat buffer)."""
+        if self.extensions is not None:
+            return
+        patched = [has_extensions(p._local_tensor, fqn) for p, fqn in zip(self.sharded_params, self.fqns)]
+        if not any(patched):
+            return
+        if not all(patched):
+            raise NotImplementedError(
+                f"FSDP2's all-gather hooks were patched onto the local tensors of {self.name}'s parameters "
+                f"{[f for f, x in zip(self.fqns, patched) if x]} but not of {[f for f, x in zip(self.fqns, patched) if not x]}, "
+                "which shardwise gathers with them "
+                "(one unit's parameters of one dtype): patch all of them, or define the hooks on a tensor subclass")
+        dtype = self.sharded_params[0].dtype
+        check_extension_group(self.name, self.fqns, self.refs, self.plan, self.policy, self.offloaded, self.graph_safe,
+                              self.quantized is not None, dtype)
+        self.reshard()
+        self.extensions = ExtensionGather(self.refs, self.levels, self.plan, self.policy, dtype)
+        self.extensions.adopt([p._local_tensor for p in self.sharded_params])
+        self.persistent_unsharded = False
+        self.weight_state = WeightState.SHARDED
+        self.unsharded_params = [nn.Parameter(torch.empty(0, device=self.device), requires_grad=self.requires_grad)
+                                 for _ in self.params]
+
     def _check_quantized(self, marks: list, policy: MixedPrecisionPolicy, plan: ShardingPlan) -> None:
         """An FP8 gather casts the main pieces right before each gather: it needs every parameter of the
         group marked, compute weights of a lower precision than the main ones, and parameters sharded
@@ -248,7 +298,7 @@ class ParamGroup:
                              "(shardwise.engine.fp8.convert_to_fp8(..., all_gather=False) keeps the bf16 gather)")
 
     def _make_sharded_param(self, i: int) -> nn.Parameter:
-        param = nn.Parameter(self.params[i].dtensor(self._main.local(i)), requires_grad=self.requires_grad)
+        param = nn.Parameter(self.params[i].dtensor(self.main_local(i)), requires_grad=self.requires_grad)
         # Keep the model's own annotations (tensor_model_parallel, partition_dim, allreduce, ...).
         for key, value in self._annotations[i].items():
             setattr(param, key, value)
@@ -257,7 +307,7 @@ class ParamGroup:
 
     def main_local(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s rows of the main weights on this rank (what its sharded DTensor views)."""
-        return self._main.local(i)
+        return self._main.local(i) if self.extensions is None else self.extensions.locals[i]
 
     def rebuild_sharded_param(self, i: int) -> nn.Parameter:
         """A new sharded DTensor parameter over parameter ``i``'s main rows (the engine's view of it)."""
@@ -289,7 +339,7 @@ class ParamGroup:
     @property
     def main(self) -> torch.Tensor | None:
         """The flat main weights, when they have a buffer of their own (else pieces of ``model_shard``)."""
-        return self._main.flat
+        return None if self._main is None else self._main.flat
 
     @property
     def model_shard(self) -> torch.Tensor | None:
@@ -297,8 +347,8 @@ class ParamGroup:
         return None if self._model is None else self._model.flat
 
     @property
-    def unsharded(self) -> torch.Tensor:
-        return self._unsharded.flat
+    def unsharded(self) -> torch.Tensor | None:
+        return None if self._unsharded is None else self._unsharded.flat
 
     @property
     def unsharded_buffer(self) -> DistributedBuffer:
@@ -341,14 +391,17 @@ class ParamGroup:
     # ------------------------------------------------------- unshard / free
     @property
     def storage_bytes_unsharded(self) -> int:
-        return self._unsharded.storage_bytes()
+        return self._unsharded.storage_bytes() if self.extensions is None else self.extensions.storage_bytes()
 
     def start_unshard(self) -> None:
         """Begin gathering the model weights (returns at once on CUDA)."""
         if self.weight_state is not WeightState.SHARDED:
             return
         with torch.profiler.record_function("shardwise::gather"):
-            self._gather = self._unsharded.start_gather(self._gather_source)
+            if self.extensions is None:
+                self._gather = self._unsharded.start_gather(self._gather_source)
+            else:  # the pre-hooks of the locals the sharded parameters hold now (monkey patches included)
+                self._gather = self.extensions.start([p._local_tensor for p in self.sharded_params])
         self.weight_state = WeightState.GATHERING
         self._gathered_version = self._main_version()
 
@@ -376,6 +429,8 @@ class ParamGroup:
             self.start_unshard()
         self._gather.wait()
         self._gather = None
+        if self.extensions is not None:  # the post-hooks build (or refill) the unsharded parameters
+            self.extensions.finish(self.unsharded_params, self.requires_grad)
         self.weight_state = WeightState.UNSHARDED
 
     def reshard(self) -> None:
@@ -387,7 +442,9 @@ class ParamGroup:
             self._gather.wait()
             self._gather = None
         if self.weight_state is not WeightState.SHARDED:
-            if not self.graph_safe:  # graph-safe: the storage stays (regathered in place at the next unshard)
+            if self.extensions is not None:  # the gathered outputs and the post-hooks' inner tensors
+                self.extensions.free()
+            elif not self.graph_safe:  # graph-safe: the storage stays (regathered in place at the next unshard)
                 self._unsharded.free()
             self.weight_state = WeightState.SHARDED
 
@@ -464,6 +521,8 @@ class ParamGroup:
         (their own counters); a write into ``to_local()`` (DCP's load) moves the
         counter the local views share with their flat buffer.
         """
+        if self.extensions is not None:  # the subclass pieces (the locals are views of them)
+            return sum(p._version for p in self.sharded_params), sum(t._version for t in self.extensions.padded)
         base = self.main if self.main is not None else self.model_shard
         return sum(p._version for p in self.sharded_params), base._version
 
@@ -507,6 +566,9 @@ class ParamGroup:
     @torch.no_grad()
     def broadcast_main_weights(self, axis) -> None:
         """Give every rank of ``axis`` (where main weights are replicated) the first rank's values."""
+        if self.extensions is not None:
+            raise NotImplementedError(f"sync_module_states=True with parameters {self.fqns} that define FSDP2's "
+                                      "all-gather extensions is not built: load the weights after fully_shard")
         (self._main if self._main.flat is not None else self._model).broadcast(axis)
         self.mark_weights_stale()
 
@@ -519,7 +581,8 @@ class ParamGroup:
             own_main, main_grad = False, None
         return {
             "model_shard": 0 if self.model_shard is None else self.model_shard.untyped_storage().nbytes(),
-            "main": self.main.untyped_storage().nbytes() if own_main else 0,
+            "main": self.main.untyped_storage().nbytes() if own_main else (
+                0 if self.extensions is None else self.extensions.nbytes()),
             "unsharded": 0 if self.persistent_unsharded else self.storage_bytes_unsharded,
             "main_grad": 0 if main_grad is None else main_grad.untyped_storage().nbytes(),
             "grad_acc": 0 if self.grad_acc is None or self.grad_acc is main_grad else self.grad_acc.untyped_storage().nbytes(),

@@ -111,6 +111,9 @@ class PostForwardShard:
             if group.persistent_unsharded or group.weight_state is not WeightState.UNSHARDED:
                 group.reshard()  # nothing gathered to keep a part of
                 continue
+            if group.extensions is not None:  # the hooks' outputs are theirs to cut: resharded fully (FSDP2 refuses)
+                group.reshard()
+                continue
             regions = self._regions(group, group.unsharded)
             parts = [region.view(self.k, -1)[self.axis.index] for _, region in regions]
             flat = group.levels.new(sum(p.numel() for p in parts), group.unsharded.dtype)

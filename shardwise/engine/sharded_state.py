@@ -73,6 +73,7 @@ class ShardedState:
         self.forward_order: list[Unit] = []
         self._order_index: dict[int, int] = {}
         self.order_recorded = False
+        self.patched_hooks_read = False  # all-gather hooks patched onto the sharded locals, read at the first forward
         self.callback_queued = False
         self.in_flight: list[tuple[ParamGroup, InFlight]] = []
         # id(group) -> optimizer stepped as soon as the group's grads are final (see
@@ -130,6 +131,10 @@ class ShardedState:
             return args, kwargs
         self.adopt_module_params()
         check_materialized(self)  # once: a module left on the meta device is named, not a device mismatch
+        if not self.patched_hooks_read:  # FSDP2 reads all-gather hooks patched onto the local tensors here, once
+            for g in self.groups:
+                g.read_patched_hooks()
+            self.patched_hooks_read = True
         check_gathered_weights_current(self.all_units)  # a unit left gathered across a step would read old weights
         if self.weight_watch is not None and self.weight_watch.armed:  # the first forward (weight_origin)
             self.weight_watch.check(self.root.module)
