@@ -212,13 +212,17 @@ class GroupBuilder:
             if self.options.shard_placement_fn is not None:
                 ref.shard_dim = shard_dim_of(ref, self.options.shard_placement_fn(ref.param), self.options.mesh)
             ref_plan = _place_model_parallel(ref, self.plan, self.expert_plan, tp_axis, self.options.ep_axis, self.plan_fn)
+            extended = has_extensions(ref.param, ref.fqn)  # FSDP2's all-gather extensions: gathered through its hooks
             if self.options.sync_module_states and not ref.param.is_meta:
+                if extended:
+                    raise NotImplementedError(
+                        f"sync_module_states=True with parameter {ref.fqn!r}, which defines FSDP2's all-gather "
+                        "extensions (fsdp_pre_all_gather / fsdp_post_all_gather), is not built: load its values after "
+                        "fully_shard")
                 _broadcast_from_first_replica(ref.param, ref_plan, self.device)
             sequence_parallel = bool(getattr(ref.param, "sequence_parallel", False)) and tp_axis in ref_plan.model_parallel
             mark = gather_mark(ref.param)  # an FP8 gather: its own group (uint8 slots, its own scales)
-            kind = None if mark is None else mark.kind
-            if has_extensions(ref.param, ref.fqn):  # FSDP2's all-gather extensions: gathered through their hooks
-                kind = EXTENSIONS_KIND
+            kind = EXTENSIONS_KIND if extended else None if mark is None else mark.kind
             key = (id(ref_plan), ref.param.dtype, ref.param.requires_grad, sequence_parallel, kind)
             buckets.setdefault(key, []).append(ref)
             if tp_axis in ref_plan.model_parallel and tp_axis not in ref.model_parallel_dims and not ref.param.is_meta:

@@ -323,7 +323,7 @@ def _refused(**kwargs) -> str:
     return ""
 
 
-@pytest.mark.parametrize("kwargs", [{"strategy": "optim_grads"},
+@pytest.mark.parametrize("kwargs", [{"strategy": "optim_grads"}, {"sync_module_states": True},
                                     {"offload_policy": shardwise.OffloadPolicy(fraction=1.0)}])
 def test_placements_not_built_are_refused_by_name(kwargs):
     message = run_distributed(_refused, 1, **kwargs)[0]
