@@ -3,9 +3,9 @@
 Two tensor subclasses of our own define the hooks: ``Bf16Travel`` (an fp32 weight that travels in bf16,
 padding its piece itself where the rows split unevenly, FSDP2's rule) and ``RowScaledInt8`` (two inputs of
 two dtypes, int8 rows and their fp32 scales, with metadata: FSDP2 gathers them as bytes). The same model is
-trained by torch's FSDP2 and by shardwise in the same test on 1 and 2 gloo processes: the losses, the
-gradients, the parameters (the subclass's own data), how many times each hook ran (first calls against
-``out=`` refills) and the inner tensors freed at reshard must agree, bit for bit on the CPU: shardwise runs the
+trained by torch's FSDP2 and by shardwise in the same test on 1, 2 and 4 gloo processes: the losses, the
+gradients, the parameters (the subclass's own data), the state dict's full tensors, how many times each
+hook ran (first calls against ``out=`` refills) and the inner tensors freed at reshard must agree, bit for bit on the CPU: shardwise runs the
 hooks, the collectives and the reductions FSDP2 runs, in the same dtypes and order.
 """
 
@@ -180,8 +180,12 @@ def _train(impl: str, int8: bool = True, reshard_after_forward: bool = True, mp:
         opt.zero_grad()
     freed = all(t.untyped_storage().size() == 0 for t in INNER)  # every unit resharded after its backward
     params = {n: _local(p) for n, p in model.named_parameters()}
+    state = {}  # the state dict's full tensors (torch's DTensor gather of the subclass pieces)
+    for name, value in model.state_dict().items():
+        full = value.full_tensor()
+        state[name] = (type(full).__name__, (full._data if isinstance(full, _Wrapper) else full).detach().cpu())
     return {"losses": losses, "grads": grads, "params": params, "calls": dict(CALLS), "kinds": kinds,
-            "freed": freed, "inner": len(INNER)}
+            "freed": freed, "inner": len(INNER), "state": state}
 
 
 def _assert_same(ref: dict, got: dict) -> None:
@@ -195,6 +199,10 @@ def _assert_same(ref: dict, got: dict) -> None:
             torch.testing.assert_close(g[name], r[name], rtol=rtol, atol=atol, msg=f"step {step} grad {name}")
     for name in ref["params"]:
         torch.testing.assert_close(got["params"][name], ref["params"][name], rtol=rtol, atol=atol, msg=name)
+    assert got["state"].keys() == ref["state"].keys()
+    for name, (kind, value) in ref["state"].items():
+        assert got["state"][name][0] == kind, name
+        torch.testing.assert_close(got["state"][name][1], value, rtol=rtol, atol=atol, msg=f"state dict {name}")
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
