@@ -43,7 +43,8 @@ from .mesh import ShardingPlan
 from .precision import MixedPrecisionPolicy
 from .sharded_param import ParamRef, ShardedParam, _contiguous_stride
 
-__all__ = ["EXTENSIONS_KIND", "has_extensions", "check_extension_group", "ExtensionParam", "ExtensionGather"]
+__all__ = ["EXTENSIONS_KIND", "has_extensions", "patched_hooks", "check_extension_group", "ExtensionParam",
+           "ExtensionGather"]
 
 EXTENSIONS_KIND = "fsdp2_extensions"  # the bucket key's gather kind: such parameters are grouped apart
 PRE, POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
@@ -59,6 +60,19 @@ def has_extensions(param: torch.Tensor, fqn: str = "") -> bool:
         raise ValueError(f"parameter {fqn!r} ({type(param).__name__}) defines only one of {PRE} and {POST}; "
                          "FSDP2's all-gather extensions need both")
     return True
+
+
+def patched_hooks(name: str, fqns: Sequence[str], sharded_params: Sequence[torch.Tensor]) -> bool:
+    """Whether FSDP2's hooks were patched onto the local tensors of a plain group's sharded parameters (all of
+    them: shardwise gathers the group together, so some but not all is refused by name)."""
+    patched = [has_extensions(p._local_tensor, fqn) for p, fqn in zip(sharded_params, fqns)]
+    if any(patched) and not all(patched):
+        raise NotImplementedError(
+            f"FSDP2's all-gather hooks were patched onto the local tensors of {name}'s parameters "
+            f"{[f for f, x in zip(fqns, patched) if x]} but not of {[f for f, x in zip(fqns, patched) if not x]}, "
+            "which shardwise gathers with them (one unit's parameters of one dtype): patch all of them, or define "
+            "the hooks on a tensor subclass")
+    return any(patched)
 
 
 class ExtensionParam(ShardedParam):
@@ -173,6 +187,10 @@ class ExtensionGather:
         """Take sharded locals that are not the subclass's pieces (plain views of a group's main weights, hooks
         patched onto them as instance methods) as the pieces."""
         self.padded = self.locals = list(locals_)
+
+    def placeholders(self, device: torch.device, requires_grad: bool) -> list[nn.Parameter]:
+        """What the group's unsharded parameters are until the first gather's post-hooks make them."""
+        return [nn.Parameter(torch.empty(0, device=device), requires_grad=requires_grad) for _ in self.params]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.padded if t is not None)

@@ -46,7 +46,7 @@ from .offload import HostMemory
 from .sharded_param import ParamRef, ShardedParam
 from .precision import MixedPrecisionPolicy
 from .quantized_gather import QuantizedGather, gather_mark
-from .gather_extensions import ExtensionGather, ExtensionParam, check_extension_group, has_extensions
+from .gather_extensions import ExtensionGather, ExtensionParam, check_extension_group, has_extensions, patched_hooks
 from .grad_window import GradState, GradWindow
 from .replaced_params import mark_replaced
 
@@ -245,24 +245,14 @@ class ParamGroup:
         self.extensions.shard(fulls, self.device)
         self._model = self._main = self._unsharded = None
         self.sharded_params = [self._make_sharded_param(i) for i in range(len(self.params))]
-        self.unsharded_params = [nn.Parameter(torch.empty(0, device=self.device), requires_grad=self.requires_grad)
-                                 for _ in self.params]
+        self.unsharded_params = self.extensions.placeholders(self.device, self.requires_grad)
 
     def read_patched_hooks(self) -> None:
         """FSDP2's hooks patched onto the sharded parameters' local tensors after ``fully_shard`` (instance
         methods on plain tensors; FSDP2 reads them at its first forward): from now on this group gathers through
         them, its main weights staying where they are. Every parameter of the group or none (one flat buffer)."""
-        if self.extensions is not None:
+        if self.extensions is not None or not patched_hooks(self.name, self.fqns, self.sharded_params):
             return
-        patched = [has_extensions(p._local_tensor, fqn) for p, fqn in zip(self.sharded_params, self.fqns)]
-        if not any(patched):
-            return
-        if not all(patched):
-            raise NotImplementedError(
-                f"FSDP2's all-gather hooks were patched onto the local tensors of {self.name}'s parameters "
-                f"{[f for f, x in zip(self.fqns, patched) if x]} but not of {[f for f, x in zip(self.fqns, patched) if not x]}, "
-                "which shardwise gathers with them "
-                "(one unit's parameters of one dtype): patch all of them, or define the hooks on a tensor subclass")
         dtype = self.sharded_params[0].dtype
         check_extension_group(self.name, self.fqns, self.refs, self.plan, self.policy, self.offloaded, self.graph_safe,
                               self.quantized is not None, dtype)
@@ -271,8 +261,7 @@ class ParamGroup:
         self.extensions.adopt([p._local_tensor for p in self.sharded_params])
         self.persistent_unsharded = False
         self.weight_state = WeightState.SHARDED
-        self.unsharded_params = [nn.Parameter(torch.empty(0, device=self.device), requires_grad=self.requires_grad)
-                                 for _ in self.params]
+        self.unsharded_params = self.extensions.placeholders(self.device, self.requires_grad)
 
     def _check_quantized(self, marks: list, policy: MixedPrecisionPolicy, plan: ShardingPlan) -> None:
         """An FP8 gather casts the main pieces right before each gather: it needs every parameter of the
