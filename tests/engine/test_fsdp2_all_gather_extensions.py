@@ -336,3 +336,42 @@ def _refused(**kwargs) -> str:
 def test_placements_not_built_are_refused_by_name(kwargs):
     message = run_distributed(_refused, 1, **kwargs)[0]
     assert "'up.weight'" in message and "fsdp_pre_all_gather" in message, message
+
+
+def _torchao_float8(impl: str, mp: bool) -> dict:
+    """torchao's float8 training with FSDP2's float8 all-gather (``WeightWithDynamicFloat8CastTensor``'s hooks)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    fully_shard = torch_fully_shard if impl == "fsdp2" else shardwise.fully_shard
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 16, bias=False)).to(device())
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if mp else {}
+    fully_shard(model[0], **kwargs)
+    fully_shard(model[2], **kwargs)
+    fully_shard(model, **kwargs)
+    kinds = {n: type(p._local_tensor).__name__ for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(16, 32, generator=gen).to(device(), torch.bfloat16 if mp else torch.float32)
+        loss = model(x).float().square().mean()
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    weights = {n: p._local_tensor._tensor.detach().cpu().clone() for n, p in model.named_parameters()}
+    return {"kinds": kinds, "losses": losses, "weights": weights}
+
+
+@pytest.mark.parametrize("mp", [False, True])
+def test_torchao_float8_all_gather_as_fsdp2(mp):
+    """The real user of the hooks: torchao's float8 weights gathered as float8 through them, one rank (gloo cannot
+    gather float8 bytes; scripts/fsdp2_extensions_check.py runs two GPUs): bit for bit FSDP2's."""
+    ref = run_distributed(_torchao_float8, 1, "fsdp2", mp)[0]
+    got = run_distributed(_torchao_float8, 1, "shardwise", mp)[0]
+    assert set(ref["kinds"].values()) == {"WeightWithDynamicFloat8CastTensor"} and got["kinds"] == ref["kinds"]
+    assert got["losses"] == ref["losses"]
+    for name, value in ref["weights"].items():
+        assert torch.equal(got["weights"][name], value), name
