@@ -20,7 +20,8 @@ group; as bytes when the dtypes differ, as FSDP2) into outputs made at the
 first gather and freed by storage at reshard, then calls the post-hooks on
 the compute stream. Gradients are plain tensors reduced as every group's (a
 subclass gradient is copied into a plain one first, as FSDP2's reduce-scatter
-copy-in does). Groups without such parameters never reach this module.
+copy-in does). Groups without such parameters never call into this module while training (one
+``None`` test per gather, reshard and version read).
 
 Built for FSDP2's placements: parameters sharded like their optimizer state
 over one data-parallel axis (FSDP, HSDP, one rank), on the device, in their
@@ -30,7 +31,6 @@ own dtype, along dim 0; others are refused at ``fully_shard`` by name.
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Sequence
 
 import torch
