@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -52,6 +53,7 @@ APP_ENTRY_POINTS = {("shardwise", "shardwise.app.plan")}
 SURFACE_MODULES = {
     "model_ops": "the per-model operations (the one door to a wrapped model's state)",
     "placements": "the strategy table",
+    "layout": "row arithmetic: torch.chunk's pieces",
     "mesh": "meshes, ShardingPlan, the default plan_fn",
     "device": "the device rule",
     "registry": "module roles",
@@ -236,6 +238,22 @@ def test_every_engine_module_has_a_layer():
     modules = {p.stem for p in (PACKAGE / "engine").glob("*.py") if p.stem != "__init__"}
     named = {m.rpartition(".")[2] for m in LAYERS}
     assert modules == named, f"no layer: {sorted(modules - named)}; gone: {sorted(named - modules)}"
+
+
+def _design_md_layers() -> dict[int, set[str]]:
+    """The engine modules (```name.py```) each of docs/design.md's numbered layers 1 to 5 names."""
+    text = (REPO / "docs" / "design.md").read_text()
+    section = text[text.index("## Layers (imports point down)"):]
+    section = section[:section.index("\n## ", 1)]
+    modules = {p.stem for p in (PACKAGE / "engine").glob("*.py")}
+    items = re.split(r"\n(\d)\. ", section)
+    return {int(n): set(re.findall(r"`(\w+)\.py`", body)) & modules for n, body in zip(items[1::2], items[2::2])
+            if int(n) in ENGINE_LAYERS}
+
+
+def test_design_md_has_this_layer_table():
+    table = {n: set(names.split()) for n, names in ENGINE_LAYERS.items()}
+    assert _design_md_layers() == table
 
 
 def _is_app_entry_point(imp: Import) -> bool:

@@ -27,10 +27,9 @@ from .launch import under_launcher
 from .presets import PRESETS
 
 __all__ = ["TrainConfig", "ConfigError", "build_parser", "resolve_config", "check_world", "device_type",
-           "default_out_dir", "RESUME_MODES", "OUTER_STRATEGIES"]
+           "default_out_dir", "RESUME_MODES"]
 
 RESUME_MODES = {"": "never", "auto": "if there is a checkpoint", "required": "fail without a checkpoint"}
-OUTER_STRATEGIES = ("no_shard", "optim")
 
 
 def _help(text: str) -> dict:
@@ -281,7 +280,7 @@ def resolve_config(argv=None, problems: Problems | None = None) -> tuple[TrainCo
 
 def _validate(cfg: TrainConfig, model: GPTConfig, problems: Problems, explicit=frozenset()) -> None:
     """Every check of the settings, each problem added to ``problems`` (checks that depend on one skipped)."""
-    from ..engine.placements import STRATEGY_PLACEMENTS, resolve_strategy
+    from ..engine.placements import STRATEGY_PLACEMENTS, hybrid_problem, resolve_strategy
 
     for obj, names in ((cfg, _TRAIN_FIELDS), (model, _MODEL_FIELDS)):
         for name, f in names.items():
@@ -342,8 +341,9 @@ def _validate(cfg: TrainConfig, model: GPTConfig, problems: Problems, explicit=f
     except ValueError:
         problems.add("strategy", cfg.strategy,
                      f"unknown strategy; use one of {sorted(STRATEGY_PLACEMENTS)} or 0-3")
-    if cfg.outer_strategy and cfg.outer_strategy not in OUTER_STRATEGIES:
-        problems.add("outer_strategy", cfg.outer_strategy, f"use one of {', '.join(OUTER_STRATEGIES)}")
+    if cfg.outer_strategy and not problems.named(("strategy",)) and (
+            why := hybrid_problem(cfg.strategy, cfg.outer_strategy, "--strategy")):
+        problems.add("outer_strategy", cfg.outer_strategy, why)
     if cfg.outer_strategy and cfg.outer_dp < 1:
         problems.add("outer_strategy", cfg.outer_strategy, "needs --outer-dp N (the outer axis size)")
     if cfg.outer_dp and not cfg.outer_strategy:

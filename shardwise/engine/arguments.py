@@ -24,10 +24,10 @@ from torch.distributed.tensor import DTensor
 
 from .collectives import Collectives
 from .fully_shard_options import FullyShardOptions
-from .mesh import PLAN_CHOICES, ShardingPlan, build_dp_mesh, experts_by_mark, fold_context_parallel, named_mesh
+from .mesh import PLAN_CHOICES, ShardingPlan, build_dp_mesh, fold_context_parallel, named_mesh
 from .offload import OffloadPolicy
 from .param_group import SHARDED_MARK
-from .placements import normalize_placements, resolve_axis_placements
+from .placements import normalize_placements
 from .post_forward_shard import resolve_reshard_after_forward
 from .spmd_mesh import read_spmd_mesh
 from .precision import MixedPrecisionPolicy, from_torch_policy
@@ -136,7 +136,8 @@ def _check_argument_types(**arguments) -> None:
 
 
 def check_options(options: FullyShardOptions) -> Callable:
-    """Refuse options of the wrong type; the ``plan_fn`` to use (``experts_by_mark`` by default)."""
+    """Refuse options of the wrong type; the ``plan_fn`` to use (``None``: the default,
+    ``resolution.plan_choice`` reads it)."""
     reshard = options.reshard_after_forward
     if reshard is not None and not isinstance(reshard, int):  # an int's value is read with the plan
         raise TypeError(f"reshard_after_forward={reshard!r} must be a bool, None or an int")
@@ -160,7 +161,7 @@ def check_options(options: FullyShardOptions) -> Callable:
         raise TypeError(f"init_fn={init_fn!r} must be a callable (module, device) or None")
     if plan_fn is not None and not callable(plan_fn):
         raise TypeError(f"plan_fn={plan_fn!r} must be a callable (fqn, param) -> {' or '.join(map(repr, PLAN_CHOICES))}")
-    return plan_fn or experts_by_mark
+    return plan_fn
 
 
 def check_bucket_size(bucket_size: int | None) -> None:
@@ -193,8 +194,7 @@ def build_plans(options: FullyShardOptions) -> tuple[ShardingPlan, ShardingPlan 
     their gradients scaled for ``gradient_reduction``."""
     tp_axis, ep_axis, gradient_reduction = options.tp_axis, options.ep_axis, options.gradient_reduction
     expert_mesh, expert_placements = options.expert_mesh, options.expert_placements
-    mesh, placements = resolve_placements(options.mesh, options.placements, options.strategy,
-                                          options.outer_dp_sharding_strategy, (tp_axis, ep_axis))
+    mesh, placements = resolve_placements(options)
     names = mesh.mesh_dim_names or ()
     plan = ShardingPlan(mesh, placements, model_parallel_axes=[tp_axis] if tp_axis in names else [])
     expert_plan = _expert_plan(plan, placements, expert_mesh, expert_placements, ep_axis, tp_axis)
@@ -208,14 +208,11 @@ def build_plans(options: FullyShardOptions) -> tuple[ShardingPlan, ShardingPlan 
 
 
 # ------------------------------------------------------------------ placements, units, parameters
-def resolve_placements(mesh, placements, strategy, outer_dp_sharding_strategy,
-                       model_parallel_axes: tuple = ("tp",)) -> tuple[DeviceMesh, dict]:
+def resolve_placements(options: FullyShardOptions) -> tuple[DeviceMesh, dict]:
     """The mesh (FSDP2's unnamed meshes named, the default one built) and each data-parallel axis's placements
-    (``placements.resolve_axis_placements``)."""
-    if mesh is not None:
-        mesh = named_mesh(mesh)
-    placements = resolve_axis_placements(None if mesh is None else mesh.mesh_dim_names, placements, strategy,
-                                         outer_dp_sharding_strategy, model_parallel_axes)
+    (``FullyShardOptions.axis_placements``, which the rank-consistency check reads too)."""
+    mesh = None if options.mesh is None else named_mesh(options.mesh)
+    placements = options.axis_placements(None if mesh is None else mesh.mesh_dim_names)
     if mesh is None:
         if list(placements) != ["dp_shard"]:
             raise ValueError(f"placements name axes {list(placements)}; pass a mesh that has them")

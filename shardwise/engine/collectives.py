@@ -29,7 +29,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOp
 from .mesh import AxisGroup
 
 __all__ = ["StagingPool", "GraphSafeStagingPool", "StreamSet", "Collectives", "gather_pieces", "reduce_scatter_pieces", "all_reduce_chain",
-           "all_reduce_max", "InFlight"]
+           "all_reduce_max", "broadcast_from_first_rank", "InFlight"]
 
 
 class StagingPool:
@@ -255,6 +255,20 @@ def reduce_scatter_pieces(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tens
         for out, piece in zip(outs, mine.split(numels)):
             out.copy_(piece.view_as(out))
     torch._foreach_div_(list(outs), float(axis.size))
+
+
+def broadcast_from_first_rank(tensor: torch.Tensor, groups: Sequence, device: torch.device) -> None:
+    """Give every rank of each group of ``groups`` (in order) the values the group's first rank holds in
+    ``tensor``, in place, through ``device`` where ``tensor`` lives elsewhere (a host buffer, a parameter not
+    yet moved). A collective over each group of more than one rank; the one broadcast the build's
+    ``sync_module_states``, its TP-replicated parameters and ``broadcast_from_first_replica`` share."""
+    with torch.no_grad():
+        value = tensor.detach().to(device)
+        for group in groups:
+            if dist.get_world_size(group) > 1:
+                dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
+        if value.data_ptr() != tensor.data_ptr():
+            tensor.copy_(value)
 
 
 def all_reduce_chain(t: torch.Tensor, axes: Sequence[AxisGroup], average: bool = True) -> None:

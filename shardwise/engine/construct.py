@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .collectives import StreamSet
+from .collectives import StreamSet, broadcast_from_first_rank
 from .fully_shard_options import FullyShardOptions
-from .mesh import DENSE, EXPERT, EXPERT_CHOICES, ShardingPlan, experts_by_mark
+from .mesh import DENSE, EXPERT, EXPERT_CHOICES, ShardingPlan
 from .param_group import ParamGroup, ParamRef
 from .post_forward_shard import PostForwardShard, is_group_size
 from .quantized_gather import gather_mark
@@ -77,7 +77,7 @@ def _owners(roots: list[nn.Module], units: list[nn.Module], taken: set[int], ign
 
 
 def _place_model_parallel(
-    ref: ParamRef, plan: ShardingPlan, expert_plan, tp_axis: str, ep_axis: str, plan_fn: Callable = experts_by_mark
+    ref: ParamRef, plan: ShardingPlan, expert_plan, tp_axis: str, ep_axis: str, plan_fn: Callable | None = None
 ) -> ShardingPlan:
     """Choose the plan a parameter is sharded by (``plan_fn``, with an expert plan) and record its
     model-parallel dimensions."""
@@ -131,14 +131,6 @@ def _split(refs: list[ParamRef], limit: int) -> list[list[ParamRef]]:
     if current:
         chunks.append(current)
     return chunks
-
-
-def _sync_from_first_rank(param: torch.Tensor, group, device: torch.device) -> None:
-    """Make a TP-replicated parameter identical across its TP group (rank 0's values)."""
-    with torch.no_grad():
-        value = param.detach().to(device)
-        dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
-        param.copy_(value.to(param.device))
 
 
 # ------------------------------------------------------------------ groups
@@ -195,7 +187,7 @@ class GroupBuilder:
     options: FullyShardOptions
     device: torch.device
     streams: StreamSet
-    plan_fn: Callable
+    plan_fn: Callable | None  # None: the default (resolution.plan_choice)
     offloaded: set[int]
 
     def build_groups(self, owner: nn.Module) -> list[ParamGroup]:
@@ -206,6 +198,8 @@ class GroupBuilder:
         return [self._group(owner, key, bucket) for key, bucket in self._buckets(owner).items()]
 
     def _buckets(self, owner: nn.Module) -> dict[tuple, list[ParamRef]]:
+        """The owner's parameter groups: its parameters by (plan, dtype, requires_grad, sequence-parallel mark,
+        gather kind: FP8 or FSDP2's all-gather extensions), the definition docs/design.md's vocabulary gives."""
         tp_axis = self.options.tp_axis
         buckets: dict[tuple, list[ParamRef]] = {}
         for ref in self.ownership.refs(owner):
@@ -219,14 +213,16 @@ class GroupBuilder:
                         f"sync_module_states=True with parameter {ref.fqn!r}, which defines FSDP2's all-gather "
                         "extensions (fsdp_pre_all_gather / fsdp_post_all_gather), is not built: load its values after "
                         "fully_shard")
-                _broadcast_from_first_replica(ref.param, ref_plan, self.device)
+                # sync_module_states=True: every data-parallel rank takes the first rank's values
+                broadcast_from_first_rank(ref.param, [a.group for a in ref_plan.axes.values()], self.device)
             sequence_parallel = bool(getattr(ref.param, "sequence_parallel", False)) and tp_axis in ref_plan.model_parallel
             mark = gather_mark(ref.param)  # an FP8 gather: its own group (uint8 slots, its own scales)
             kind = EXTENSIONS_KIND if extended else None if mark is None else mark.kind
             key = (id(ref_plan), ref.param.dtype, ref.param.requires_grad, sequence_parallel, kind)
             buckets.setdefault(key, []).append(ref)
             if tp_axis in ref_plan.model_parallel and tp_axis not in ref.model_parallel_dims and not ref.param.is_meta:
-                _sync_from_first_rank(ref.param, ref_plan.model_parallel[tp_axis].group, self.device)
+                # a TP-replicated parameter: identical across its TP group (the first rank's values)
+                broadcast_from_first_rank(ref.param, [ref_plan.model_parallel[tp_axis].group], self.device)
         if owner is self.ownership.root and self.options.bucket_size is not None:  # split what no unit owns into buckets
             buckets = {
                 key + (i,): chunk
@@ -303,16 +299,6 @@ def adopt_units(roots: nn.Module | list[nn.Module], adopted: list, new_units: li
         for group in unit.groups:  # labelled by its place when built: relabel it by its place in the model
             group.name = unit.name + group.name[group.name.index("["):] if "[" in group.name else group.name
     return sorted(units, key=lambda u: order.get(id(u.module), len(order)))
-
-
-def _broadcast_from_first_replica(param: torch.Tensor, plan: ShardingPlan, device: torch.device) -> None:
-    """``sync_module_states=True``: every data-parallel rank takes the first rank's values of ``param``."""
-    with torch.no_grad():
-        value = param.detach().to(device)
-        for axis in plan.axes.values():
-            if axis.size > 1:
-                dist.broadcast(value, src=dist.get_global_rank(axis.group, 0), group=axis.group)
-        param.copy_(value.to(param.device))
 
 
 def move_buffers(root: nn.Module, device: torch.device) -> None:

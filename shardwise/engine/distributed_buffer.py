@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from .collectives import Collectives, InFlight, StreamSet
+from .collectives import Collectives, InFlight, StreamSet, broadcast_from_first_rank
 from .layout import LevelLayout
 from .sharded_param import ShardedParam
 
@@ -424,11 +424,5 @@ class DistributedBuffer:
     def broadcast(self, axis) -> None:
         """Give every rank of ``axis`` the values of the axis's first rank (from the host through the device
         when the buffer lives on the host)."""
-        import torch.distributed as dist
-
-        flat = self.flat
-        if flat.numel():
-            on_device = flat.to(self.levels.device)  # the buffer itself when it is on the device
-            dist.broadcast(on_device, src=dist.get_global_rank(axis.group, 0), group=axis.group)
-            if on_device is not flat:
-                flat.copy_(on_device)
+        if self.flat.numel():
+            broadcast_from_first_rank(self.flat, [axis.group], self.levels.device)

@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .placements import resolve_axis_placements
+
 if TYPE_CHECKING:  # types only (layer 2 with rank_consistency, which reads it)
     from .collectives import Collectives
     from .offload import OffloadPolicy
@@ -52,6 +54,19 @@ class FullyShardOptions:
     ignored_params: frozenset | None = None
     sync_module_states: bool = False
     check_module_states: str = "warn"  # weight_origin.CHECK_MODES, resolved
+
+    @property
+    def model_parallel_axes(self) -> tuple[str, str]:
+        """The mesh axes that are no data parallelism: ``(tp_axis, ep_axis)``."""
+        return (self.tp_axis, self.ep_axis)
+
+    def axis_placements(self, axis_names: tuple[str, ...] | None) -> dict[str, AxisPlacements]:
+        """Each data-parallel axis's placements on a mesh with these axis names (``None``: the default 1-D mesh):
+        ``placements.resolve_axis_placements`` with this call's arguments and model-parallel axes. The build
+        (``arguments.resolve_placements``) and the rank-consistency check both resolve through here, so the
+        check compares (and names) what the build will use."""
+        return resolve_axis_placements(axis_names, self.placements, self.strategy, self.outer_dp_sharding_strategy,
+                                       self.model_parallel_axes)
 
     def must_agree(self) -> dict[str, Any]:
         """The options every rank of a mesh must pass alike that the consistency check does not

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["RowPiece", "nested_chunks", "slot_rows", "LevelLayout", "row_numel"]
+__all__ = ["RowPiece", "chunk_size", "chunk_range", "nested_chunks", "slot_rows", "LevelLayout", "row_numel"]
 
 # Slot starts are aligned to this many elements (64 bytes in bf16, 128 in fp32).
 ALIGN = 32
@@ -45,15 +45,28 @@ class RowPiece:
     rows: int  # real rows in this rank's piece (0 for empty tail pieces)
 
 
+def chunk_size(n: int, parts: int) -> int:
+    """Rows of a full ``torch.chunk`` piece when ``n`` rows are cut into ``parts``: ``ceil(n / parts)``; the
+    pieces after the last full one are short, then empty. The one statement of the row rule."""
+    return -(-n // parts)
+
+
+def chunk_range(n: int, parts: int, index: int) -> tuple[int, int]:
+    """``(start, stop)`` of ``torch.chunk``'s piece ``index`` of ``n`` rows cut into ``parts``."""
+    size = chunk_size(n, parts)
+    start = min(index * size, n)
+    return start, min(start + size, n)
+
+
 def nested_chunks(rows: int, axes: Sequence[tuple[int, int]]) -> list[RowPiece]:
     """``torch.chunk`` along dim 0, once per ``(count, index)`` in ``axes`` (outermost first)."""
     pieces, start, length = [], 0, rows
     for count, index in axes:
         if count < 1 or not 0 <= index < count:
             raise ValueError(f"axis of size {count} has no coordinate {index}")
-        chunk = -(-length // count)
-        first = min(index * chunk, length)
-        length = min(chunk, length - first)
+        chunk = chunk_size(length, count)
+        first, stop = chunk_range(length, count, index)
+        length = stop - first
         start += first
         pieces.append(RowPiece(count, index, chunk, start, length))
     return pieces

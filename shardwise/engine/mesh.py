@@ -23,6 +23,7 @@ from .device import device_for
 from .placements import AxisPlacements
 
 __all__ = [
+    "mesh_axis_names",
     "named_mesh",
     "AxisGroup",
     "ShardingPlan",
@@ -115,16 +116,25 @@ def fold_context_parallel(mesh: DeviceMesh, cp_axis: str = "cp", inner_axis: str
                                  mesh_dim_names=tuple(order))
 
 
-def named_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """``mesh`` itself when its axes have names, else the same process groups under FSDP2's reading of an
-    unnamed mesh: 1-D ``("dp_shard",)``, 2-D ``("dp_replicate", "dp_shard")`` (replicate, then shard)."""
+def mesh_axis_names(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The names ``fully_shard`` reads ``mesh``'s axes by: its own, else FSDP2's reading of an unnamed mesh,
+    1-D ``("dp_shard",)``, 2-D ``("dp_replicate", "dp_shard")`` (replicate, then shard). The build
+    (:func:`named_mesh`) and the rank-consistency check both read a mesh through it."""
     if mesh.mesh_dim_names is not None:
-        return mesh
+        return tuple(mesh.mesh_dim_names)
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: an unnamed mesh must be 1-D "
                          f"(FSDP) or 2-D (HSDP), this one is {mesh.ndim}-D; name its axes (mesh_dim_names) to say "
                          "which are data-parallel")
-    names = ("dp_shard",) if mesh.ndim == 1 else ("dp_replicate", "dp_shard")
+    return ("dp_shard",) if mesh.ndim == 1 else ("dp_replicate", "dp_shard")
+
+
+def named_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh`` itself when its axes have names, else the same process groups under the names
+    :func:`mesh_axis_names` reads them by."""
+    if mesh.mesh_dim_names is not None:
+        return mesh
+    names = mesh_axis_names(mesh)
     groups = [mesh.get_group(i) for i in range(mesh.ndim)]
     return DeviceMesh.from_group(groups if mesh.ndim > 1 else groups[0], mesh.device_type, mesh=mesh.mesh,
                                  mesh_dim_names=names)

@@ -18,6 +18,7 @@ __all__ = [
     "AxisPlacements",
     "STRATEGY_PLACEMENTS",
     "OUTER_STRATEGY_PLACEMENTS",
+    "hybrid_problem",
     "resolve_strategy",
     "strategy_placements",
     "validate_axis_placements",
@@ -99,18 +100,25 @@ def strategy_placements(
     if outer_dp_sharding_strategy is None:
         return placements
     outer = resolve_strategy(outer_dp_sharding_strategy, "outer_dp_sharding_strategy")
-    if outer not in OUTER_STRATEGY_PLACEMENTS:
-        raise ValueError(
-            f"outer_dp_sharding_strategy={outer_dp_sharding_strategy!r} is not supported; "
-            f"expected one of {sorted(OUTER_STRATEGY_PLACEMENTS)} "
-            "('no_shard' = HSDP, 'optim' = HFSDP)"
-        )
-    if outer == "optim" and inner != "optim_grads_params":
-        raise ValueError(
-            f"outer_dp_sharding_strategy='optim' (HFSDP) needs strategy='optim_grads_params' "
-            f"on the inner axis, got strategy={strategy!r}"
-        )
+    problem = hybrid_problem(inner, outer, given_inner=strategy)
+    if problem:
+        raise ValueError(f"outer_dp_sharding_strategy={outer_dp_sharding_strategy!r} {problem}")
     return {outer_axis: OUTER_STRATEGY_PLACEMENTS[outer], inner_axis: placements[inner_axis]}
+
+
+def hybrid_problem(inner: str, outer: str, inner_argument: str = "strategy", given_inner=None) -> str | None:
+    """What is wrong with a hybrid mesh's outer strategy ``outer`` over ``inner`` (canonical names), said to
+    follow the outer argument and its value, or ``None``. The one statement of the rule that ``fully_shard``,
+    the Megatron face and ``shardwise train`` all apply: the outer axis takes a row of
+    :data:`OUTER_STRATEGY_PLACEMENTS` (``no_shard`` = HSDP, ``optim`` = HFSDP), and HFSDP needs ZeRO-3 on the
+    inner axis (``inner_argument`` names it, with the value ``given_inner`` as the caller was given it)."""
+    if outer not in OUTER_STRATEGY_PLACEMENTS:
+        return (f"is not supported; expected one of {sorted(OUTER_STRATEGY_PLACEMENTS)} "
+                "('no_shard' = HSDP, 'optim' = HFSDP)")
+    if outer == "optim" and inner != "optim_grads_params":
+        return (f"(HFSDP) needs {inner_argument}='optim_grads_params' on the inner axis, "
+                f"got {inner_argument}={inner if given_inner is None else given_inner!r}")
+    return None
 
 
 def _is_shard(p: Placement) -> bool:

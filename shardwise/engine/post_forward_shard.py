@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .distributed_buffer import BufferState
+from .layout import chunk_size
 from .mesh import AxisGroup, ShardingPlan
 from .param_group import ModuleParams, ParamGroup, WeightState
 
@@ -133,7 +134,7 @@ class PostForwardShard:
         rows, row = sharded.rows, sharded.row_numel
         run_rows = piece.numel() // max(row, 1)
         start = self.axis.index * run_rows
-        chunk = -(-rows // self.k)
+        chunk = chunk_size(rows, self.k)
         real = max(0, min(rows, start + run_rows) - start)
         if row == 0 or start != self.axis.index * chunk or real != max(0, min(rows, start + chunk) - start):
             return group.sharded_params[i]

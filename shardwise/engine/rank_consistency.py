@@ -50,9 +50,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .fully_shard_options import FullyShardOptions
-from .mesh import EXPERT_CHOICES, experts_by_mark
+from .mesh import EXPERT_CHOICES, mesh_axis_names
 from .placements import describe as describe_placements
-from .placements import resolve_axis_placements
 from .resolution import plan_choice, resolve_units
 
 __all__ = ["check_rank_consistency", "describe", "first_difference", "raise_together"]
@@ -138,11 +137,12 @@ def _describe_mesh(mesh: Optional[DeviceMesh], world: int, default: str) -> str:
     )
 
 
-def _effective_placements(mesh, placements, strategy, outer) -> str:
+def _effective_placements(options: FullyShardOptions) -> str:
     """The placements ``fully_shard`` will use, described (raw arguments when they are invalid)."""
-    resolved = _resolve(mesh, placements, strategy, outer)
+    resolved = _resolve(options)
     if resolved is None:
-        return f"invalid: placements={placements!r} strategy={strategy!r} outer_dp_sharding_strategy={outer!r}"
+        return (f"invalid: placements={options.placements!r} strategy={options.strategy!r} "
+                f"outer_dp_sharding_strategy={options.outer_dp_sharding_strategy!r}")
     return describe_placements(resolved)
 
 
@@ -157,14 +157,12 @@ def _given_strategy(placements, strategy, outer) -> str:
     return ", ".join(given) + (" (the default, ZeRO-3)" if placements is None and strategy is None else "")
 
 
-def _resolve(mesh, placements, strategy, outer, model_parallel_axes=("tp",)) -> Optional[dict]:
-    """``fully_shard``'s placement resolution, without raising (``None`` for invalid arguments)."""
-    names = None
-    if mesh is not None:
-        names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else \
-            (("dp_shard",) if mesh.ndim == 1 else ("dp_replicate", "dp_shard"))
+def _resolve(options: FullyShardOptions) -> Optional[dict]:
+    """``fully_shard``'s placement resolution (``FullyShardOptions.axis_placements`` on the axis names
+    ``mesh_axis_names`` reads, with the call's ``tp_axis``/``ep_axis``, as the build calls it), without raising
+    (``None`` for invalid arguments)."""
     try:
-        return resolve_axis_placements(names, placements, strategy, outer, model_parallel_axes)
+        return options.axis_placements(None if options.mesh is None else mesh_axis_names(options.mesh))
     except (ValueError, TypeError, IndexError):
         return None
 
@@ -197,8 +195,7 @@ def _expert_params(module: nn.Module, expert_mesh: Optional[DeviceMesh], plan_fn
     """The parameter names ``plan_fn`` puts on the expert mesh (none without one), in ``named_parameters`` order."""
     if expert_mesh is None:
         return ()
-    plan_fn = experts_by_mark if plan_fn is None else plan_fn
-    if not callable(plan_fn):
+    if plan_fn is not None and not callable(plan_fn):
         return ()  # fully_shard names the bad argument itself
     return tuple(name for name, param in module.named_parameters(remove_duplicate=False)
                  if plan_choice(plan_fn, name, param) in EXPERT_CHOICES)
@@ -218,10 +215,10 @@ def describe(module: nn.Module, options: FullyShardOptions) -> dict:
     return {
         "mesh": _describe_mesh(o.mesh, world, f"the default 1-D dp_shard mesh over {world} ranks"),
         "expert_mesh": _describe_mesh(o.expert_mesh, world, "none"),
-        "placements": _effective_placements(o.mesh, o.placements, o.strategy, o.outer_dp_sharding_strategy),
+        "placements": _effective_placements(o),
         "given": _given_strategy(o.placements, o.strategy, o.outer_dp_sharding_strategy),
         "expert_placements": "taken from the placements" if o.expert_placements is None
-        else _effective_placements(None, o.expert_placements, None, None),
+        else _effective_placements(FullyShardOptions(placements=o.expert_placements)),
         "axes": (o.tp_axis, o.ep_axis),
         "options": _canon(o.must_agree()),
         "params": _describe_params(module),
@@ -502,7 +499,7 @@ def check_rank_consistency(module: nn.Module, options: FullyShardOptions) -> tup
     try:  # never raise before the exchange: a rank that stops here would strand the others
         _check_mesh_types(mesh=mesh, expert_mesh=expert_mesh)
         description = describe(module, options)
-        resolved = _resolve(mesh, options.placements, options.strategy, options.outer_dp_sharding_strategy)
+        resolved = _resolve(options)
         data_axes = None if resolved is None else list(resolved)
         problem = _local_problem(module, mesh, expert_mesh, options.tp_axis, options.ep_axis, me, world, data_axes,
                                  description["expert_params"])

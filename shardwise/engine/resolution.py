@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .mesh import PLAN_CHOICES
+from .mesh import PLAN_CHOICES, experts_by_mark
 
 __all__ = ["resolve_units", "plan_choice"]
 
@@ -43,9 +43,10 @@ def resolve_units(root: nn.Module, unit_modules) -> list[nn.Module]:
     return [m for m in all_modules if id(m) in chosen]  # module order
 
 
-def plan_choice(plan_fn: Callable, fqn: str, param: torch.Tensor) -> str:
-    """``plan_fn(fqn, param)``, checked to be one of ``PLAN_CHOICES``."""
-    choice = plan_fn(fqn, param)
+def plan_choice(plan_fn: Callable | None, fqn: str, param: torch.Tensor) -> str:
+    """``plan_fn(fqn, param)``, checked to be one of ``PLAN_CHOICES``; ``plan_fn=None`` is the default,
+    ``mesh.experts_by_mark`` (here only)."""
+    choice = (experts_by_mark if plan_fn is None else plan_fn)(fqn, param)
     if not isinstance(choice, str) or choice not in PLAN_CHOICES:
         raise ValueError(f"plan_fn returned {choice!r} for parameter {fqn!r}; it must return one of {list(PLAN_CHOICES)}")
     return choice

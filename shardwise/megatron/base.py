@@ -30,10 +30,10 @@ from ..engine.model_ops import ShardedState, load_full_state_dict, sharded_state
 from ..engine.fully_shard import fully_shard
 from ..engine.materialize import MetaInitializer, has_meta_tensors
 from ..engine.mesh import DENSE, EXPERT, LOCAL_EXPERT, default_device_type
-from ..engine.placements import AxisPlacements
+from ..engine.placements import OUTER_STRATEGY_PLACEMENTS, AxisPlacements, hybrid_problem, strategy_placements
 from ..engine.precision import MixedPrecisionPolicy
 from ..engine.registry import LAYER, module_types
-from .config import OUTER_SHARDING_STRATEGIES, DistributedDataParallelConfig, TransformerConfig
+from .config import DistributedDataParallelConfig, TransformerConfig
 from .dist_index import attach_checkpoint_attributes, tensor_parallel_attributes
 from .meshes import _DATA_PARALLEL_PLACEMENTS, EP_AXIS, INNER_AXIS, OUTER_AXIS, TP_AXIS
 from .buffer_view import ParamAndGradBufferView
@@ -121,11 +121,9 @@ def _check_strategies(ddp: DistributedDataParallelConfig, who: str) -> None:
         raise ValueError(
             f"{who}: data_parallel_sharding_strategy={strategy!r} is not one of {list(_DATA_PARALLEL_PLACEMENTS)}"
         )
-    if outer not in OUTER_SHARDING_STRATEGIES:
-        raise ValueError(
-            f"{who}: outer_dp_sharding_strategy={outer!r} is not one of {list(OUTER_SHARDING_STRATEGIES)} "
-            "('no_shard' = HSDP, 'optim' = HFSDP)"
-        )
+    problem = hybrid_problem(strategy, outer, "data_parallel_sharding_strategy")
+    if outer not in OUTER_STRATEGY_PLACEMENTS:
+        raise ValueError(f"{who}: outer_dp_sharding_strategy={outer!r} {problem}")
     instances = ddp.num_distributed_optimizer_instances
     if not isinstance(instances, int) or instances < 1:
         raise ValueError(f"{who}: num_distributed_optimizer_instances={instances!r} must be a positive integer")
@@ -134,18 +132,15 @@ def _check_strategies(ddp: DistributedDataParallelConfig, who: str) -> None:
             f"{who}: outer_dp_sharding_strategy={outer!r} needs an outer data-parallel axis, i.e. "
             f"num_distributed_optimizer_instances > 1 (got {instances})"
         )
-    if outer == "optim" and instances > 1 and strategy != "optim_grads_params":
-        raise ValueError(
-            f"{who}: outer_dp_sharding_strategy='optim' (HFSDP) needs "
-            f"data_parallel_sharding_strategy='optim_grads_params', got {strategy!r}"
-        )
+    if problem:
+        raise ValueError(f"{who}: outer_dp_sharding_strategy={outer!r} {problem}")
 
 
 def _placements(ddp: DistributedDataParallelConfig, hybrid: bool) -> dict[str, AxisPlacements]:
-    inner = _DATA_PARALLEL_PLACEMENTS[ddp.data_parallel_sharding_strategy]
-    if not hybrid:
-        return {INNER_AXIS: inner}
-    return {OUTER_AXIS: _DATA_PARALLEL_PLACEMENTS[ddp.outer_dp_sharding_strategy], INNER_AXIS: inner}
+    """The engine's strategy table read with Megatron's names (the outer axis first, as on the mesh)."""
+    return strategy_placements(ddp.data_parallel_sharding_strategy,
+                               ddp.outer_dp_sharding_strategy if hybrid else None,
+                               inner_axis=INNER_AXIS, outer_axis=OUTER_AXIS)
 
 
 def _device_type(device: Optional[torch.device]) -> str:

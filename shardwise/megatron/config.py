@@ -23,6 +23,8 @@ from typing import Any, Literal, Optional, Tuple
 
 import torch
 
+from ..engine.placements import OUTER_STRATEGY_PLACEMENTS, STRATEGY_PLACEMENTS
+
 __all__ = [
     "TransformerConfig",
     "DistributedDataParallelConfig",
@@ -32,8 +34,9 @@ __all__ = [
     "OUTER_SHARDING_STRATEGIES",
 ]
 
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
+# Megatron-FSDP's strategy names are the rows of the engine's table (placements.py)
+SHARDING_STRATEGIES = tuple(STRATEGY_PLACEMENTS)
+OUTER_SHARDING_STRATEGIES = tuple(OUTER_STRATEGY_PLACEMENTS)
 
 # What a declared type admits (bool is not an int here: ``bucket_size=True`` is a mistake).
 _ADMITS = {

@@ -29,7 +29,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..engine.layout import chunk_range
 from .meshes import EP_AXIS, TP_AXIS
+from .process_groups import cached_group
 
 __all__ = ["FSDPDistributedIndex", "attach_checkpoint_attributes", "megatron_fsdp_slice",
            "MEGATRON_TP_ATTRIBUTES", "tensor_parallel_attributes"]
@@ -47,16 +49,8 @@ _OWN_GROUPS: dict = {}
 
 def _own_group(backend: str) -> dist.ProcessGroup:
     """A process group of this rank alone (made once per backend, by this rank only)."""
-    if backend not in _OWN_GROUPS:
-        _OWN_GROUPS[backend] = dist.new_group([dist.get_rank()], backend=backend, use_local_synchronization=True)
-    return _OWN_GROUPS[backend]
-
-
-def _chunk(n: int, parts: int, index: int) -> tuple[int, int]:
-    """``torch.chunk``'s (start, stop) of piece ``index`` when ``n`` rows are cut into ``parts``."""
-    size = -(-n // parts) if n else 0
-    start = min(index * size, n)
-    return start, min(start + size, n)
+    return cached_group(_OWN_GROUPS, backend, lambda: dist.new_group([dist.get_rank()], backend=backend,
+                                                                      use_local_synchronization=True))
 
 
 def _roles(param: DTensor) -> tuple[list[int], list[int], Optional[int], list[int]]:
@@ -90,11 +84,11 @@ def megatron_fsdp_slice(param: DTensor) -> slice:
     for i in model:
         placement = param.placements[i]
         if isinstance(placement, Shard):
-            start, stop = _chunk(shape[placement.dim], mesh.size(i), coordinate[i])
+            start, stop = chunk_range(shape[placement.dim], mesh.size(i), coordinate[i])
             shape[placement.dim] = stop - start
     first, rows = 0, shape[0] if shape else 1
     for i in sharded:
-        start, stop = _chunk(rows, mesh.size(i), coordinate[i])
+        start, stop = chunk_range(rows, mesh.size(i), coordinate[i])
         first, rows = first + start, stop - start
     row = math.prod(shape[1:])
     local = param.to_local()

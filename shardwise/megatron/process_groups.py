@@ -175,14 +175,27 @@ def rank_layout(
 _GROUP_CACHE: dict[tuple, ProcessGroup] = {}
 
 
+def cached_group(cache: dict, key, make) -> ProcessGroup:
+    """``cache[key]``, made by ``make()`` the first time it is asked for under the current default process
+    group. A module-level cache outlives the groups it holds: after ``destroy_process_group()`` and a new
+    ``init_process_group()`` its groups are dead, so a new default group empties it. Every rank sees the same
+    default group, so every rank remakes the same groups in the same order (``new_group`` is collective)."""
+    world = dist.group.WORLD
+    if cache.get(_DEFAULT_GROUP) is not world:
+        cache.clear()
+        cache[_DEFAULT_GROUP] = world
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+_DEFAULT_GROUP = object()  # cached_group's key for the default group its cache was filled under
+
+
 def _group_for(ranks: list[int], backend: Optional[str]) -> ProcessGroup:
     if len(ranks) == dist.get_world_size() and backend is None:
         return dist.group.WORLD
-    key = (backend, tuple(ranks))
-    group = _GROUP_CACHE.get(key)
-    if group is None:
-        group = _GROUP_CACHE[key] = dist.new_group(ranks, backend=backend)
-    return group
+    return cached_group(_GROUP_CACHE, (backend, tuple(ranks)), lambda: dist.new_group(ranks, backend=backend))
 
 
 def build_process_groups(

@@ -72,6 +72,10 @@ def test_bad_data_path_fails_in_the_parent(tmp_path):
     (["--preset", "huge"], "--preset huge: unknown preset"),
     (["--outer-strategy", "optim"], "--outer-strategy optim: needs --outer-dp"),
     (["--outer-strategy", "optim", "--outer-dp", "3", "--nproc", "2"], "--outer-dp 3: must divide"),
+    (["--outer-strategy", "optim_grads", "--outer-dp", "2"], "--outer-strategy optim_grads: is not supported; "
+     "expected one of ['no_shard', 'optim']"),
+    (["--outer-strategy", "optim", "--outer-dp", "2", "--strategy", "2"], "--outer-strategy optim: (HFSDP) needs "
+     "--strategy='optim_grads_params' on the inner axis, got --strategy='optim_grads'"),
     (["--precision", "fp8"], "--precision fp8: use fp32 or bf16"),
     (["--n-kv-heads", "3"], "--n-kv-heads 3: must divide n_heads"),
     (["--steps", "0"], "--steps 0: must be at least 1"),

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardwise.engine.fully_shard_options import FullyShardOptions
 from shardwise.engine.rank_consistency import check_rank_consistency, first_difference
@@ -63,7 +63,8 @@ _MESHES: dict = {}
 def _mesh(kind: str):  # meshes are collective to build: build each once per worker
     if kind not in _MESHES:
         _MESHES[kind] = {"tp2": lambda: build_dp_mesh(tp=2), "ep2": lambda: build_expert_mesh(2),
-                         "ep1": lambda: build_expert_mesh(1)}[kind]()
+                         "ep1": lambda: build_expert_mesh(1),
+                         "model2": lambda: init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_shard", "model"))}[kind]()
     return _MESHES[kind]
 
 
@@ -97,6 +98,14 @@ def zero1_and_zero2():  # e.g. under no_sync: the gradients would stay Partial o
 
 def one_strategy_by_two_names():
     _check(Net(), strategy=["optim", 1][_rank()])
+
+
+def strategy_with_tp_axis_model():  # the build reads 'model' as TP: ZeRO-3 over dp_shard, not HSDP over both axes
+    _check(Net(), mesh=_mesh("model2"), tp_axis="model", strategy=[3, "optim_grads"][_rank()])
+
+
+def same_with_tp_axis_model():
+    _check(Net(), mesh=_mesh("model2"), tp_axis="model", strategy="optim_grads")
 
 
 def unit_modules():
@@ -246,6 +255,9 @@ CASES = {
     zero1_and_zero2: "strategy=1 (placements dp_shard[R,P,S]) on rank 0 but strategy='optim_grads' "
     "(placements dp_shard[R,S,S]) on rank 1",
     one_strategy_by_two_names: None,
+    strategy_with_tp_axis_model: "strategy=3 (placements dp_shard[S,S,S]) on rank 0 but strategy='optim_grads' "
+    "(placements dp_shard[R,S,S]) on rank 1",
+    same_with_tp_axis_model: None,
     unit_modules: "module 'layers.1' is a unit (unit_modules) on rank 0 but not on rank 1",
     requires_grad: "parameter 'layers.0.v.bias' has requires_grad True on rank 0 but False on rank 1",
     dtype: "parameter 'layers.0.w.weight' has dtype float32 on rank 0 but bfloat16 on rank 1",
