@@ -31,13 +31,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from tests.helpers import REPO
 from tests.helpers.distributed import run_distributed
-from tests.helpers.megatron_cpu import megatron_on_the_cpu
+from tests.helpers.megatron_cpu import megatron_on_the_cpu, megatron_train_steps, megatron_world
 
 pytest.importorskip("megatron.core", reason="megatron-core is a test requirement of the Megatron face")
 
@@ -122,18 +121,7 @@ def _optimizer(chunk):
 
 
 def _train(chunk, optimizer, steps: int) -> None:
-    """Megatron-LM's train_step in miniature, each data-parallel rank on its own tokens."""
-    position_ids = torch.arange(SEQ).unsqueeze(0)
-    mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
-    for step in range(steps):
-        generator = torch.Generator().manual_seed(100 * step + dist.get_rank())
-        tokens = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
-        chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        chunk(tokens, position_ids, mask, labels=tokens).float().mean().backward()
-        chunk.finish_grad_sync()
-        ok, _, _ = optimizer.step()
-        assert ok
+    megatron_train_steps(chunk, optimizer, steps, VOCAB, SEQ)
 
 
 def _megatron_lm_state(chunk, optimizer, loading: bool) -> dict:
@@ -154,31 +142,6 @@ def _full_state(state: dict) -> dict:
             "optimizer": {k: {s: _full(v) for s, v in sub.items()} for k, sub in state["optimizer"]["state"].items()}}
 
 
-class _World:
-    """Megatron's model-parallel state on this gloo group (one replica per ``instances``), torn down after."""
-
-    def __init__(self, instances: int = 1):
-        self.instances = instances
-
-    def __enter__(self):
-        from megatron.core import parallel_state
-
-        self.cpu = megatron_on_the_cpu()
-        self.cpu.__enter__()
-        parallel_state.initialize_model_parallel(1, 1, num_distributed_optimizer_instances=self.instances)
-        from shardwise.megatron import use_in_megatron
-
-        self.names = use_in_megatron()
-        return self
-
-    def __exit__(self, *exc):
-        from megatron.core import parallel_state
-
-        self.names.restore()
-        parallel_state.destroy_model_parallel()
-        self.cpu.__exit__(*exc)
-
-
 # ------------------------------------------------------------------ the keys
 CASES = [(v, s, 1) for v in (1, 2) for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")]
 HSDP = [(v, "optim_grads_params", 2) for v in (1, 2)]
@@ -196,7 +159,7 @@ def _keys(cases) -> list:
             model_keys, optimizer_keys = _expected_keys(_config())
             reference = _model(_config(), seed=0).state_dict()
             parallel_state.destroy_model_parallel()
-        with _World(instances):
+        with megatron_world(instances=instances):
             config = _config()
             chunk = _shardwise_chunk(config, _ddp_config(strategy, instances, version), _model(config, seed=0))
             case = (version, strategy, instances)
@@ -234,7 +197,7 @@ def _save(folder: str, version: int, strategy: str) -> dict:
         preprocess_state_dict_for_uneven_dtensor,
     )
 
-    with _World():
+    with megatron_world():
         config = _config()
         chunk = _shardwise_chunk(config, _ddp_config(strategy, 1, version), _model(config, seed=1))
         optimizer = _optimizer(chunk)
@@ -252,7 +215,7 @@ def _load(folder: str, version: int, strategy: str) -> dict:
         preprocess_state_dict_for_uneven_dtensor,
     )
 
-    with _World():
+    with megatron_world():
         config = _config()
         chunk = _shardwise_chunk(config, _ddp_config(strategy, 1, version), _model(config, seed=7))
         optimizer = _optimizer(chunk)

@@ -16,6 +16,8 @@ over the expert-data-parallel ranks, as Megatron-FSDP presents it. Here, with Me
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,7 +25,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.megatron_cpu import megatron_on_the_cpu
+from tests.helpers.megatron_cpu import megatron_train_steps, megatron_world
 
 pytest.importorskip("megatron.core", reason="megatron-core is a test requirement of the Megatron face")
 
@@ -65,30 +67,12 @@ def _router_without_transformer_engine() -> None:
         moe_utils.te_general_gemm = None
 
 
-class _World:
+@contextlib.contextmanager
+def _world(ep: int):
     """Megatron's parallel state with ``ep`` expert-parallel ranks on this gloo group, torn down after."""
-
-    def __init__(self, ep: int):
-        self.ep = ep
-
-    def __enter__(self):
-        from megatron.core import parallel_state
-
-        from shardwise.megatron import use_in_megatron
-
-        self.cpu = megatron_on_the_cpu()
-        self.cpu.__enter__()
-        _router_without_transformer_engine()
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=self.ep)
-        self.names = use_in_megatron()
-        return self
-
-    def __exit__(self, *exc):
-        from megatron.core import parallel_state
-
-        self.names.restore()
-        parallel_state.destroy_model_parallel()
-        self.cpu.__exit__(*exc)
+    _router_without_transformer_engine()
+    with megatron_world(ep=ep):
+        yield
 
 
 def _chunk_and_optimizer(ep: int, seed: int, strategy: str):
@@ -108,18 +92,7 @@ def _chunk_and_optimizer(ep: int, seed: int, strategy: str):
 
 
 def _train(chunk, optimizer, steps: int) -> None:
-    """Megatron-LM's train_step in miniature, each data-parallel rank on its own tokens."""
-    position_ids = torch.arange(SEQ).unsqueeze(0)
-    mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
-    for step in range(steps):
-        generator = torch.Generator().manual_seed(100 * step + dist.get_rank())
-        tokens = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
-        chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        chunk(tokens, position_ids, mask, labels=tokens).float().mean().backward()
-        chunk.finish_grad_sync()
-        ok, _, _ = optimizer.step()
-        assert ok
+    megatron_train_steps(chunk, optimizer, steps, VOCAB, SEQ)
 
 
 def _megatron_lm_state(chunk, optimizer, loading: bool) -> dict:
@@ -149,7 +122,7 @@ def _presentation(ep: int) -> dict:
     """What the parameters look like to Megatron-LM's checkpoint code on this rank."""
     from megatron.core import parallel_state
 
-    with _World(ep):
+    with _world(ep):
         chunk, optimizer = _chunk_and_optimizer(ep, seed=1, strategy="optim_grads_params")
         expt_dp = dist.get_process_group_ranks(parallel_state.get_expert_data_parallel_group())
         dp = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
@@ -188,7 +161,7 @@ def _save(folder: str, ep: int) -> dict:
         preprocess_state_dict_for_uneven_dtensor,
     )
 
-    with _World(ep):
+    with _world(ep):
         chunk, optimizer = _chunk_and_optimizer(ep, seed=1, strategy="optim_grads_params")
         _train(chunk, optimizer, steps=2)
         state = _megatron_lm_state(chunk, optimizer, loading=False)
@@ -206,7 +179,7 @@ def _load(folder: str, ep: int, strategy: str) -> dict:
     from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
     from megatron.core.utils import unwrap_model
 
-    with _World(ep):
+    with _world(ep):
         chunk, optimizer = _chunk_and_optimizer(ep, seed=7, strategy=strategy)
         raw_model = unwrap_model(chunk).state_dict_for_save_checkpoint()
         raw_optimizer = optimizer.sharded_state_dict({}, is_loading=True, metadata=FSDP_DTENSOR)

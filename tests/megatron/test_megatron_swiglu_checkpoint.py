@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.megatron_cpu import megatron_on_the_cpu
+from tests.helpers.megatron_cpu import megatron_world
 
 pytest.importorskip("megatron.core", reason="megatron-core is a test requirement of the Megatron face")
 
@@ -34,31 +34,6 @@ from tests.megatron.test_megatron_lm_checkpoint import (  # noqa: E402  (after t
 )
 
 FC1 = "linear_fc1.weight"
-
-
-class _World:
-    """Megatron's model-parallel state (TP ``tp``, ``instances`` optimizer replicas), ``use_in_megatron()``."""
-
-    def __init__(self, tp: int = 1, instances: int = 1):
-        self.tp, self.instances = tp, instances
-
-    def __enter__(self):
-        from megatron.core import parallel_state
-
-        from shardwise.megatron import use_in_megatron
-
-        self.cpu = megatron_on_the_cpu()
-        self.cpu.__enter__()
-        parallel_state.initialize_model_parallel(self.tp, 1, num_distributed_optimizer_instances=self.instances)
-        self.names = use_in_megatron()
-        return self
-
-    def __exit__(self, *exc):
-        from megatron.core import parallel_state
-
-        self.names.restore()
-        parallel_state.destroy_model_parallel()
-        self.cpu.__exit__(*exc)
 
 
 def _swiglu_config(tp: int):
@@ -107,7 +82,7 @@ def _ddp(strategy: str, instances: int, version: int, outer: str):
 def _save(folder: str, version: int, strategy: str, instances: int, tp: int, outer: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    with _World(tp, instances):
+    with megatron_world(tp, instances):
         config = _swiglu_config(tp)
         chunk = _shardwise_chunk(config, _ddp(strategy, instances, version, outer), _model(config, seed=1))
         optimizer = _optimizer(chunk)
@@ -123,7 +98,7 @@ def _save(folder: str, version: int, strategy: str, instances: int, tp: int, out
 def _load(folder: str, version: int, strategy: str, instances: int, tp: int, outer: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    with _World(tp, instances):
+    with megatron_world(tp, instances):
         config = _swiglu_config(tp)
         chunk = _shardwise_chunk(config, _ddp(strategy, instances, version, outer), _model(config, seed=7))
         optimizer = _optimizer(chunk)
