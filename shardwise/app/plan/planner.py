@@ -74,14 +74,16 @@ class Plan:
 
 def evaluate(source: ModelSource, cluster: Cluster, cand: Candidate, seq: int, global_batch: int, *,
              compiled: bool = True, eff: Efficiency = EFFICIENCY, memory: MemoryTrace | None = None,
-             headroom: float = HEADROOM) -> Row:
-    """One candidate's row: its traced memory (or ``memory``) and modelled step."""
+             headroom: float = HEADROOM, units: list | None = None, flops_per_token: float | None = None) -> Row:
+    """One candidate's row: its traced memory (or ``memory``) and modelled step (``units`` and
+    ``flops_per_token``: ``unit_costs`` and the source's count, when the caller has them already)."""
     memory = memory or trace_memory(source, cluster.gpus, cand, seq)
-    units = unit_costs(source, seq, cand.activation_checkpointing)
+    units = unit_costs(source, seq, cand.activation_checkpointing) if units is None else units
     t = step_time(units, cand, cluster, seq, global_batch, compiled=compiled, eff=eff)
     tokens = global_batch * seq / cluster.gpus
     tps = tokens / t.seconds
-    mfu = tps * source.flops_per_token(seq) / cluster.gpu.bf16_flops
+    flops = source.flops_per_token(seq) if flops_per_token is None else flops_per_token
+    mfu = tps * flops / cluster.gpu.bf16_flops
     fits = memory.peak <= (1 - headroom) * cluster.gpu.hbm_bytes
     return Row(cand, memory, t, tps, mfu, fits)
 
@@ -106,6 +108,8 @@ def plan(source: ModelSource, cluster: Cluster, seq: int, global_batch: int, *, 
 def _rank(found, source, cluster, seq, global_batch, compiled, eff, offload, fp8, hybrid, micro_batches, only,
           headroom, progress) -> None:
     traces: dict[Candidate, MemoryTrace] = {}
+    costs: dict[bool, list] = {}  # unit_costs by activation checkpointing: each builds the whole model on meta
+    flops = source.flops_per_token(seq)
     for cand in all_candidates(cluster.gpus, cluster.gpus_per_node, global_batch, micro_batches=micro_batches,
                                offload=offload, fp8=fp8, hybrid=hybrid):
         if only is not None and not only(cand):
@@ -115,5 +119,8 @@ def _rank(found, source, cluster, seq, global_batch, compiled, eff, offload, fp8
             if progress:
                 progress(f"tracing {key.label()}")
             traces[key] = trace_memory(source, cluster.gpus, key, seq)
+        ac = cand.activation_checkpointing
+        if ac not in costs:
+            costs[ac] = unit_costs(source, seq, ac)
         found.rows.append(evaluate(source, cluster, cand, seq, global_batch, compiled=compiled, eff=eff,
-                                   memory=traces[key], headroom=headroom))
+                                   memory=traces[key], headroom=headroom, units=costs[ac], flops_per_token=flops))
