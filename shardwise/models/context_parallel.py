@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from .tensor_parallel import group_rank, group_size
 
@@ -162,6 +161,9 @@ def attend_gathered(q, keys, values, rank: int, cp: int, *, causal: bool, dropou
             outs.append(F.scaled_dot_product_attention(queries, k_seen, v_seen, dropout_p=dropout_p,
                                                        is_causal=True, enable_gqa=enable_gqa))
         else:
+            # imported here: torch.nn.attention.bias imports torch._dynamo, seconds of every process's start
+            from torch.nn.attention.bias import causal_lower_right
+
             mask = causal_lower_right(chunk, seen)
             outs.append(F.scaled_dot_product_attention(queries, k_seen, v_seen, attn_mask=mask,
                                                        dropout_p=dropout_p, enable_gqa=enable_gqa))
