@@ -40,7 +40,7 @@ from shardwise.megatron.options import GRAPH_MODE, V1, V2, UnsupportedMegatronOp
 from tests.helpers.distributed import run_distributed
 from tests.helpers.graph_safe import engine_addresses
 from tests.helpers.host_syncs import HostSyncs
-from tests.helpers.megatron_cpu import megatron_on_the_cpu
+from tests.helpers.megatron_cpu import megatron_world
 from tests.helpers.tiny_model import TinyConfig, TinyLM
 
 pytest.importorskip("megatron.core", reason="megatron-core is a test requirement of the Megatron face")
@@ -101,22 +101,6 @@ def _optimizer(chunk):
                                                   bf16=True, use_distributed_optimizer=True), [chunk])
 
 
-@contextlib.contextmanager
-def _megatron_world():
-    from megatron.core import parallel_state
-
-    from shardwise.megatron import use_in_megatron
-
-    with megatron_on_the_cpu():
-        parallel_state.initialize_model_parallel(1, 1)
-        names = use_in_megatron()
-        try:
-            yield
-        finally:
-            names.restore()
-            parallel_state.destroy_model_parallel()
-
-
 # ------------------------------------------------------------------ Megatron-LM's step in miniature
 class _DeviceSyncs(HostSyncs):
     """``count_host_syncs`` less Megatron-Core 0.16's RNG-tracker check, which compares the *host* RNG state
@@ -155,7 +139,7 @@ def _grads(chunk) -> list:
 
 def _train(version: int, strategy: str, graph: bool, gather_in_start_param_sync: bool = False,
            accumulation: str = NO_SYNC) -> dict:
-    with _megatron_world():
+    with megatron_world():
         config = _config()
         chunk = _chunk(config, _ddp_config(version, strategy, graph, gather_in_start_param_sync))
         optimizer = _optimizer(chunk)
@@ -286,7 +270,7 @@ def _wraps_per_layer_graphs(face, impl) -> bool:
     """Megatron-LM 0.19 sets megatron_fsdp_cuda_graph_mode for --cuda-graph-impl local / transformer_engine and
     keeps the NaN check (finish_grad_sync is not captured there): graph-safe, NaN check allowed. (The model is
     built without graphs: Megatron-Core's own graph manager wants a CUDA-graph-safe RNG tracker, a GPU matter.)"""
-    with _megatron_world():
+    with megatron_world():
         ddp = _ddp_config(int(face[-1]), "optim_grads_params", True, gather_in_start_param_sync=True)
         ddp.check_for_nan_in_grad = True
         chunk = _chunk(_config(), ddp, graph_impl=impl)
@@ -300,7 +284,7 @@ def test_per_layer_graphs_in_graph_mode_wrap_graph_safe(face, impl):
 
 
 def _wraps_full_iteration(face) -> bool:
-    with _megatron_world():
+    with megatron_world():
         config = _config()
         config.cuda_graph_impl = "full_iteration"
         chunk = _chunk(config, _ddp_config(int(face[-1]), "optim_grads_params", True))
@@ -322,7 +306,7 @@ def _wrap_under_megatron_lm_args(flags: dict, graph: bool, swiglu: bool) -> str:
     module._GLOBAL_ARGS = argparse.Namespace(**flags)
     sys.modules["megatron.training.global_vars"] = module
     try:
-        with _megatron_world():
+        with megatron_world():
             _chunk(_config(gated_linear_unit=swiglu), _ddp_config(1, "optim", graph))
         return "wrapped"
     except UnsupportedMegatronOption as refused:
