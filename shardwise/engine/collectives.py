@@ -94,6 +94,11 @@ class GraphSafeStagingPool(StagingPool):
     def clear(self) -> None:
         self._free = {key: list(reversed(made)) for key, made in self.made.items()}
 
+    def forget(self) -> None:
+        """Before a capture: drop every buffer made so far (nothing in flight), so the captured step makes its
+        own inside the graph's memory pool, in the order every later step takes them."""
+        self.made, self._free = {}, {}
+
     def buffers(self) -> list[torch.Tensor]:
         """Every buffer made so far (for tests and memory reports)."""
         return [b for made in self.made.values() for b in made]

@@ -154,6 +154,7 @@ def capture_step(
     sharded = [m for m in models if is_sharded(m)]
     for model in sharded:  # the captured step starts from changed weights, as every replay will
         model.mark_weights_modified()
+        sharded_state(model).remake_buffers_in_capture()
     graph = torch.cuda.CUDAGraph()
     with _fresh_capture_streams():
         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):

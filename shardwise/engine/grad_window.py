@@ -291,6 +291,13 @@ class GradWindow:
         self.main_grad = None
         self.state = GradState.IDLE
 
+    def forget_kept_buffers(self) -> None:
+        """Graph-safe mode, before a capture: let the captured step make its kept gradient buffers again, inside
+        the graph's memory pool (``.grad`` tensors still installed keep theirs: the step accumulates onto them).
+        Made there at the first reduction of the captured backward, they may take memory forward's activations
+        freed, as a plain module's gradients do; made by the eager warm-up, they sat beside forward's peak."""
+        self.graph_safe_buffers.clear()
+
     @torch.no_grad()
     def zero_in_place(self) -> None:
         """Graph-safe mode's ``zero_grad``: zero the kept gradient buffer and the gradients handed out where

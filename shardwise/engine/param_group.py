@@ -470,6 +470,9 @@ class ParamGroup:
     def zero_grads_in_place(self) -> None:
         self.window.zero_in_place()
 
+    def forget_kept_grad_buffers(self) -> None:
+        self.window.forget_kept_buffers()
+
     @property
     def grad_state(self) -> GradState:
         return self.window.state

@@ -472,3 +472,12 @@ class ShardedState:
         for g in self.groups:
             g.mark_weights_stale()
 
+    def remake_buffers_in_capture(self) -> None:
+        """Graph-safe mode, right before ``capture_step`` captures (nothing in flight): the kept gradient and
+        staging buffers the eager warm-up made are let go, so the captured step makes them inside the graph's
+        memory pool, sharing it with the step's activations as a plain module's gradients do."""
+        self._land_in_flight()
+        for g in self.groups:
+            g.forget_kept_grad_buffers()
+        self.streams.pool.forget()
+

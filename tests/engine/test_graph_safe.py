@@ -374,3 +374,39 @@ def test_graph_safe_units_keep_their_weights_from_forward_to_backward(checkpoint
     safe = run_distributed(_gathers_per_step, 2, True, checkpointing)[0]
     layers, micro_batches = _config(checkpointing).n_layers, 2
     assert all(n - s == layers * micro_batches for n, s in zip(normal, safe, strict=True)), (normal, safe)
+
+
+def _train_remaking_before(remake_at: int | None):
+    """Graph-safe ZeRO-3, bf16 compute, accumulation 2, clipping; ``remake_at``: the step before which the kept
+    buffers are let go, as ``capture_step`` does right before its capture."""
+    model = _wrap("optim_grads_params", None, False, True, True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, addresses, old = [], [], []
+    for step in range(STEPS):
+        if step == remake_at:  # the old buffers held here, so a new one cannot reuse a freed address
+            old = [t for g in sharded_state(model).groups for t in g.window.graph_safe_buffers.values()]
+            sharded_state(model).remake_buffers_in_capture()
+        opt.zero_grad(set_to_none=True)  # the captured step's own zero_grad: nothing holds the old buffers
+        step_losses, norm = _step(model, opt, step, 2, True)
+        opt.step()
+        losses.append((torch.stack(step_losses).sum().item(), norm.item()))
+        addresses.append(engine_addresses(model))
+    del old
+    return losses, {k: v.full_tensor() for k, v in model.state_dict().items()}, addresses
+
+
+def test_kept_buffers_are_made_again_by_the_captured_step_and_stay_put_after():
+    """``capture_step`` lets the warm-up's kept gradient and staging buffers go right before it captures, so
+    the captured step makes them inside the graph's memory pool (where gradients can take memory forward's
+    activations freed, as a plain module's do): the step after trains bit for bit as if nothing happened,
+    its buffers are new, and from then on they stay put."""
+    for kept, remade in zip(run_distributed(_train_remaking_before, 2, None),
+                            run_distributed(_train_remaking_before, 2, 2)):
+        assert remade[0] == kept[0]
+        for name, value in kept[1].items():
+            assert torch.equal(remade[1][name], value), name
+        before, after = remade[2][1], remade[2][2]
+        grads = [k for k in before if k.endswith(("main_grad", "grad_acc"))]
+        assert grads and all(before[k] != after[k] for k in grads), "the kept gradient buffers were not made again"
+        assert remade[2][3] == after, "the buffers made by the captured step must stay put"
+        assert kept[2][1] == kept[2][3], "without the remake nothing moves (the probe sees addresses)"
