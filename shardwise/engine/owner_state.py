@@ -40,11 +40,13 @@ def to_rows(sp: ShardedParam, value: DTensor) -> DTensor:
 def from_rows(sp: ShardedParam, value: torch.Tensor) -> DTensor:
     """A loaded value (a DTensor of any placements, or the full tensor) as the owned parameter's DTensor: the
     whole matrix on its owner, an empty piece elsewhere."""
+    if isinstance(value, DTensor) and value.device_mesh == sp.mesh and tuple(value.placements) == tuple(sp.placements):
+        return value  # already the owned face (``model_ops.load_full_state_dict``'s ``shard_like``)
     full = value.full_tensor() if isinstance(value, DTensor) else value
     if tuple(full.shape) != tuple(sp.shape):
         raise ValueError(f"state dict value for owned matrix {sp.fqn!r} has shape {tuple(full.shape)}; the "
                          f"parameter's is {tuple(sp.shape)}")
-    local = full if sp.mine else full[:0]
+    local = full if sp.mine else full.reshape(-1)[:0]
     return sp.dtensor(local.detach())
 
 

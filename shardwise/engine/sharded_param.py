@@ -144,6 +144,8 @@ class ShardedParam:
     def local(self, slot: torch.Tensor, level: int) -> torch.Tensor:
         """The real rows of a slot of ``level``, shaped like the parameter (contiguous)."""
         rows = self.real_rows(level)[1]
+        if not rows and self.owner is not None:  # torch's DTensor face off the owner: a 1-D empty tensor
+            return slot[:0]
         shape = list(self.shape)
         shape[self.row_dim] = rows
         return slot[: rows * self.row_numel].view(shape)
@@ -195,6 +197,8 @@ class ShardedParam:
     def shard_of(self, full: torch.Tensor, level: int | None = None) -> torch.Tensor:
         """This rank's rows of a model-parallel-local full value (no communication)."""
         first, rows = self.real_rows(self.levels if level is None else level)
+        if not rows and self.owner is not None:
+            return full.reshape(-1)[:0]
         return full.narrow(self.row_dim, first, rows)
 
 

@@ -16,61 +16,9 @@ import torch.distributed as dist
 import shardwise
 from shardwise.engine.owner_layout import Owned, OwnerBalancer, ns_flops
 from tests.helpers.distributed import run_distributed
+from tests.helpers.muon import CONFIG, TwoOptimizers, build, is_muon, newton_schulz_in_fp32, wrap
 from tests.helpers.parity import compare, train_both
-from tests.helpers.tiny_model import Block, TinyConfig, TinyLM, batch
-
-CONFIG = TinyConfig()
-
-
-def _is_muon(name: str, p: torch.Tensor) -> bool:
-    """The blocks' matrices: Muon's; everything else (embedding/head, norms, biases): AdamW's."""
-    return name.startswith("blocks.") and p.dim() == 2
-
-
-class TwoOptimizers:
-    """Muon and AdamW stepped and zeroed together (the loop's one ``optimizer``)."""
-
-    def __init__(self, model, muon_lr: float = 0.02):
-        named = list(model.named_parameters())
-        self.muon = torch.optim.Muon([p for n, p in named if _is_muon(n, p)], lr=muon_lr, weight_decay=0.1,
-                                     adjust_lr_fn="match_rms_adamw")
-        self.adamw = torch.optim.AdamW([p for n, p in named if not _is_muon(n, p)], lr=1e-2, weight_decay=0.1)
-
-    def step(self):
-        self.muon.step()
-        self.adamw.step()
-
-    def zero_grad(self):
-        self.muon.zero_grad()
-        self.adamw.zero_grad()
-
-
-def _build():
-    torch.manual_seed(0)
-    return TinyLM(CONFIG)
-
-
-def _wrap(hsdp: bool):
-    def wrap(model):
-        owned = {id(p) for n, p in model.named_parameters() if _is_muon(n, p)}
-        mesh = shardwise.build_dp_mesh(outer=2) if hsdp else None
-        return shardwise.fully_shard(model, mesh, unit_modules=[Block],
-                                     outer_dp_sharding_strategy="no_shard" if hsdp else None,
-                                     shard_placement_fn=lambda p: Owned() if id(p) in owned else None)
-    return wrap
-
-
-def _fp32_newton_schulz(grad, coefficients, steps, eps):
-    """torch.optim.Muon's quintic iteration (``_zeropower_via_newtonschulz``) in fp32 instead of bf16."""
-    a, b, c = coefficients
-    x = grad.float()
-    tall = grad.size(0) > grad.size(1)
-    x = x.T if tall else x
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
+from tests.helpers.tiny_model import Block, batch
 
 
 def _parts_backward(parts: int):
@@ -97,26 +45,19 @@ def _parity(hsdp: bool = False, micro_batches: int = 1, clip: float | None = Non
     gradients in their order (``_parts_backward``); ``ns="fp32"``: Muon's iteration in fp32 in both runs, the
     reference on the whole batch. (With the bf16 iteration, the fp32 rounding of a reordered sum flips bf16
     roundings of the orthogonalised input: measured 6e-5 relative on the loss after 3 steps at 2 ranks.)"""
-    import torch.optim._muon as torch_muon
-
-    kept = torch_muon._zeropower_via_newtonschulz
-    if ns == "fp32":
-        torch_muon._zeropower_via_newtonschulz = _fp32_newton_schulz
-    try:
-        world = dist.get_world_size()
+    world = dist.get_world_size()
+    with newton_schulz_in_fp32(ns == "fp32"):
         sharded, reference = train_both(
-            _build, _wrap(hsdp), TwoOptimizers, lambda step: batch(step, 8, CONFIG), 4,
+            build, wrap(hsdp), TwoOptimizers, lambda step: batch(step, 8, CONFIG), 4,
             micro_batches=micro_batches, clip=clip,
             reference_backward=_parts_backward(world) if ns == "torch" and world > 1 else None)
-    finally:
-        torch_muon._zeropower_via_newtonschulz = kept
     compare(sharded, reference, trained_by=0.5)
     # Where each matrix lives: whole on one rank of its shard axis, an empty piece on the others.
     model = sharded.model
-    held = {n: p.to_local().numel() == p.numel() for n, p in model.named_parameters() if _is_muon(n, p)}
+    held = {n: p.to_local().numel() == p.numel() for n, p in model.named_parameters() if is_muon(n, p)}
     state = {n: "momentum_buffer" in sharded.optimizer.muon.state.get(p, {}) and
              sharded.optimizer.muon.state[p]["momentum_buffer"].to_local().numel() == p.numel()
-             for n, p in model.named_parameters() if _is_muon(n, p)}
+             for n, p in model.named_parameters() if is_muon(n, p)}
     return held, state
 
 
@@ -162,7 +103,7 @@ def test_owners_balance_newton_schulz_work():
 
 
 def _refused(**options):
-    model = _build()
+    model = build()
     try:
         shardwise.fully_shard(model, unit_modules=[Block],
                               shard_placement_fn=lambda p: Owned() if p.dim() == 2 and p.shape[0] > 1 else None,
