@@ -42,12 +42,14 @@ def build():
     return TinyLM(CONFIG)
 
 
-def wrap(hsdp: bool = False):
-    """``fully_shard`` over the blocks with their matrices ``Owned()`` (ZeRO-3, or HSDP on a (2, N/2) mesh)."""
+def wrap(hsdp: bool = False, bf16: bool = False):
+    """``fully_shard`` over the blocks with their matrices ``Owned()`` (ZeRO-3, or HSDP on a (2, N/2) mesh;
+    ``bf16``: bf16 compute, fp32 main weights)."""
     def wrapped(model):
         owned = {id(p) for n, p in model.named_parameters() if is_muon(n, p)}
         mesh = shardwise.build_dp_mesh(outer=2) if hsdp else None
-        return shardwise.fully_shard(model, mesh, unit_modules=[Block],
+        policy = shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
+        return shardwise.fully_shard(model, mesh, unit_modules=[Block], mixed_precision=policy,
                                      outer_dp_sharding_strategy="no_shard" if hsdp else None,
                                      shard_placement_fn=lambda p: Owned() if id(p) in owned else None)
     return wrapped
