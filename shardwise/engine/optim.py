@@ -54,6 +54,8 @@ def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0, *, ext
     by_groups: dict[tuple, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is None:
+            if getattr(p, OWNER_SUM_GROUP, None) is not None:  # owned by another rank: it still joins the sum
+                by_groups.setdefault((_shard_groups(p), p.device), [])
             continue
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         by_groups.setdefault((_shard_groups(p), grad.device), []).append(grad)  # offloaded ones on the host
