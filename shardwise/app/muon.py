@@ -17,9 +17,29 @@ from torch import nn
 from ..engine.owner_layout import Owned, ns_flops
 from ..models import UNIT_MODULES
 
-__all__ = ["OPTIMIZERS", "muon_names", "owned_placement_fn", "MuonWithAdamW", "ns_flops_per_rank"]
+__all__ = ["OPTIMIZERS", "muon_names", "owned_placement_fn", "MuonAdamW", "ns_flops_per_rank"]
 
 OPTIMIZERS = ("adamw", "muon")
+
+
+def check_muon(cfg) -> tuple | None:
+    """``(flag, value, why)`` when ``shardwise train``'s flags do not go with ``--optimizer muon`` (or name an
+    unknown optimizer); ``None`` when they do."""
+    if cfg.optimizer not in OPTIMIZERS:
+        return "optimizer", cfg.optimizer, f"use one of {', '.join(OPTIMIZERS)}"
+    if cfg.optimizer != "muon":
+        return None
+    if cfg.strategy not in ("optim_grads_params", "3") or cfg.outer_strategy not in ("", "no_shard"):
+        return ("optimizer", cfg.optimizer, f"needs --strategy optim_grads_params (ZeRO-3; with --outer-strategy "
+                f"no_shard: HSDP), not {cfg.strategy}{' / ' + cfg.outer_strategy if cfg.outer_strategy else ''}: "
+                "Muon's matrices are whole on one owner rank of the shard axis")
+    for flag in ("pp", "cp"):
+        if getattr(cfg, flag) > 1:
+            return "optimizer", cfg.optimizer, f"not built with --{flag} {getattr(cfg, flag)}"
+    for flag in ("offload", "cuda_graphs", "fp8", "hf_config", "init_from"):
+        if getattr(cfg, flag, None):
+            return "optimizer", cfg.optimizer, f"not built with --{flag.replace('_', '-')}"
+    return None
 
 
 def muon_names(model: nn.Module) -> set[str]:
@@ -40,10 +60,14 @@ def owned_placement_fn(model: nn.Module):
     return lambda p: Owned() if id(p) in ids else None
 
 
-class MuonWithAdamW:
-    """``torch.optim.Muon`` over the layers' matrices and ``torch.optim.AdamW`` over the rest, stepped and zeroed
-    together. ``param_groups`` lists both optimizers' groups (a schedule that sets ``lr`` sets both);
-    ``optimizers`` is the pair, for torch's state-dict functions (``get_state_dict(model, list)``)."""
+class MuonAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` over the named matrices and ``torch.optim.AdamW`` over the rest, as one torch optimizer.
+
+    Each step runs the two torch optimizers unchanged over their own groups; this optimizer's ``param_groups``
+    are theirs (Muon's first) and its ``state`` is the one both write, so a schedule that sets ``lr`` sets both
+    and torch's ``state_dict`` / ``get_optimizer_state_dict`` / DCP see one optimizer (``shardwise train``'s
+    checkpoints). ``adamw_groups(params)`` may split AdamW's parameters into groups (weight decay or not).
+    """
 
     def __init__(self, model: nn.Module, names: set[str], lr: float, weight_decay: float = 0.0,
                  adamw_groups=None, **adamw_kwargs):
@@ -53,23 +77,28 @@ class MuonWithAdamW:
         rest = [p for n, p in named if n not in names]
         self.adamw = torch.optim.AdamW(adamw_groups(rest) if adamw_groups else rest, lr=lr,
                                        weight_decay=weight_decay, **adamw_kwargs)
-        self.optimizers = [self.muon, self.adamw]
+        super().__init__(self.muon.param_groups + self.adamw.param_groups, {})
+        self._share()
 
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.muon.param_groups + self.adamw.param_groups
+    def _share(self) -> None:
+        """The two torch optimizers read this one's groups and write its state."""
+        k = len(self.muon.param_groups)
+        self.muon.param_groups, self.adamw.param_groups = self.param_groups[:k], self.param_groups[k:]
+        self.muon.state = self.adamw.state = self.state
 
-    @property
-    def state(self) -> dict:
-        return {**self.muon.state, **self.adamw.state}
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # new group and state objects
+        self._share()
 
+    @torch.no_grad()
     def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         self.muon.step()
-        return self.adamw.step(closure)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=set_to_none)
+        self.adamw.step()
+        return loss
 
 
 def ns_flops_per_rank(model: nn.Module, names: set[str], group=None) -> list[int]:

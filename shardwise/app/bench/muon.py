@@ -1,7 +1,7 @@
 """``shardwise bench --optimizer adamw,muon``: the same step with torch's Muon on the layers' matrices.
 
 A Muon run wraps with the layers' matrices ``Owned()`` (whole on one owner rank each) and steps
-``app.muon.MuonWithAdamW`` (Muon there, AdamW on the embedding, head, norms and biases). Beside
+``app.muon.MuonAdamW`` (Muon there, AdamW on the embedding, head, norms and biases). Beside
 tokens/s it reports the mechanism: each rank's Newton-Schulz FLOPs (the matrices it owns), their
 imbalance (largest over mean), and on the CPU each rank's measured time in Muon's step.
 """
@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..muon import MuonWithAdamW, muon_names, ns_flops_per_rank, owned_placement_fn
+from ..muon import MuonAdamW, muon_names, ns_flops_per_rank, owned_placement_fn
 from .wrappers import LR, WEIGHT_DECAY, wrap_none, wrap_shardwise
 
 __all__ = ["MUON_WRAPPERS", "unavailable_reason", "wrap_for_muon", "muon_stats"]
@@ -34,7 +34,7 @@ def unavailable_reason(name: str, optimizer: str, fp8: str, graphs: bool, offloa
 class _TimedMuon:
     """Times each Muon step on this rank (CPU runs only: a GPU step would have to synchronize)."""
 
-    def __init__(self, optimizer: MuonWithAdamW):
+    def __init__(self, optimizer: MuonAdamW):
         self.seconds = 0.0
         step = optimizer.muon.step
 
@@ -55,7 +55,7 @@ def wrap_for_muon(name: str, model, device: torch.device, extra: dict):
     else:
         model, _ = wrap_none(model, device, **extra)
     impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    optimizer = MuonWithAdamW(model, names, lr=LR, weight_decay=WEIGHT_DECAY, **impl)
+    optimizer = MuonAdamW(model, names, lr=LR, weight_decay=WEIGHT_DECAY, **impl)
     return model, optimizer, names, _TimedMuon(optimizer) if device.type == "cpu" else None
 
 
