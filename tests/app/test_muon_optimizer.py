@@ -80,3 +80,26 @@ def test_what_muon_is_not_built_with_is_refused_by_name(argv, named):
     with pytest.raises(ConfigError) as e:
         resolve_config((["--optimizer", "muon"] if "--optimizer" not in argv else []) + argv)
     assert "optimizer" in str(e.value) and named in str(e.value), str(e.value)
+
+
+def test_the_planner_adds_the_busiest_owners_newton_schulz():
+    """``plan.step_time``'s Newton-Schulz term: the busiest rank's FLOPs (the engine's own owner balance) at the
+    matmul rate, added beside the rest of the step."""
+    from shardwise.app.plan.candidates import Candidate
+    from shardwise.app.plan.hardware import EFFICIENCY, GPUS, Cluster
+    from shardwise.app.plan.model_source import preset_source
+    from shardwise.app.plan.step_time import newton_schulz_flops, step_time, unit_costs
+    from shardwise.engine.owner_layout import ns_flops
+
+    shapes = [torch.Size(s) for s in [(2048, 2048)] * 4 + [(5632, 2048)] * 2 + [(2048, 5632)]] * 16
+    busiest = newton_schulz_flops(shapes, 2)
+    total = sum(ns_flops(s) for s in shapes)
+    assert total / 2 <= busiest <= 1.10 * total / 2  # balanced within 10%
+    assert newton_schulz_flops(shapes, 1) == total
+    units = unit_costs(preset_source("1b", seq=2048), 2048, False)
+    h100 = GPUS["H100"]
+    adamw = step_time(units, Candidate(), Cluster(2, 8, h100), 2048, 4)
+    muon = step_time(units, Candidate(), Cluster(2, 8, h100), 2048, 4, newton_schulz=busiest)
+    term = busiest / (h100.bf16_flops * EFFICIENCY.matmul)
+    assert muon.terms["newton-schulz"] == pytest.approx(term) and "newton-schulz" not in adamw.terms
+    assert muon.seconds == pytest.approx(adamw.seconds + term)

@@ -63,9 +63,22 @@ def muon_stats(model, names: set[str], timer: _TimedMuon | None, device: torch.d
     """The mechanism: Newton-Schulz FLOPs each rank owns and their imbalance; CPU: each rank's Muon step time."""
     flops = ns_flops_per_rank(model, names)
     mean = sum(flops) / len(flops)
-    out = {"ns_flops_per_rank": flops, "ns_imbalance": max(flops) / mean if mean else None}
+    out = {"ns_flops_per_rank": flops, "ns_imbalance": max(flops) / mean if mean else None,
+           "ns_predicted_ms": _predicted_ms(max(flops), device)}
     if timer is not None:
         seconds = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
         dist.all_gather(seconds, torch.tensor(timer.seconds, dtype=torch.float64, device=device))
         out["muon_step_s_per_rank"] = [t.item() / max(steps, 1) for t in seconds]
     return out
+
+
+def _predicted_ms(flops: float, device: torch.device) -> float | None:
+    """The planner's Newton-Schulz term (``plan.step_time``) for the busiest rank on this GPU, when the planner
+    knows the GPU (H100, H200, B200, GB200 by name); ``None`` on the CPU."""
+    if device.type != "cuda":
+        return None
+    from ..plan.hardware import EFFICIENCY, GPUS
+
+    name = torch.cuda.get_device_name(device)
+    spec = next((g for key, g in GPUS.items() if key in name), None)
+    return None if spec is None else 1000 * flops / (spec.bf16_flops * EFFICIENCY.matmul)

@@ -239,6 +239,8 @@ def _muon_line(run: dict) -> str:
         return ""
     seconds = run.get("muon_step_s_per_rank")
     timed = "" if not seconds else ", Muon step ms/rank " + "/".join(f"{1000 * s:.0f}" for s in seconds)
+    if run.get("ns_predicted_ms") is not None:  # the planner's term, to hold against (muon - adamw) step time
+        timed += f", planner's Newton-Schulz term {run['ns_predicted_ms']:.1f} ms"
     return (f"\n    Newton-Schulz GFLOP/rank {'/'.join(f'{f / 1e9:.2f}' for f in flops)} "
             f"(max/mean {run['ns_imbalance']:.3f}){timed}")
 
