@@ -270,7 +270,9 @@ def _check_owned_options(fqn: str, options: FullyShardOptions, offloaded: bool, 
                (options.graph_safe, "graph_safe=True"),
                (is_group_size(options.reshard_after_forward),
                 f"reshard_after_forward={options.reshard_after_forward!r} (kept runs of torch.chunk rows)"),
-               (gather_kind is not None, "an FP8 weight all-gather (convert_to_fp8(..., all_gather=True))")]
+               (gather_kind == EXTENSIONS_KIND, "FSDP2's all-gather extensions (fsdp_pre_all_gather)"),
+               (gather_kind not in (None, EXTENSIONS_KIND),
+                "an FP8 weight all-gather (convert_to_fp8(..., all_gather=True))")]
     for hit, what in refused:
         if hit:
             raise NotImplementedError(f"shard_placement_fn returned Owned() for parameter {fqn!r} with {what}: "
