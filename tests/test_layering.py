@@ -34,10 +34,10 @@ ENGINE = "shardwise.engine"
 # ``if TYPE_CHECKING:`` counts: the module depends on what it names).
 ENGINE_LAYERS = {
     1: "placements layout mesh spmd_mesh resolution precision offload replaced_params teardown launch_hint registry "
-       "graph_safe device",
+       "graph_safe device owner_layout",
     2: "collectives nccl_buffers backward_steps fully_shard_options rank_consistency watchdog",
-    3: "sharded_param distributed_buffer quantized_gather gather_extensions grad_presence unsynced_grads grad_window param_group "
-       "param_adoption post_forward_shard unit weight_origin shard_placement",
+    3: "sharded_param distributed_buffer quantized_gather gather_extensions grad_presence unsynced_grads grad_window "
+       "param_group param_adoption post_forward_shard unit weight_origin shard_placement owner_state",
     4: "step_checks fully_shard arguments construct sharded_state sharded_module torch_fsdp_state model_ops compile "
        "cuda_graphs",
     5: "fp8 optim pipeline state_dict materialize rng",
@@ -67,6 +67,7 @@ SURFACE_MODULES = {
     "teardown": "destroy_process_groups",
     "rank_consistency": "raise_together: every rank raises when one does",
     "nccl_buffers": "NcclUserBuffers: a Collectives whose buffers come from NCCL's registered pool",
+    "owner_layout": "Owned(): matrices whole on one owner rank (Muon), the owners' balance",
 }
 # Attributes of the engine's state objects (ShardedState, its units, parameter groups): a face neither reads nor
 # writes them, whatever the object; model_ops answers for them.

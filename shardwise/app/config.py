@@ -40,7 +40,10 @@ def _help(text: str) -> dict:
 class TrainConfig:
     preset: str = field(default="tiny", metadata=_help(f"starting point: {', '.join(PRESETS)}"))
     steps: int = field(default=100, metadata=_help("optimizer steps"))
-    lr: float = field(default=3e-4, metadata=_help("peak learning rate (AdamW)"))
+    lr: float = field(default=3e-4, metadata=_help("peak learning rate (AdamW; Muon's too, RMS-matched)"))
+    optimizer: str = field(default="adamw", metadata=_help(
+        "adamw, or muon: torch.optim.Muon on the layers' matrices (each whole on one owner rank, update RMS "
+        "matched to AdamW's so --lr and --weight-decay carry over), AdamW on the embedding, head, norms, biases"))
     min_lr_ratio: float = field(default=0.1, metadata=_help("cosine decay floor, as a fraction of --lr"))
     warmup_steps: int = field(default=10, metadata=_help("linear warm-up steps"))
     weight_decay: float = field(default=0.1, metadata=_help("AdamW weight decay (matrices only)"))
@@ -348,6 +351,11 @@ def _validate(cfg: TrainConfig, model: GPTConfig, problems: Problems, explicit=f
         problems.add("outer_strategy", cfg.outer_strategy, "needs --outer-dp N (the outer axis size)")
     if cfg.outer_dp and not cfg.outer_strategy:
         problems.add("outer_dp", cfg.outer_dp, "needs --outer-strategy no_shard or optim")
+    from .muon import check_muon
+
+    bad = check_muon(cfg)
+    if bad:
+        problems.add(*bad)
     if cfg.precision not in ("fp32", "bf16"):
         problems.add("precision", cfg.precision, "use fp32 or bf16")
     if cfg.device not in ("auto", "cpu", "cuda"):

@@ -227,6 +227,24 @@ def _stall_watchdog(cfg: TrainConfig, phase: Phase):
     return StallWatchdog(cfg.stall_timeout, describe=lambda: phase.now, on_stall=fail_now).start()
 
 
+def _optimizer(cfg: TrainConfig, module, matrices: set[str], fused: bool) -> torch.optim.Optimizer:
+    """AdamW (the matrices decayed), or with ``--optimizer muon`` Muon on the layers' matrices beside it."""
+    adamw = {"betas": (cfg.beta1, cfg.beta2), **({"fused": True} if fused else {})}
+    if cfg.optimizer == "muon":
+        from .muon import MuonAdamW, muon_names
+
+        return MuonAdamW(module, muon_names(module), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                         adamw_groups=lambda rest: _named_groups(module, rest, matrices, cfg.weight_decay), **adamw)
+    return torch.optim.AdamW(param_groups(module, matrices, cfg.weight_decay), lr=cfg.lr, **adamw)
+
+
+def _named_groups(module, params: list, matrices: set[str], weight_decay: float) -> list[dict]:
+    """``param_groups`` (decay on the matrices) over ``params`` only."""
+    ids = {id(p) for p in params}
+    return [dict(g, params=[p for p in g["params"] if id(p) in ids])
+            for g in param_groups(module, matrices, weight_decay)]
+
+
 def _build_model(cfg: TrainConfig, model_cfg: GPTConfig, device: torch.device, policy, rank: int) -> tuple:
     """One model sharded over every rank: ``(model, n_params, flops_per_token, matrix names)``."""
     import shardwise
@@ -255,9 +273,14 @@ def _build_model(cfg: TrainConfig, model_cfg: GPTConfig, device: torch.device, p
         unit_modules = list(dict.fromkeys(type(layer) for layer in model.layers))
     n_params, flops_per_token = model.num_params(), model.flops_per_token(cfg.seq_len)
     matrices = decayed_names(model)
+    placement_fn = None
+    if cfg.optimizer == "muon":  # the layers' matrices whole on one owner rank each (app/muon.py)
+        from .muon import owned_placement_fn
+
+        placement_fn = owned_placement_fn(model)
     model = shardwise.fully_shard(
         model, mesh=mesh, strategy=cfg.strategy, outer_dp_sharding_strategy=cfg.outer_strategy or None,
-        unit_modules=unit_modules, mixed_precision=policy,
+        unit_modules=unit_modules, mixed_precision=policy, shard_placement_fn=placement_fn,
         init_fn=init_fn,
         offload_policy=shardwise.OffloadPolicy(fraction=cfg.offload_fraction) if cfg.offload else None,
         graph_safe=cfg.cuda_graphs)
@@ -320,9 +343,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
         _limit_collective_waits(module, cfg.timeout)
     for group in run.extra_groups:  # the pipeline's group: no parameter's mesh names it
         group.set_timeout(datetime.timedelta(seconds=cfg.timeout))
-    optimizer = run.optimizer(lambda module: torch.optim.AdamW(
-        param_groups(module, matrices, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-        **({"fused": True} if fused else {})))
+    optimizer = run.optimizer(lambda module: _optimizer(cfg, module, matrices, fused))
     saved_model, saved_optimizer = run.checkpointed(optimizer)
     for module, each in zip(*((saved_model, saved_optimizer) if isinstance(saved_model, list)
                               else ([saved_model], [saved_optimizer]))):

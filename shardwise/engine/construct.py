@@ -10,7 +10,7 @@ device, and the hooks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -26,6 +26,8 @@ from .quantized_gather import gather_mark
 from .gather_extensions import EXTENSIONS_KIND, has_extensions
 from .replaced_params import is_replaced
 from .resolution import plan_choice
+from .owner_layout import OwnerBalancer, is_owned
+from .owner_state import state_dict_hooks
 from .shard_placement import shard_dim_of
 from .sharded_state import ShardedState
 from .step_checks import mark_ignored, watch_state
@@ -189,6 +191,7 @@ class GroupBuilder:
     streams: StreamSet
     plan_fn: Callable | None  # None: the default (resolution.plan_choice)
     offloaded: set[int]
+    balancer: OwnerBalancer = field(default_factory=OwnerBalancer)  # owners of Owned() matrices (owner_layout)
 
     def build_groups(self, owner: nn.Module) -> list[ParamGroup]:
         """Materialize ``owner``'s meta parameters, then shard what it owns: one group per plan, dtype,
@@ -204,7 +207,11 @@ class GroupBuilder:
         buckets: dict[tuple, list[ParamRef]] = {}
         for ref in self.ownership.refs(owner):
             if self.options.shard_placement_fn is not None:
-                ref.shard_dim = shard_dim_of(ref, self.options.shard_placement_fn(ref.param), self.options.mesh)
+                answer = self.options.shard_placement_fn(ref.param)
+                if is_owned(answer):  # whole on an owner rank, picked per group below
+                    ref.owner = -1
+                else:
+                    ref.shard_dim = shard_dim_of(ref, answer, self.options.mesh)
             ref_plan = _place_model_parallel(ref, self.plan, self.expert_plan, tp_axis, self.options.ep_axis, self.plan_fn)
             extended = has_extensions(ref.param, ref.fqn)  # FSDP2's all-gather extensions: gathered through its hooks
             if self.options.sync_module_states and not ref.param.is_meta:
@@ -239,6 +246,12 @@ class GroupBuilder:
                 + ("" if not gather_kind else ",extensions" if gather_kind == EXTENSIONS_KIND else ",fp8"))
         label = f"{self.ownership.names.get(id(owner), '') or '<root>'}[{str(dtype).replace('torch.', '')}{kind}]"
         sum_axes = [ref_plan.model_parallel[self.options.tp_axis]] if sequence_parallel else []
+        owned = [ref for ref in bucket if ref.owner is not None]
+        if owned:  # balanced over the whole call: the running totals carry from group to group
+            _check_owned_options(owned[0].fqn, self.options, id(owner) in self.offloaded, gather_kind)
+            ranks = ref_plan.opt_axes[0].size if ref_plan.opt_axes else 1
+            for ref, owner in zip(owned, self.balancer.assign([r.param.shape for r in owned], ranks)):
+                ref.owner = owner
         # Meta parameters are sharded on the meta device; model.to_empty() gives the shards storage later.
         on_meta = any(ref.param.is_meta for ref in bucket)
         group = ParamGroup(
@@ -248,6 +261,22 @@ class GroupBuilder:
         )
         group.install_sharded_params()  # the modules now hold DTensors; the full tensors can go
         return group
+
+
+def _check_owned_options(fqn: str, options: FullyShardOptions, offloaded: bool, gather_kind) -> None:
+    """Owned() matrices are built for the eager device step: the options that move weights otherwise are refused
+    by name."""
+    refused = [(offloaded, f"offload_policy={options.offload_policy!r} (the unit's main weights on the host)"),
+               (options.graph_safe, "graph_safe=True"),
+               (is_group_size(options.reshard_after_forward),
+                f"reshard_after_forward={options.reshard_after_forward!r} (kept runs of torch.chunk rows)"),
+               (gather_kind == EXTENSIONS_KIND, "FSDP2's all-gather extensions (fsdp_pre_all_gather)"),
+               (gather_kind not in (None, EXTENSIONS_KIND),
+                "an FP8 weight all-gather (convert_to_fp8(..., all_gather=True))")]
+    for hit, what in refused:
+        if hit:
+            raise NotImplementedError(f"shard_placement_fn returned Owned() for parameter {fqn!r} with {what}: "
+                                      "not built for owned matrices; return Shard(0) or None for it, or drop the option")
 
 
 def unit_settings(options: FullyShardOptions) -> Callable[[], UnitSettings]:
@@ -328,6 +357,12 @@ def register_hooks(state: ShardedState) -> None:
         for module in holders.values():
             handles.append(module.register_state_dict_pre_hook(lambda *_, group=group: group.use_sharded()))
             handles.append(module._register_load_state_dict_pre_hook(lambda *_, group=group: group.use_sharded()))
+        owned: dict[int, dict[str, object]] = {}  # holder -> {attribute: ShardedParam} of its owned matrices
+        for ref, sp in zip(group.refs, group.params):
+            for module, attr in ref.holders if sp.owner is not None else ():
+                owned.setdefault(id(module), {})[attr] = sp
+        for key, attrs in owned.items():  # after the pre-hooks above: the sharded parameters are in place
+            handles += state_dict_hooks(holders[key], attrs)
     for unit in state.units:
         for module in unit.modules:
             handles.append(module.register_forward_pre_hook(

@@ -82,6 +82,10 @@ class Levels:
             blocked = [i for i, p in enumerate(self.params) if p.blocked and p.piece_numel(level)]
             if blocked and axis.size > 1:
                 self._blocked[level] = (blocked, LevelLayout([self.params[i].gathered_numel(level) for i in blocked]))
+        # Matrices whole on one owner rank (``owner_layout``): they travel packed, each rank's owned matrices one
+        # after the other in a region of the largest region's size, as one more piece of the collective.
+        self.owned = [i for i, p in enumerate(self.params) if p.owner is not None]
+        self.owned_region, self.owned_offsets = _owner_regions([self.params[i] for i in self.owned])
 
     def same_layout(self, a: int, b: int) -> bool:
         """Whether levels ``a`` and ``b`` (either order) are one buffer in all but name: every axis between
@@ -107,7 +111,7 @@ class Levels:
         parent slot and its piece (parameters with no rows at this level take no part)."""
         gathered, own = [], []
         for p, parent, piece in zip(self.params, parents, pieces):
-            if p.piece_numel(level):
+            if p.owner is None and p.piece_numel(level):
                 gathered.append(parent[: p.gathered_numel(level)])
                 own.append(piece[: p.piece_numel(level)])
         return gathered, own
@@ -126,6 +130,57 @@ class Levels:
         for i, view in zip(blocked, layout.views(temp)):
             views[i] = view
         return views
+
+    def owned_gather(self, level: int, pieces: list[torch.Tensor], temps: list) -> tuple | None:
+        """For a gather from ``level``: (the gathered regions, this rank's region holding its owned matrices),
+        temporaries appended to ``temps``; ``None`` without owned matrices."""
+        if not self.owned:
+            return None
+        axis, region, dtype = self.axes[level - 1], self.owned_region, pieces[0].dtype
+        new = self.take if self.streams.graph_safe else self.new
+        mine, gathered = new(region, dtype), new(axis.size * region, dtype)
+        temps += [mine, gathered]
+        outs, ins = [], []
+        for i, offset in zip(self.owned, self.owned_offsets):
+            p = self.params[i]
+            if p.mine:
+                start = offset - axis.index * region
+                outs.append(mine[start : start + p.numel_whole])
+                ins.append(pieces[i][: p.numel_whole])
+        _copy(outs, ins)
+        return gathered, mine
+
+    def owned_unpack_gather(self, gathered: torch.Tensor, parents: list[torch.Tensor]) -> None:
+        """Each owned matrix from its owner's region of ``gathered`` into its slot of the level below."""
+        _copy([parents[i][: self.params[i].numel_whole] for i in self.owned],
+              [gathered[o : o + self.params[i].numel_whole] for i, o in zip(self.owned, self.owned_offsets)])
+
+    def owned_reduce(self, level: int, parents: list[torch.Tensor], staged: list) -> tuple | None:
+        """For a reduce-scatter to ``level``: (every owned matrix in its owner's region, this rank's region
+        to receive), staged in ``staged``; ``None`` without owned matrices. Padding is zero."""
+        if not self.owned:
+            return None
+        axis, region, dtype = self.axes[level - 1], self.owned_region, parents[0].dtype
+        packed, mine = self.take(axis.size * region, dtype), self.take(region, dtype)
+        staged += [packed, mine]
+        packed, mine = packed[: axis.size * region], mine[:region]
+        if sum(self.params[i].numel_whole for i in self.owned) < packed.numel():
+            packed.zero_()
+        _copy([packed[o : o + self.params[i].numel_whole] for i, o in zip(self.owned, self.owned_offsets)],
+              [parents[i][: self.params[i].numel_whole] for i in self.owned])
+        return packed, mine
+
+    def owned_unpack_reduce(self, level: int, mine: torch.Tensor, pieces: list[torch.Tensor]) -> None:
+        """This rank's owned matrices from its reduced region into their slots of ``level``."""
+        axis, region = self.axes[level - 1], self.owned_region
+        outs, ins = [], []
+        for i, offset in zip(self.owned, self.owned_offsets):
+            p = self.params[i]
+            if p.mine:
+                start = offset - axis.index * region
+                outs.append(pieces[i][: p.numel_whole])
+                ins.append(mine[start : start + p.numel_whole])
+        _copy(outs, ins)
 
     # ------------------------------------------------------------- new buffers
     def empty(self, level: int, dtype: torch.dtype) -> "DistributedBuffer":
@@ -154,6 +209,18 @@ class Levels:
         buffer = self.take(total, dtype)
         staged.append(buffer)
         return DistributedBuffer(self, level, buffer[:total], BufferState.EMPTY)
+
+
+def _owner_regions(owned: Sequence[ShardedParam]) -> tuple[int, list[int]]:
+    """The size of one rank's region (its owned matrices one after the other, the largest region's size) and
+    each owned matrix's offset in the rank-major buffer of every region."""
+    used: dict[int, int] = {}
+    within = []
+    for p in owned:
+        within.append(used.get(p.owner, 0))
+        used[p.owner] = within[-1] + p.numel_whole
+    region = max(used.values(), default=0)
+    return region, [p.owner * region + w for p, w in zip(owned, within)]
 
 
 def _copy(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor]) -> None:
@@ -332,7 +399,13 @@ class DistributedBuffer:
                 gathered = levels.with_blocks(level, out_views, temp)
             else:
                 gathered = out_views
-            _move(levels.collectives.gather, *levels.paired(level, gathered, views), levels.axes[level - 1])
+            outs, ins = levels.paired(level, gathered, views)
+            owned = levels.owned_gather(level, views, temps)
+            if owned:
+                outs, ins = outs + [owned[0]], ins + [owned[1]]
+            _move(levels.collectives.gather, outs, ins, levels.axes[level - 1])
+            if owned:
+                levels.owned_unpack_gather(owned[0], out_views)
             for i in blocked:
                 levels.params[i].unblock(gathered[i], out_views[i], level)
             views = out_views
@@ -400,7 +473,12 @@ class DistributedBuffer:
                 out = buffer[:total]
                 out_views = levels.layouts[level].views(out)
             ins, outs = levels.paired(level, views, out_views)
+            owned = levels.owned_reduce(level, views, staged)
+            if owned:
+                ins, outs = ins + [owned[0]], outs + [owned[1]]
             _move(levels.collectives.reduce_scatter, outs, ins, levels.axes[level - 1])
+            if owned:
+                levels.owned_unpack_reduce(level, owned[1], out_views)
             flat, views = out, out_views
         if into is not None:
             into.state = BufferState.HOLDS

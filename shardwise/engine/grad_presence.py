@@ -25,6 +25,9 @@ every rank runs the same collectives whatever each one used) and hands out
   graph-safe mode whose captured step writes the same tensors every replay, and
   the Megatron face, whose optimizer reads every parameter's gradient buffer):
   every parameter gets ``.grad``, zeros where nothing was used.
+- a matrix owned by another rank (``owner_layout``: ``elsewhere``) never gets ``.grad`` here, whatever the
+  above says: this rank holds none of it, so an optimizer skips it here (torch's optimizers pass over a
+  parameter without ``.grad``) and only its owner does its arithmetic.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ class GradPresence:
     """The flags of one group's window: ``used`` on this rank; ``shared``: whether the group's gradients are
     reduced over more than one rank (else ``used`` is the whole answer)."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, elsewhere: Sequence[bool] = ()):
         self.size = size
+        self.elsewhere = list(elsewhere) or [False] * size  # owned by another rank: never a .grad here
         self.install_all = False
         self.shared = False
         self.used: list[bool] = [False] * size
@@ -61,6 +65,9 @@ class GradPresence:
     def present(self, reduced: Sequence[torch.Tensor]) -> list[bool]:
         """Which parameters get ``.grad`` at this window's installation; ``reduced``: this rank's rows of each
         parameter's reduced gradient."""
+        return [p and not e for p, e in zip(self._present(reduced), self.elsewhere)]
+
+    def _present(self, reduced: Sequence[torch.Tensor]) -> list[bool]:
         if self.install_all or all(self.used):
             return [True] * self.size
         if not self.shared:

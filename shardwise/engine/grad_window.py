@@ -64,7 +64,7 @@ class GradWindow:
         self.host_grad: torch.Tensor | None = None
         self.host_ready: "torch.cuda.Event | None" = None
         self.host_kept = None
-        self.presence = GradPresence(len(group.params))
+        self.presence = GradPresence(len(group.params), [p.owner is not None and not p.mine for p in group.params])
         # graph-safe: the optimizer reads, after a replay that runs no Python, the .grad of every parameter
         self.presence.install_all = group.graph_safe
         self.unsynced = UnsyncedGrads()

@@ -13,6 +13,7 @@ from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dp
 
 from .device import device_for
 from .model_ops import sharded_state
+from .owner_layout import OWNER_SUM_GROUP
 from .graph_safe import refuse_unless_eager
 
 __all__ = ["clip_grad_norm_", "grad_norm", "takes_clip_factor"]
@@ -22,6 +23,9 @@ def _shard_groups(param: torch.Tensor) -> tuple:
     """Process groups of the mesh axes over which this parameter's gradient is split."""
     if not isinstance(param, DTensor):
         return ()
+    owner_group = getattr(param, OWNER_SUM_GROUP, None)
+    if owner_group is not None:  # whole on its owner's one-rank mesh, empty on the other ranks of this group
+        return (owner_group,)
     mesh = param.device_mesh
     return tuple(
         mesh.get_group(i) for i, placement in enumerate(param.placements) if isinstance(placement, (Shard, _StridedShard))
@@ -50,6 +54,8 @@ def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0, *, ext
     by_groups: dict[tuple, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is None:
+            if getattr(p, OWNER_SUM_GROUP, None) is not None:  # owned by another rank: it still joins the sum
+                by_groups.setdefault((_shard_groups(p), p.device), [])
             continue
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         by_groups.setdefault((_shard_groups(p), grad.device), []).append(grad)  # offloaded ones on the host

@@ -45,6 +45,7 @@ from .mesh import ShardingPlan
 from .offload import HostMemory
 from .sharded_param import ParamRef, ShardedParam
 from .precision import MixedPrecisionPolicy
+from .owner_layout import OWNER_SUM_GROUP
 from .quantized_gather import QuantizedGather, gather_mark
 from .gather_extensions import ExtensionGather, ExtensionParam, check_extension_group, has_extensions, patched_hooks
 from .grad_window import GradState, GradWindow
@@ -292,6 +293,8 @@ class ParamGroup:
         for key, value in self._annotations[i].items():
             setattr(param, key, value)
         setattr(param, SHARDED_MARK, True)
+        if self.params[i].owner is not None:  # whole on its owner: its norm sums over the shard axis (clipping)
+            setattr(param, OWNER_SUM_GROUP, self.params[i].sum_group.group)
         return param
 
     def main_local(self, i: int) -> torch.Tensor:

@@ -23,12 +23,14 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .layout import RowPiece, nested_chunks, row_numel, slot_rows
 from .mesh import ShardingPlan
+from .owner_layout import owner_mesh
 from .spmd_mesh import spmd_param_of
 
 __all__ = ["ParamRef", "ShardedParam"]
@@ -51,6 +53,7 @@ class ParamRef:
     model_parallel_dims: dict[str, int] = field(default_factory=dict)
     local_axes: list[str] = field(default_factory=list)
     shard_dim: int = 0  # the dim the data-parallel axes split (shard_placement_fn's Shard(d)), >= 0
+    owner: int | None = None  # whole on this coordinate of the shard axis (shard_placement_fn's Owned()), or None
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -83,10 +86,23 @@ class ShardedParam:
         # elements before and after dim d: one "row" is `outer` runs of `inner` elements
         self._outer, self._inner = math.prod(self.shape[: self.row_dim]), math.prod(self.shape[self.row_dim + 1 :])
         self.row_numel = self._outer * self._inner if self.blocked else row_numel(self.shape)
-        self.pieces: list[RowPiece] = nested_chunks(self.rows, [(a.size, a.index) for a in plan.opt_axes])
+        self.owner = ref.owner
+        self.numel_whole = math.prod(self.shape)
+        if self.owner is None:
+            self.pieces: list[RowPiece] = nested_chunks(self.rows, [(a.size, a.index) for a in plan.opt_axes])
+        else:  # whole on the owner, nothing elsewhere (owner_layout)
+            axis = _check_owned(ref, plan)
+            self.mine = axis.index == self.owner
+            self.pieces = [RowPiece(axis.size, axis.index, self.rows, 0, self.rows if self.mine else 0)]
         self.global_shape = plan.global_shape(self.shape, ref.model_parallel_dims)
         self.spmd = spmd_param_of(ref.param)  # taken from a DTensor on an SPMD mesh (dp_mesh_dims): its faces
-        if self.spmd is None:
+        if self.owner is not None:
+            # torch.chunk rows over the data-parallel mesh: what state dicts hold (``owner_state``)
+            self.rows_mesh, self.rows_placements = plan.dtensor_spec(ref.model_parallel_dims, ref.local_axes, 0)
+            self.owner_rank = dist.get_global_rank(axis.group, self.owner)
+            self.mesh, self.placements = owner_mesh(self.rows_mesh.device_type, self.owner_rank), [Replicate()]
+            self.axis = self.sum_group = axis  # its ranks' local tensors together are the matrix (clipping)
+        elif self.spmd is None:
             self.mesh, self.placements = plan.dtensor_spec(ref.model_parallel_dims, ref.local_axes, self.shard_dim)
         else:
             self.mesh, self.placements = self.spmd.sharded_mesh, self.spmd.sharded_placements
@@ -97,6 +113,8 @@ class ShardedParam:
         return len(self.pieces)
 
     def slot_numel(self, level: int) -> int:
+        if self.owner is not None:  # level 0 whole; level 1 whole on the owner, empty elsewhere
+            return self.real_rows(level)[1] * self.row_numel
         return slot_rows(self.rows, self.pieces, level) * self.row_numel
 
     def real_rows(self, level: int) -> tuple[int, int]:
@@ -118,12 +136,16 @@ class ShardedParam:
     def own_piece(self, parent_slot: torch.Tensor, level: int) -> torch.Tensor:
         """Where this rank's piece of ``level`` sits inside the gathered slot of ``level - 1``."""
         piece = self.pieces[level - 1]
+        if self.owner is not None:
+            return parent_slot[: piece.rows * self.row_numel]
         size = piece.chunk * self.row_numel
         return parent_slot[piece.index * size : (piece.index + 1) * size]
 
     def local(self, slot: torch.Tensor, level: int) -> torch.Tensor:
         """The real rows of a slot of ``level``, shaped like the parameter (contiguous)."""
         rows = self.real_rows(level)[1]
+        if not rows and self.owner is not None:  # torch's DTensor face off the owner: a 1-D empty tensor
+            return slot[:0]
         shape = list(self.shape)
         shape[self.row_dim] = rows
         return slot[: rows * self.row_numel].view(shape)
@@ -175,6 +197,8 @@ class ShardedParam:
     def shard_of(self, full: torch.Tensor, level: int | None = None) -> torch.Tensor:
         """This rank's rows of a model-parallel-local full value (no communication)."""
         first, rows = self.real_rows(self.levels if level is None else level)
+        if not rows and self.owner is not None:
+            return full.reshape(-1)[:0]
         return full.narrow(self.row_dim, first, rows)
 
 
@@ -194,3 +218,23 @@ def _check_even(fqn: str, shape: torch.Size, dim: int, plan: ShardingPlan) -> No
             f"axes {[a.name for a in plan.opt_axes[len(plan.param_axes):]]} that shard its optimizer state "
             "(strategy optim / optim_grads, or HFSDP): Shard(dim > 0) is built for FSDP2's placements, parameters "
             "sharded like their optimizer state (optim_grads_params, HSDP); return Shard(0) or None there")
+
+
+def _check_owned(ref: ParamRef, plan: ShardingPlan):
+    """The shard axis of a parameter laid out whole on an owner: built for one sharded data-parallel axis
+    that shards parameters, gradients and optimizer state alike (ZeRO-3; HSDP's inner axis), no
+    model parallelism, a 2-D parameter."""
+    why = None
+    if ref.param.dim() != 2:
+        why = f"it has {ref.param.dim()} dims; Owned() lays out 2-D matrices (Muon's) only"
+    elif plan.model_parallel or ref.model_parallel_dims or ref.local_axes:
+        why = "tensor or expert parallelism is not built with owned matrices"
+    elif len(plan.opt_axes) != 1 or len(plan.param_axes) != 1 or len(plan.grad_axes) != 1:
+        why = ("its placements shard it over "
+               f"{[a.name for a in plan.param_axes]} (parameters), {[a.name for a in plan.grad_axes]} (gradients), "
+               f"{[a.name for a in plan.opt_axes]} (optimizer): Owned() is built for one data-parallel axis "
+               "sharding all three (strategy optim_grads_params, or HSDP's inner axis)")
+    if why:
+        raise NotImplementedError(f"shard_placement_fn returned Owned() for parameter {ref.fqn!r}: {why}; return "
+                                  "Shard(0) or None for it")
+    return plan.opt_axes[0]

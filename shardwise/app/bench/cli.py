@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ..errors import ShortUsageParser
 from ..launch import launch_local, under_launcher
+from ..muon import OPTIMIZERS
 from .report import format_run, write_reports
 from ...engine.fp8 import require_torchao
 from ...engine.placements import resolve_strategy
@@ -125,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context parallelism: train shardwise with each sequence split over this many ranks "
                         "(--nproc divisible by it, the sequence length by 2 x it) and report tokens/s and the "
                         "activation estimate against the measurement, instead of the wrappers (0 = off)")
+    p.add_argument("--optimizer", default="adamw",
+                   help="comma list of adamw, muon: each runs in turn (muon: torch.optim.Muon on the layers' "
+                        "matrices, whole on one owner rank each, AdamW on the rest; under shardwise and none)")
     p.add_argument("--save-traces", action="store_true",
                    help="also write rank 0's chrome trace of the profiled steps to OUT/traces/")
     return p
@@ -181,6 +185,9 @@ def parse_options(argv) -> tuple[BenchOptions, argparse.Namespace]:
         given = list(argv or [])
         if "--compile" not in given and not any(a.startswith("--compile=") for a in given):
             args.compile = "on"  # FP8 matmuls pay only compiled
+    optimizers = [m.strip() for m in args.optimizer.split(",") if m.strip()]
+    if not optimizers or len(set(optimizers)) != len(optimizers) or any(m not in OPTIMIZERS for m in optimizers):
+        raise UsageError(f"--optimizer {args.optimizer}: a comma list of {', '.join(OPTIMIZERS)}, each once")
     graphs = [m.strip() for m in args.cuda_graphs.split(",") if m.strip()]
     if not graphs or len(set(graphs)) != len(graphs) or any(m not in GRAPH_MODES for m in graphs):
         raise UsageError(f"--cuda-graphs {args.cuda_graphs}: a comma list of on and off, each once")
@@ -219,7 +226,7 @@ def parse_options(argv) -> tuple[BenchOptions, argparse.Namespace]:
         grad_comm_dtype=args.grad_comm_dtype, max_grad_norm=args.max_grad_norm, clip_mode=args.clip_mode,
         fp8=tuple(fp8), pp=args.pp, pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual,
         pp_microbatches=args.pp_microbatches, cuda_graphs=tuple(GRAPH_MODES[m] for m in graphs),
-        cp=args.cp)
+        cp=args.cp, optimizers=tuple(optimizers))
     why = check_context_parallel_options(opts, wrappers_given=any(a.startswith("--wrappers") for a in argv or []))
     if why:
         raise UsageError(why)

@@ -45,16 +45,16 @@ def _compiled(run: dict) -> bool:
     return bool(run.get("compiled", False))
 
 
-def _mode(run: dict) -> tuple[bool, str, bool]:
-    """A run's mode: compiled or not, its FP8 recipe ("" for bf16 linears), CUDA graphs or not; runs compare
-    within a mode."""
-    return _compiled(run), run.get("fp8") or "", bool(run.get("cuda_graphs", False))
+def _mode(run: dict) -> tuple[bool, str, bool, str]:
+    """A run's mode: compiled or not, its FP8 recipe ("" for bf16 linears), CUDA graphs or not, its optimizer
+    ("adamw", or "muon": ``--optimizer``); runs compare within a mode."""
+    return _compiled(run), run.get("fp8") or "", bool(run.get("cuda_graphs", False)), run.get("optimizer") or "adamw"
 
 
 def label(run: dict) -> str:
     """The wrapper's name, with "+compile" for a compiled run or row and "+fp8 RECIPE" for FP8 linears."""
     return (run["wrapper"] + (" +compile" if _compiled(run) else "") + (f" +fp8 {run['fp8']}" if run.get("fp8") else "")
-            + (" +graphs" if run.get("cuda_graphs") else ""))
+            + (" +graphs" if run.get("cuda_graphs") else "") + (" +muon" if run.get("optimizer") == "muon" else ""))
 
 
 def annotate(runs: list[dict], loss_rtol: float) -> list[dict]:
@@ -86,6 +86,7 @@ def summarize(runs: list[dict], loss_rtol: float) -> list[dict]:
         mine = [r for r in runs if r["size"] == size and r["wrapper"] == wrapper and _mode(r) == mode]
         ok = [r for r in mine if _ok(r)]
         row = {"size": size, "wrapper": wrapper, "compiled": mode[0], "fp8": mode[1] or None, "cuda_graphs": mode[2],
+               "optimizer": mode[3], **{k: mine[0][k] for k in ("ns_flops_per_rank", "ns_imbalance") if k in mine[0]},
                "params": mine[0]["params"],
                "device": mine[0]["device"], "world_size": mine[0]["world_size"], "runs": len(mine),
                "ok_runs": len(ok)}
@@ -228,7 +229,20 @@ def format_run(run: dict) -> str:
     per = "rank" if run["device"] == "cpu" else "GPU"  # on CPU a rank is a process, not a GPU
     return (f"{head} {run['tokens_per_s_per_gpu']:,.0f} tok/s/{per}{mfu} {mem} {run['peak_alloc_gib']:.2f} GiB"
             f"{reserved}{exposed} loss {run['loss_first']:.4f} -> {run['loss_last']:.4f} "
-            f"(wrap {run['wrap_s']:.1f}s, step {1000 * run['step_s']:.0f} ms{compiled})")
+            f"(wrap {run['wrap_s']:.1f}s, step {1000 * run['step_s']:.0f} ms{compiled}){_muon_line(run)}")
+
+
+def _muon_line(run: dict) -> str:
+    """``--optimizer muon``: the Newton-Schulz GFLOPs each rank owns, their imbalance, Muon's step time per rank."""
+    flops = run.get("ns_flops_per_rank")
+    if not flops:
+        return ""
+    seconds = run.get("muon_step_s_per_rank")
+    timed = "" if not seconds else ", Muon step ms/rank " + "/".join(f"{1000 * s:.0f}" for s in seconds)
+    if run.get("ns_predicted_ms") is not None:  # the planner's term, to hold against (muon - adamw) step time
+        timed += f", planner's Newton-Schulz term {run['ns_predicted_ms']:.1f} ms"
+    return (f"\n    Newton-Schulz GFLOP/rank {'/'.join(f'{f / 1e9:.2f}' for f in flops)} "
+            f"(max/mean {run['ns_imbalance']:.3f}){timed}")
 
 
 # ------------------------------------------------------------------ files

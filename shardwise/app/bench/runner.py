@@ -50,6 +50,7 @@ from ..memory import DoesNotFit, check_fits, estimate_for_run, host_available_by
 from .sizes import SIZES, BenchSize, ddp_bytes_estimate, model_config
 from .fp8 import after_each_step, prepare as prepare_fp8
 from .graphs import graphed_step, unavailable_reason as graphs_reason
+from .muon import muon_stats, unavailable_reason as muon_reason, wrap_for_muon
 from .wrappers import DEFAULT_ORDER, WRAPPERS, make_clip, unavailable_reason
 
 __all__ = ["BenchOptions", "run_benchmark", "run_one", "merge_intervals", "interval_length",
@@ -92,6 +93,7 @@ class BenchOptions:
     pp_microbatches: int = 0  # micro-batches per step (0: 2 x pp)
     cuda_graphs: Sequence[bool] = (False,)  # eager and/or each step a replayed CUDA graph (bench/graphs.py)
     cp: int = 0  # > 1: shardwise with each sequence split over this many ranks (bench/context_parallel.py)
+    optimizers: Sequence[str] = ("adamw",)  # run in turn: "adamw", "muon" (torch's Muon on Owned() matrices, bench/muon.py)
 
     def compile_kwargs(self) -> dict:
         """What every wrapper passes to torch.compile: whole layers, static shapes (as torchtitan)."""
@@ -249,7 +251,8 @@ def _skip_reason(name: str, size: BenchSize, config, n_params: int, micro_batch:
 
 # ------------------------------------------------------------------ one run
 def run_one(name: str, size: BenchSize, opts: BenchOptions, device: torch.device, batches,
-            repeat: int = 0, compiled: bool = False, fp8: str = "off", graphs: bool = False) -> dict:
+            repeat: int = 0, compiled: bool = False, fp8: str = "off", graphs: bool = False,
+            optimizer: str = "adamw") -> dict:
     """Wrap a fresh model with wrapper ``name`` (layers compiled when ``compiled``), train and measure it;
     every rank returns the result."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -266,8 +269,9 @@ def run_one(name: str, size: BenchSize, opts: BenchOptions, device: torch.device
               "activation_checkpointing": config.activation_checkpointing, "steps": steps, "warmup": warmup,
               "tokens_per_step_per_gpu": micro_batch * seq_len, "compiled": compiled,
               "compile_backend": opts.compile_backend if compiled else None,
-              "max_grad_norm": opts.max_grad_norm, "fp8": None if fp8 == "off" else fp8, "cuda_graphs": graphs}
-    why = graphs_reason(name, device, graphs) or _skip_reason(
+              "max_grad_norm": opts.max_grad_norm, "fp8": None if fp8 == "off" else fp8, "cuda_graphs": graphs,
+              "optimizer": optimizer}
+    why = muon_reason(name, optimizer, fp8, graphs, opts.offload) or graphs_reason(name, device, graphs) or _skip_reason(
         name, size, config, n_params, micro_batch, seq_len, device, compiled, opts.offload, opts.max_grad_norm > 0,
         fp8)
     if why:
@@ -285,9 +289,9 @@ def run_one(name: str, size: BenchSize, opts: BenchOptions, device: torch.device
             return {**result, "status": "skipped", "reason": str(e)}
     try:
         tag = (f"{size.name}-{name}{'-compiled' if compiled else ''}{'' if fp8 == 'off' else '-' + fp8}"
-               f"{'-graphs' if graphs else ''}-r{repeat}")
+               f"{'-graphs' if graphs else ''}{'-muon' if optimizer == 'muon' else ''}-r{repeat}")
         result.update(_measure(name, config, opts, device, batches, steps, warmup, flops_per_token,
-                               micro_batch * seq_len, tag, compiled, fp8, graphs))
+                               micro_batch * seq_len, tag, compiled, fp8, graphs, optimizer))
         result["status"] = "ok"
     except torch.cuda.OutOfMemoryError:
         result.update(status="failed", reason="out of memory")
@@ -311,7 +315,7 @@ def _dynamo_counts() -> tuple[int, int]:
 
 
 def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token, tokens_per_step,
-             tag, compiled=False, fp8="off", graphs=False) -> dict:
+             tag, compiled=False, fp8="off", graphs=False, optimizer_kind="adamw") -> dict:
     cuda = device.type == "cuda"
     world = dist.get_world_size()
     base_alloc = torch.cuda.memory_allocated(device) if cuda else 0
@@ -333,7 +337,11 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
     if graphs and name.startswith("shardwise"):
         extra["graph_safe"] = True
     after_step = prepare_fp8(name, model, fp8, opts.strategy, opts.offload if name.startswith("shardwise") else 0.0)
-    model, optimizer = WRAPPERS[name](model, device, **extra)
+    muon = None
+    if optimizer_kind == "muon":
+        model, optimizer, *muon = wrap_for_muon(name, model, device, extra)
+    else:
+        model, optimizer = WRAPPERS[name](model, device, **extra)
     after_each_step(optimizer, after_step)
     clip, clip_mode = make_clip(name, model, optimizer, opts.max_grad_norm, opts.clip_mode)
     model.train()
@@ -378,6 +386,7 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
     first_loss, last_loss = (float(x) for x in torch.stack([losses[0], losses[-1]]).float().cpu())
 
     exposed = _profile(model, optimizer, clip, batches[warmup + steps:], device, opts, tag, step) if cuda else None
+    stats = muon_stats(model, *muon, device, warmup + steps) if muon else {}
     del model, optimizer, clip, losses, step
 
     # Count only what this run added: a peer that leaks (megatron-fsdp keeps its buffers
@@ -406,6 +415,7 @@ def _measure(name, config, opts, device, batches, steps, warmup, flops_per_token
         "graph_breaks": breaks_after - breaks_before if compiled else None,
         "frames_compiled_timed": frames_after - frames_warm if compiled else None,
     }
+    out.update(stats)
     out.update(exposed or {"exposed_comm_frac": None, "exposed_comm_ms_per_step": None,
                            "comm_ms_per_step": None, "gpu_idle_frac": None})
     return out
@@ -468,13 +478,14 @@ def run_benchmark(opts: BenchOptions, on_result: Callable[[dict], None] | None =
         total = opts.warmup_for(size) + opts.steps_for(size) + (opts.profile_steps if device.type == "cuda" else 0)
         batches = _make_batches(size.model["vocab_size"], micro_batch, seq_len, total, opts.seed, rank, device)
         for repeat in range(opts.repeats):
-            order = [(fp8, compiled, graphs, name) for fp8 in opts.fp8 for compiled in COMPILE_MODES[opts.compile]
-                     for graphs in opts.cuda_graphs for name in opts.wrappers]
+            order = [(fp8, compiled, graphs, optimizer, name) for fp8 in opts.fp8
+                     for compiled in COMPILE_MODES[opts.compile] for graphs in opts.cuda_graphs
+                     for optimizer in opts.optimizers for name in opts.wrappers]
             if repeat % 2:
                 order.reverse()
-            for fp8, compiled, graphs, name in order:
+            for fp8, compiled, graphs, optimizer, name in order:
                 _release(device)
-                result = run_one(name, size, opts, device, batches, repeat, compiled, fp8, graphs)
+                result = run_one(name, size, opts, device, batches, repeat, compiled, fp8, graphs, optimizer)
                 _release(device)
                 results.append(result)
                 if rank == 0 and on_result is not None:

@@ -101,7 +101,7 @@ def compile_layers(model: nn.Module, compile: dict) -> list[nn.Module]:
 # ------------------------------------------------------------------ shardwise
 def wrap_shardwise(model: nn.Module, device: torch.device, strategy: str = "optim_grads_params",
                    compile: dict | None = None, offload: float = 0.0, grad_comm_dtype: torch.dtype | None = None,
-                   graph_safe: bool = False, bf16_main: bool = False):
+                   graph_safe: bool = False, bf16_main: bool = False, shard_placement_fn=None):
     """shardwise.fully_shard: each layer, the embedding and the output head are units.
 
     ``offload``: the share of the parameters whose main weights and optimizer state live on the host.
@@ -109,13 +109,14 @@ def wrap_shardwise(model: nn.Module, device: torch.device, strategy: str = "opti
     accumulated in fp32 either way. ``graph_safe``: for a step captured in a CUDA graph (``bench/graphs.py``).
     ``bf16_main``: main weights, gradients and so AdamW state in bf16, the ceiling's numerical recipe (the
     wrapper's own cost against :func:`wrap_none`, without fp32 main weights' extra work).
+    ``shard_placement_fn``: ``fully_shard``'s (``--optimizer muon``: the layers' matrices ``Owned()``).
     """
     import shardwise
 
     unit_types = list(dict.fromkeys(type(m) for m in _layers(model)))
     units = unit_types + [m for m in (model.embed, model.output) if m is not None]
-    model = shardwise.fully_shard(model, unit_modules=units, **_shardwise_options(
-        strategy, offload, grad_comm_dtype, graph_safe, bf16_main))
+    model = shardwise.fully_shard(model, unit_modules=units, shard_placement_fn=shard_placement_fn,
+                                  **_shardwise_options(strategy, offload, grad_comm_dtype, graph_safe, bf16_main))
     if compile is not None:  # the layers, as for the other wrappers (not the embedding or head)
         shardwise.compile_units(model, modules=unit_types, **compile)
     return model, make_optimizer(model.parameters(), device)

@@ -21,7 +21,10 @@ Per unit (``fully_shard``'s unit: a layer, the embedding, the head):
   the node's cores share them (every term slows by ``ranks per node / cores``);
 * the optimizer step streams main weights, gradients and AdamW's two moments (28 bytes per parameter of the
   shard) through HBM; an offloaded fraction steps on the host and crosses PCIe (assumed 50 GB/s, host AdamW
-  1e9 parameters/s per rank: both assumptions, named here).
+  1e9 parameters/s per rank: both assumptions, named here);
+* with Muon (``--optimizer muon``: the layers' matrices whole on one owner rank each) the Newton-Schulz
+  iterations of the matrices the busiest rank owns (``newton_schulz_flops``: the engine's own owner balance)
+  at the matmul rate, beside the step (nothing overlaps the optimizer).
 
 ZeRO-1/2 keep parameters whole: no gathers per unit; they refresh the compute weights with one all-gather of
 the model after the optimizer step. ZeRO-1 reduces once per step (the last micro-batch); ZeRO-2/3 every
@@ -35,7 +38,7 @@ from dataclasses import dataclass, field
 from .candidates import Candidate
 from .hardware import EFFICIENCY, Cluster, Efficiency
 
-__all__ = ["UnitCost", "StepTime", "step_time", "collective_time", "unit_costs"]
+__all__ = ["UnitCost", "StepTime", "step_time", "collective_time", "unit_costs", "newton_schulz_flops"]
 
 PCIE_BW = 50e9  # bytes/s per GPU, PCIe 5 x16 one direction (assumed)
 HOST_ADAM_RATE = 1e9  # parameters/s of a host AdamW step per rank (assumed)
@@ -71,9 +74,21 @@ def collective_time(kind: str, nbytes: float, group: int, bw: float, latency: fl
     return latency + factor * (group - 1) / group * nbytes / bw
 
 
+def newton_schulz_flops(shapes, ranks: int) -> float:
+    """The Newton-Schulz FLOPs of one Muon step on the busiest of ``ranks`` ranks owning ``shapes`` (the
+    matrices, owners picked as ``fully_shard`` picks them for ``Owned()``)."""
+    from ...engine.owner_layout import OwnerBalancer, ns_flops
+
+    loads = [0] * ranks
+    for shape, owner in zip(shapes, OwnerBalancer().assign(list(shapes), ranks)):
+        loads[owner] += ns_flops(shape)
+    return float(max(loads, default=0))
+
+
 def step_time(units: list[UnitCost], cand: Candidate, cluster: Cluster, seq: int, global_batch: int, *,
-              compiled: bool = True, eff: Efficiency = EFFICIENCY) -> StepTime:
-    """Seconds of one optimizer step of ``global_batch`` sequences, and the terms that make it up."""
+              compiled: bool = True, eff: Efficiency = EFFICIENCY, newton_schulz: float = 0.0) -> StepTime:
+    """Seconds of one optimizer step of ``global_batch`` sequences, and the terms that make it up;
+    ``newton_schulz``: the busiest rank's Newton-Schulz FLOPs per step (Muon, :func:`newton_schulz_flops`)."""
     gpu = cluster.gpu
     per_rank = global_batch // cluster.gpus
     micro = max(1, per_rank // cand.micro_batch)
@@ -151,6 +166,8 @@ def step_time(units: list[UnitCost], cand: Candidate, cluster: Cluster, seq: int
     opt = ADAM_BYTES * shard * on_device / (gpu.hbm_bw * eff.hbm)
     opt += cand.offload_fraction * shard * (1 / HOST_ADAM_RATE + 8 / PCIE_BW)  # fp32 grads down, weights up
     terms["optimizer"] = opt
+    if newton_schulz:  # Muon: each owner orthogonalises its matrices (bf16 matmuls), after backward
+        terms["newton-schulz"] = newton_schulz / (gpu.bf16_flops * eff.matmul)
     refresh = 0.0
     if not sharded_params:  # ZeRO-1/2: the compute weights rebuilt from the updated shards
         refresh = collective_time("all_gather", 2 * total_params, inner, bw_in, lat_in)
