@@ -54,6 +54,7 @@ from .mesh import EXPERT_CHOICES, experts_by_mark
 from .placements import describe as describe_placements
 from .placements import resolve_axis_placements
 from .resolution import plan_choice, resolve_units
+from .spmd_mesh import spmd_param_of
 
 __all__ = ["check_rank_consistency", "describe", "first_difference", "raise_together"]
 
@@ -181,9 +182,10 @@ def _describe_params(module: nn.Module) -> tuple:
     for name, p in module.named_parameters(remove_duplicate=False):
         tied = first.setdefault(id(p), name)
         tp = f"dim {int(getattr(p, 'partition_dim', 0))}" if getattr(p, "tensor_model_parallel", False) else "none"
+        spmd = spmd_param_of(p)  # taken from a DTensor: its global shape (TP slices may be uneven, as FSDP2 takes)
         out.append((
             name,
-            tuple(p.shape),
+            tuple(p.shape) if spmd is None else tuple(spmd.compute.shape),
             str(p.dtype).replace("torch.", ""),
             bool(p.requires_grad),
             tp,
@@ -208,7 +210,7 @@ def describe(module: nn.Module, options: FullyShardOptions) -> dict:
     """What must agree across the ranks of a mesh, as a small picklable dict.
 
     Parameters are described as this rank holds them (TP/EP slices have the
-    same local shape on every rank): ``(name, shape, dtype, requires_grad,
+    same local shape on every rank; one taken from a DTensor, its global shape): ``(name, shape, dtype, requires_grad,
     tensor-parallel partition dim, allreduce mark, tied-to name)``, in
     ``named_parameters`` order with shared parameters listed under every name;
     with an expert mesh, the names ``plan_fn`` puts on it.

@@ -84,11 +84,12 @@ class ShardedParam:
         self._outer, self._inner = math.prod(self.shape[: self.row_dim]), math.prod(self.shape[self.row_dim + 1 :])
         self.row_numel = self._outer * self._inner if self.blocked else row_numel(self.shape)
         self.pieces: list[RowPiece] = nested_chunks(self.rows, [(a.size, a.index) for a in plan.opt_axes])
-        self.global_shape = plan.global_shape(self.shape, ref.model_parallel_dims)
-        self.spmd = spmd_param_of(ref.param)  # taken from a DTensor on an SPMD mesh (dp_mesh_dims): its faces
+        self.spmd = spmd_param_of(ref.param)  # taken from a DTensor on an SPMD mesh or a TP submesh: its faces
         if self.spmd is None:
+            self.global_shape = plan.global_shape(self.shape, ref.model_parallel_dims)
             self.mesh, self.placements = plan.dtensor_spec(ref.model_parallel_dims, ref.local_axes, self.shard_dim)
-        else:
+        else:  # the DTensor's own global shape: a TP split may be uneven
+            self.global_shape = self.spmd.compute.shape
             self.mesh, self.placements = self.spmd.sharded_mesh, self.spmd.sharded_placements
         self._specs: dict[torch.dtype, DTensorSpec] = {}  # the DTensor face per dtype (dtensor)
 

@@ -92,9 +92,13 @@ class SpmdMesh:
     """The engine's reading of ``(mesh, dp_mesh_dims)``: ``engine_mesh`` / ``placements`` / ``tp_axis`` for
     ``fully_shard``'s plan, and :meth:`take_parameters` for the module's DTensor parameters."""
 
-    def __init__(self, mesh: DeviceMesh, shard: tuple[str, ...], replicate: tuple[str, ...]):
+    def __init__(self, mesh: DeviceMesh, shard: tuple[str, ...], replicate: tuple[str, ...],
+                 param_mesh: DeviceMesh | None = None):
         names = list(mesh.mesh_dim_names)
         self.mesh, self.shard, self.replicate = mesh, shard, replicate
+        # The mesh the parameters come on: ``mesh`` itself, or (``tp_submesh.py``) its non-data-parallel dims
+        # alone, a TP submesh, where they are DTensors before ``fully_shard`` sees the data-parallel mesh.
+        self.param_mesh = mesh if param_mesh is None else param_mesh
         data = set(shard) | set(replicate)
         others = [n for n in names if n not in data and mesh.size(names.index(n)) > 1]
         if len(others) > 1:
@@ -202,10 +206,10 @@ class SpmdMesh:
         if not isinstance(p, DTensor):
             raise ValueError(f"fully_shard(dp_mesh_dims=...): parameter {fqn!r} is a plain tensor; with dp_mesh_dims "
                              "every parameter must be a DTensor on the full SPMD mesh (e.g. via distribute_module)")
-        if p.device_mesh != self.mesh:
+        if p.device_mesh != self.param_mesh:
             raise ValueError(f"fully_shard(dp_mesh_dims=...): parameter {fqn!r} is a DTensor on mesh "
-                             f"{p.device_mesh}, not on the mesh passed to fully_shard ({self.mesh})")
-        placements = tuple(p.placements)
+                             f"{p.device_mesh}, not on the mesh passed to fully_shard ({self.param_mesh})")
+        placements = self._spmd_placements(p)
         for i in data_dims:
             if not isinstance(placements[i], Replicate):
                 raise ValueError(f"fully_shard(dp_mesh_dims=...): parameter {fqn!r} has {placements[i]} on the "
@@ -220,12 +224,22 @@ class SpmdMesh:
                     "shardwise takes Replicate() or Shard(d) there")
             local.tensor_model_parallel = True
             local.partition_dim = placement.dim
-        spec = SpmdParam(p._spec, self._face_mesh(), self._sharded_placements(placements), data_dims)
+        # the data-parallel dims of the parameter's own mesh (none on a TP submesh): its gradient keeps them
+        own_data_dims = data_dims if self.param_mesh is self.mesh else frozenset()
+        spec = SpmdParam(p._spec, self._face_mesh(), self._sharded_placements(placements), own_data_dims)
         setattr(local, SPMD_PARAM_ATTR, spec)
         for key, value in vars(p).items():  # the model's own annotations
             if not key.startswith("_"):
                 setattr(local, key, value)
         return local
+
+    def _spmd_placements(self, p: DTensor) -> tuple[Placement, ...]:
+        """``p``'s placements per dim of the SPMD mesh: its own, or on a TP submesh those of its dims with
+        ``Replicate()`` on the others (the data-parallel ones)."""
+        if self.param_mesh is self.mesh:
+            return tuple(p.placements)
+        own = dict(zip(self.param_mesh.mesh_dim_names, p.placements))
+        return tuple(own.get(name, Replicate()) for name in self.mesh.mesh_dim_names)
 
 
 def read_spmd_mesh(mesh: DeviceMesh | None, dp_mesh_dims, reshard_after_forward, **mesh_options) -> SpmdMesh:
