@@ -185,7 +185,7 @@ def _describe_params(module: nn.Module) -> tuple:
         spmd = spmd_param_of(p)  # taken from a DTensor: its global shape (TP slices may be uneven, as FSDP2 takes)
         out.append((
             name,
-            tuple(p.shape) if spmd is None else tuple(spmd.compute.shape),
+            tuple(p.shape if spmd is None else spmd.global_shape(p.shape)),
             str(p.dtype).replace("torch.", ""),
             bool(p.requires_grad),
             tp,

@@ -88,9 +88,9 @@ class ShardedParam:
         if self.spmd is None:
             self.global_shape = plan.global_shape(self.shape, ref.model_parallel_dims)
             self.mesh, self.placements = plan.dtensor_spec(ref.model_parallel_dims, ref.local_axes, self.shard_dim)
-        else:  # the DTensor's own global shape: a TP split may be uneven
-            self.global_shape = self.spmd.compute.shape
-            self.mesh, self.placements = self.spmd.sharded_mesh, self.spmd.sharded_placements
+        else:  # the DTensor's own global shape (a TP split may be uneven) and FSDP2's face
+            self.global_shape = self.spmd.global_shape(self.shape)
+            self.mesh, self.placements = self.spmd.sharded_face(self.shard_dim)
         self._specs: dict[torch.dtype, DTensorSpec] = {}  # the DTensor face per dtype (dtensor)
 
     @property

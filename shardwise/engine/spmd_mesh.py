@@ -57,15 +57,29 @@ def _flattened(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
 @dataclass(frozen=True)
 class SpmdParam:
     """One parameter's DTensor faces under an SPMD mesh: ``compute`` (the spec it came with: forward's gathered
-    parameter) and ``sharded`` (FSDP2's spec of the sharded parameter, its gradient and optimizer state)."""
+    parameter; ``None`` for a plain tensor beside TP DTensors, read as it is) and the sharded one (FSDP2's spec of
+    the sharded parameter, its gradient and optimizer state: :meth:`sharded_face`)."""
 
-    compute: DTensorSpec
-    sharded_mesh: DeviceMesh
-    sharded_placements: tuple[Placement, ...]
+    compute: DTensorSpec | None
+    spmd: "SpmdMesh"
+    placements: tuple[Placement, ...]  # the parameter's own, per dim of ``spmd.mesh``
     data_parallel_dims: frozenset[int]  # indices into ``compute.mesh``
 
-    def compute_tensor(self, local: torch.Tensor) -> DTensor:
+    def global_shape(self, local: torch.Size) -> torch.Size:
+        """The parameter's global shape (a TP split may be uneven): its DTensor's, or a plain tensor's own."""
+        return torch.Size(local) if self.compute is None else self.compute.shape
+
+    def sharded_face(self, shard_dim: int) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        """FSDP2's mesh and placements of the sharded parameter, split along ``shard_dim`` over the data-parallel
+        dims: the SPMD mesh's face, or a plain tensor's data-parallel mesh."""
+        if self.compute is None:
+            return self.spmd.data_parallel_face(shard_dim)
+        return self.spmd.face_mesh(), self.spmd.sharded_placements(self.placements, shard_dim)
+
+    def compute_tensor(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` (the gathered TP-local parameter) as the DTensor the model was written for."""
+        if self.compute is None:
+            return local
         meta = self.compute.tensor_meta
         spec = DTensorSpec(self.compute.mesh, self.compute.placements,
                            tensor_meta=TensorMeta(meta.shape, meta.stride, local.dtype))
@@ -93,12 +107,14 @@ class SpmdMesh:
     ``fully_shard``'s plan, and :meth:`take_parameters` for the module's DTensor parameters."""
 
     def __init__(self, mesh: DeviceMesh, shard: tuple[str, ...], replicate: tuple[str, ...],
-                 param_mesh: DeviceMesh | None = None):
+                 param_mesh: DeviceMesh | None = None, dp_mesh: DeviceMesh | None = None):
         names = list(mesh.mesh_dim_names)
         self.mesh, self.shard, self.replicate = mesh, shard, replicate
         # The mesh the parameters come on: ``mesh`` itself, or (``tp_submesh.py``) its non-data-parallel dims
-        # alone, a TP submesh, where they are DTensors before ``fully_shard`` sees the data-parallel mesh.
+        # alone, a TP submesh, where they are DTensors before ``fully_shard`` sees the data-parallel mesh
+        # (``dp_mesh``: the plain tensors beside them are sharded over it alone, as FSDP2 shards them).
         self.param_mesh = mesh if param_mesh is None else param_mesh
+        self.dp_mesh = dp_mesh
         data = set(shard) | set(replicate)
         others = [n for n in names if n not in data and mesh.size(names.index(n)) > 1]
         if len(others) > 1:
@@ -133,7 +149,7 @@ class SpmdMesh:
         self._sharded_mesh: DeviceMesh | None = None
 
     # ------------------------------------------------------------------ the sharded DTensor face
-    def _face_mesh(self) -> DeviceMesh:
+    def face_mesh(self) -> DeviceMesh:
         """FSDP2's mesh of the sharded parameters: the SPMD mesh itself with one shard dim; with several, the
         mesh with them flattened into one dim (and, under HSDP, the replicate dims moved just before it)."""
         if len(self.shard) <= 1:
@@ -158,16 +174,22 @@ class SpmdMesh:
                                                        mesh_dim_names=tuple(face_names))
         return self._sharded_mesh
 
-    def _sharded_placements(self, placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
-        """FSDP2's placements of the sharded parameter, from the parameter's own (``placements``, per SPMD dim)."""
+    def data_parallel_face(self, shard_dim: int) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        """FSDP2's face of a plain tensor beside TP DTensors: the data-parallel mesh, ``Shard(shard_dim)`` on its
+        shard dim (``Replicate()`` before it under HSDP)."""
+        return self.dp_mesh, (Replicate(),) * (self.dp_mesh.ndim - 1) + (Shard(shard_dim),)
+
+    def sharded_placements(self, placements: tuple[Placement, ...], shard_dim: int = 0) -> tuple[Placement, ...]:
+        """FSDP2's placements of the sharded parameter, from the parameter's own (``placements``, per SPMD dim),
+        split along ``shard_dim`` over the shard dims."""
         names = list(self.mesh.mesh_dim_names)
         out = list(placements)
         for name in self.shard:
             i = names.index(name)
             later = [self.mesh.size(j) for j in range(i + 1, len(names))
-                     if isinstance(placements[j], (Shard, _StridedShard)) and placements[j].dim == 0]
+                     if isinstance(placements[j], (Shard, _StridedShard)) and placements[j].dim == shard_dim]
             split = math.prod(later)
-            out[i] = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+            out[i] = _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
         if len(self.shard) <= 1:
             return tuple(out)
         first = names.index(self.shard[0])
@@ -203,12 +225,20 @@ class SpmdMesh:
 
     def _take(self, fqn: str, p: nn.Parameter, data_dims: frozenset[int]) -> nn.Parameter:
         names = list(self.mesh.mesh_dim_names)
+        if not isinstance(p, DTensor) and self.dp_mesh is not None:  # beside TP DTensors: sharded over DP alone
+            local = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+            setattr(local, SPMD_PARAM_ATTR, SpmdParam(None, self, (), frozenset()))
+            for key, value in vars(p).items():  # the model's own annotations
+                if not key.startswith("_"):
+                    setattr(local, key, value)
+            return local
         if not isinstance(p, DTensor):
             raise ValueError(f"fully_shard(dp_mesh_dims=...): parameter {fqn!r} is a plain tensor; with dp_mesh_dims "
                              "every parameter must be a DTensor on the full SPMD mesh (e.g. via distribute_module)")
         if p.device_mesh != self.param_mesh:
-            raise ValueError(f"fully_shard(dp_mesh_dims=...): parameter {fqn!r} is a DTensor on mesh "
-                             f"{p.device_mesh}, not on the mesh passed to fully_shard ({self.param_mesh})")
+            raise ValueError(f"fully_shard: parameter {fqn!r} is a DTensor on mesh {p.device_mesh}, not on "
+                             f"{self.param_mesh} (the mesh passed to fully_shard with dp_mesh_dims, or the "
+                             "tensor-parallel mesh of the call's other DTensor parameters)")
         placements = self._spmd_placements(p)
         for i in data_dims:
             if not isinstance(placements[i], Replicate):
@@ -220,14 +250,13 @@ class SpmdMesh:
                 continue
             if isinstance(placement, Partial) or type(placement) is not Shard:
                 raise NotImplementedError(
-                    f"fully_shard(dp_mesh_dims=...): parameter {fqn!r} has {placement} on mesh dim {names[i]!r}; "
-                    "shardwise takes Replicate() or Shard(d) there")
+                    f"fully_shard: parameter {fqn!r} has {placement} on mesh dim {names[i]!r}; shardwise takes "
+                    "Replicate() or Shard(d) there")
             local.tensor_model_parallel = True
             local.partition_dim = placement.dim
         # the data-parallel dims of the parameter's own mesh (none on a TP submesh): its gradient keeps them
         own_data_dims = data_dims if self.param_mesh is self.mesh else frozenset()
-        spec = SpmdParam(p._spec, self._face_mesh(), self._sharded_placements(placements), own_data_dims)
-        setattr(local, SPMD_PARAM_ATTR, spec)
+        setattr(local, SPMD_PARAM_ATTR, SpmdParam(p._spec, self, placements, own_data_dims))
         for key, value in vars(p).items():  # the model's own annotations
             if not key.startswith("_"):
                 setattr(local, key, value)

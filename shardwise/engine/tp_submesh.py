@@ -83,4 +83,4 @@ def read_tp_submesh(mesh: DeviceMesh | None, params: Iterable[tuple[str, nn.Para
         raise ValueError(f"fully_shard(mesh={mesh}): the DTensor parameters' mesh {tp_mesh} and mesh= are not "
                          f"disjoint submeshes of one world mesh ({e})") from e
     names = mesh.mesh_dim_names
-    return SpmdMesh(spmd_mesh, shard=(names[-1],), replicate=tuple(names[:-1]), param_mesh=tp_mesh)
+    return SpmdMesh(spmd_mesh, shard=(names[-1],), replicate=tuple(names[:-1]), param_mesh=tp_mesh, dp_mesh=mesh)

@@ -1,0 +1,159 @@
+"""FSDP2's 2-D / 3-D flow: ``parallelize_module(model, tp_mesh, plan)``, then ``fully_shard(m, mesh=dp_mesh)``.
+
+torch's own recipe (``test_2d_mlp_with_nd_mesh``, ``test_3d_mlp_with_nd_mesh``, the 2-D state-dict tests) and
+torchtitan's: parameters become DTensors on the TP submesh first, then ``fully_shard`` gets the data-parallel
+submesh of the same world mesh. Each case runs torch's FSDP2 and shardwise with the very same code in the same
+test: blocks with a column- and a row-wise TP linear (uneven TP and DP splits: 15 rows over 2 x 2) and a plain
+scale beside them (FSDP2 shards it over the DP mesh alone), a plain head at the root, one block under
+activation checkpointing; a few Adam steps. Losses, gradients and parameters (``full_tensor``) agree to
+rtol 1e-5, and the parameters, gradients and optimizer state carry FSDP2's meshes and placements. A model
+state dict saved with DCP by one implementation loads into the other.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.helpers.distributed import device, run_distributed
+
+RTOL = 1e-5
+STEPS = 3
+DIM, HIDDEN, BATCH = 5, 15, 4  # HIDDEN over tp 2: 8 and 7 rows; over dp 2 again: 4, 4 and 4, 3
+
+# name: (mesh shape, mesh dim names, the data-parallel dims fully_shard gets, flatten them into one)
+MESHES = {
+    "dp_tp": ((2, 2), ("dp", "tp"), ("dp",), False),
+    "pp_dp_tp": ((1, 2, 2), ("pp", "dp", "tp"), ("dp",), False),  # torch's test_2d_mlp_with_nd_mesh at world 4
+    "hsdp_tp": ((2, 1, 2), ("dp_replicate", "dp_shard", "tp"), ("dp_replicate", "dp_shard"), False),
+    "flat_dp_tp": ((1, 2, 2), ("dp_replicate", "dp_shard", "tp"), ("dp_replicate", "dp_shard"), True),
+}
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(DIM))  # plain: not in the TP plan
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x):
+        return x + self.down(F.relu(self.up(x * self.scale)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _meshes(case: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape, names, dp, flatten = MESHES[case]
+    world = init_device_mesh(device().type, shape, mesh_dim_names=names)
+    dp_mesh = world[dp] if len(dp) > 1 else world[dp[0]]
+    if flatten:
+        dp_mesh = dp_mesh._flatten()
+    return dp_mesh, world["tp"]
+
+
+def _build(impl: str, case: str, seed: int = 0) -> nn.Module:
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import shardwise
+
+    fully_shard = torch_fully_shard if impl == "fsdp2" else shardwise.fully_shard
+    dp_mesh, tp_mesh = _meshes(case)
+    torch.manual_seed(seed)
+    model = Net().to(device())
+    plan = {}
+    for i in range(2):
+        plan[f"blocks.{i}.up"] = ColwiseParallel(use_local_output=False)  # uneven: the DTensor knows its split
+        plan[f"blocks.{i}.down"] = RowwiseParallel()
+    parallelize_module(model, tp_mesh, plan)
+    checkpoint(model.blocks[1])
+    for block in model.blocks:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def _face(t) -> tuple:
+    return t.device_mesh.mesh_dim_names, t.device_mesh.mesh.tolist(), [str(p) for p in t.placements]
+
+
+def _train(impl: str, case: str, folder: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model = _build(impl, case)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    dp_rank = dist.get_rank() // 2  # TP ranks (consecutive pairs) read the same rows
+    losses, grads = [], []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(1000 * step + dp_rank)
+        loss = model(torch.randn(BATCH, DIM, generator=g).to(device())).pow(2).sum()
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=step % 2 == 0)
+    dcp.save(get_model_state_dict(model), checkpoint_id=folder)
+    return {
+        "losses": losses,
+        "grads": grads,
+        "params": {n: p.detach().full_tensor().cpu() for n, p in model.named_parameters()},
+        "faces": {n: _face(p) for n, p in model.named_parameters()},
+        "grad_faces": {n: _face(p.grad) for n, p in model.named_parameters() if p.grad is not None},
+        "state_faces": {n: {k: _face(v) for k, v in opt.state[p].items() if k != "step"}
+                        for n, p in model.named_parameters()},
+        "state": {n: opt.state[p]["exp_avg_sq"].full_tensor().cpu() for n, p in model.named_parameters()},
+    }
+
+
+def _load(impl: str, case: str, folder: str) -> dict:
+    """A fresh model (another seed) of ``impl`` loading the other implementation's DCP checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model = _build(impl, case, seed=1)
+    sd = get_model_state_dict(model)
+    dcp.load(sd, checkpoint_id=folder)
+    set_model_state_dict(model, sd)
+    return {n: p.detach().full_tensor().cpu() for n, p in model.named_parameters()}
+
+
+def _close(ours: dict, theirs: dict) -> None:
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=RTOL, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("case", list(MESHES))
+def test_tp_dtensor_params_train_and_checkpoint_as_fsdp2(case, tmp_path):
+    theirs = run_distributed(_train, 4, "fsdp2", case, str(tmp_path / "fsdp2"))
+    ours = run_distributed(_train, 4, "shardwise", case, str(tmp_path / "shardwise"))
+    for a, b in zip(theirs, ours):
+        torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(a["losses"]), rtol=RTOL, atol=0)
+        for step in range(STEPS):
+            _close(b["grads"][step], a["grads"][step])
+        _close(b["params"], a["params"])
+        _close(b["state"], a["state"])
+        for key in ("faces", "grad_faces", "state_faces"):
+            assert b[key] == a[key], key
+    # each implementation's checkpoint, loaded by the other: the trained weights
+    for impl, folder, want in (("shardwise", "fsdp2", theirs), ("fsdp2", "shardwise", ours)):
+        for loaded, saved in zip(run_distributed(_load, 4, impl, case, str(tmp_path / folder)), want):
+            _close(loaded, saved["params"])
