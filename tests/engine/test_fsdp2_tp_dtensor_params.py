@@ -22,33 +22,36 @@ from tests.helpers.distributed import device, run_distributed
 
 RTOL = 1e-5
 STEPS = 3
-DIM, HIDDEN, BATCH = 5, 15, 4  # HIDDEN over tp 2: 8 and 7 rows; over dp 2 again: 4, 4 and 4, 3
+BATCH = 4
+UNEVEN = (5, 15)  # (dim, hidden): hidden over tp 2 is 8 and 7 rows; over dp 2 again 4, 4 and 4, 3
 
-# name: (mesh shape, mesh dim names, the data-parallel dims fully_shard gets, flatten them into one)
+# name: (mesh shape, mesh dim names, the data-parallel dims fully_shard gets, flatten them into one, (dim, hidden),
+# shard_placement_fn's dim for 2-D parameters (None: no shard_placement_fn))
 MESHES = {
-    "dp_tp": ((2, 2), ("dp", "tp"), ("dp",), False),
-    "pp_dp_tp": ((1, 2, 2), ("pp", "dp", "tp"), ("dp",), False),  # torch's test_2d_mlp_with_nd_mesh at world 4
-    "hsdp_tp": ((2, 1, 2), ("dp_replicate", "dp_shard", "tp"), ("dp_replicate", "dp_shard"), False),
-    "flat_dp_tp": ((1, 2, 2), ("dp_replicate", "dp_shard", "tp"), ("dp_replicate", "dp_shard"), True),
+    "dp_tp": ((2, 2), ("dp", "tp"), ("dp",), False, UNEVEN, None),
+    "pp_dp_tp": ((1, 2, 2), ("pp", "dp", "tp"), ("dp",), False, UNEVEN, None),  # torch's 2-D test at world 4
+    "hsdp_tp": ((2, 1, 2), ("dp_replicate", "dp_shard", "tp"), ("dp_replicate", "dp_shard"), False, UNEVEN, None),
+    "flat_dp_tp": ((1, 2, 2), ("dp_replicate", "dp_shard", "tp"), ("dp_replicate", "dp_shard"), True, UNEVEN, None),
+    "dp_tp_shard_dim1": ((2, 2), ("dp", "tp"), ("dp",), False, (4, 8), 1),  # Shard(1) splits evenly only
 }
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.scale = nn.Parameter(torch.ones(DIM))  # plain: not in the TP plan
-        self.up = nn.Linear(DIM, HIDDEN)
-        self.down = nn.Linear(HIDDEN, DIM)
+        self.scale = nn.Parameter(torch.ones(dim))  # plain: not in the TP plan
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
 
     def forward(self, x):
         return x + self.down(F.relu(self.up(x * self.scale)))
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList([Block(dim, hidden), Block(dim, hidden)])
+        self.head = nn.Linear(dim, dim)
 
     def forward(self, x):
         for block in self.blocks:
@@ -59,7 +62,7 @@ class Net(nn.Module):
 def _meshes(case: str):
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape, names, dp, flatten = MESHES[case]
+    shape, names, dp, flatten, _, _ = MESHES[case]
     world = init_device_mesh(device().type, shape, mesh_dim_names=names)
     dp_mesh = world[dp] if len(dp) > 1 else world[dp[0]]
     if flatten:
@@ -70,23 +73,26 @@ def _meshes(case: str):
 def _build(impl: str, case: str, seed: int = 0) -> nn.Module:
     from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     import shardwise
 
     fully_shard = torch_fully_shard if impl == "fsdp2" else shardwise.fully_shard
     dp_mesh, tp_mesh = _meshes(case)
+    (dim, hidden), shard_dim = MESHES[case][4:]
     torch.manual_seed(seed)
-    model = Net().to(device())
+    model = Net(dim, hidden).to(device())
     plan = {}
     for i in range(2):
         plan[f"blocks.{i}.up"] = ColwiseParallel(use_local_output=False)  # uneven: the DTensor knows its split
         plan[f"blocks.{i}.down"] = RowwiseParallel()
     parallelize_module(model, tp_mesh, plan)
     checkpoint(model.blocks[1])
+    placement_fn = None if shard_dim is None else (lambda p: Shard(shard_dim) if p.ndim == 2 else None)
     for block in model.blocks:
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, shard_placement_fn=placement_fn)
+    fully_shard(model, mesh=dp_mesh, shard_placement_fn=placement_fn)
     return model
 
 
@@ -99,12 +105,13 @@ def _train(impl: str, case: str, folder: str) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     model = _build(impl, case)
+    dim = MESHES[case][4][0]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     dp_rank = dist.get_rank() // 2  # TP ranks (consecutive pairs) read the same rows
     losses, grads = [], []
     for step in range(STEPS):
         g = torch.Generator().manual_seed(1000 * step + dp_rank)
-        loss = model(torch.randn(BATCH, DIM, generator=g).to(device())).pow(2).sum()
+        loss = model(torch.randn(BATCH, dim, generator=g).to(device())).pow(2).sum()
         loss.backward()
         losses.append(loss.item())
         grads.append({n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()})
