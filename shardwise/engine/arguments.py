@@ -292,7 +292,8 @@ def take_spmd_parameters(spmd, modules: list[nn.Module], options: FullyShardOpti
     if spmd is None:
         return
     earlier = {id(p) for m in modules for p in m.parameters() if getattr(p, SHARDED_MARK, False)}
-    spmd.take_parameters(modules, skip=earlier | {id(p) for p in options.ignored_params or ()})
+    spmd.take_parameters(modules, skip=earlier | {id(p) for p in options.ignored_params or ()},
+                         shard_placement_fn=options.shard_placement_fn)
 
 
 def resolve_reshard(options: FullyShardOptions, plan: ShardingPlan,

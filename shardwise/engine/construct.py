@@ -26,6 +26,7 @@ from .quantized_gather import gather_mark
 from .replaced_params import is_replaced
 from .resolution import plan_choice
 from .shard_placement import shard_dim_of
+from .spmd_mesh import spmd_param_of
 from .sharded_state import ShardedState
 from .step_checks import mark_ignored, watch_state
 from .unit import Unit, UnitSettings
@@ -204,12 +205,22 @@ class GroupBuilder:
             self.options.init_fn(owner, self.device)
         return [self._group(owner, key, bucket) for key, bucket in self._buckets(owner).items()]
 
+    def _shard_dim(self, ref: ParamRef) -> int:
+        """``shard_placement_fn``'s dim for ``ref``: asked now, or for a parameter taken from a DTensor, asked
+        with the DTensor when it was taken (``spmd_mesh``), its ``ShardPlacementResult`` read against the
+        data-parallel mesh the caller gave beside a TP submesh."""
+        spmd = spmd_param_of(ref.param)
+        if spmd is None:
+            return shard_dim_of(ref, self.options.shard_placement_fn(ref.param), self.options.mesh)
+        mesh = self.options.mesh if spmd.spmd.dp_mesh is None else spmd.spmd.dp_mesh
+        return shard_dim_of(ref, spmd.shard_placement, mesh)
+
     def _buckets(self, owner: nn.Module) -> dict[tuple, list[ParamRef]]:
         tp_axis = self.options.tp_axis
         buckets: dict[tuple, list[ParamRef]] = {}
         for ref in self.ownership.refs(owner):
             if self.options.shard_placement_fn is not None:
-                ref.shard_dim = shard_dim_of(ref, self.options.shard_placement_fn(ref.param), self.options.mesh)
+                ref.shard_dim = self._shard_dim(ref)
             ref_plan = _place_model_parallel(ref, self.plan, self.expert_plan, tp_axis, self.options.ep_axis, self.plan_fn)
             if self.options.sync_module_states and not ref.param.is_meta:
                 _broadcast_from_first_replica(ref.param, ref_plan, self.device)

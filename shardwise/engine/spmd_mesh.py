@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -64,6 +65,9 @@ class SpmdParam:
     spmd: "SpmdMesh"
     placements: tuple[Placement, ...]  # the parameter's own, per dim of ``spmd.mesh``
     data_parallel_dims: frozenset[int]  # indices into ``compute.mesh``
+    # ``shard_placement_fn``'s answer for the parameter as the model gave it (FSDP2 asks with the DTensor itself,
+    # which the engine replaces by its local tensor; a function may test placements or identity)
+    shard_placement: Any = None
 
     def global_shape(self, local: torch.Size) -> torch.Size:
         """The parameter's global shape (a TP split may be uneven): its DTensor's, or a plain tensor's own."""
@@ -205,9 +209,11 @@ class SpmdMesh:
         return tuple(face)
 
     # ------------------------------------------------------------------ the parameters
-    def take_parameters(self, modules: list[nn.Module], skip: set[int]) -> None:
+    def take_parameters(self, modules: list[nn.Module], skip: set[int],
+                        shard_placement_fn: Callable | None = None) -> None:
         """Replace each DTensor parameter of ``modules`` (but those in ``skip``: sharded by an earlier call, or
-        ignored) by its local tensor, marked as a TP slice where it is one, carrying its :class:`SpmdParam`.
+        ignored) by its local tensor, marked as a TP slice where it is one, carrying its :class:`SpmdParam` (with
+        ``shard_placement_fn``'s answer for the parameter as given).
         Refuses, by name, a plain tensor, a DTensor on another mesh, and placements FSDP2 refuses too."""
         names = list(self.mesh.mesh_dim_names)
         data_dims = frozenset(names.index(n) for n in self.shard + self.replicate)
@@ -216,22 +222,19 @@ class SpmdMesh:
             for fqn, p in root.named_parameters(remove_duplicate=True):
                 if id(p) in skip or id(p) in taken:
                     continue
-                taken[id(p)] = self._take(fqn, p, data_dims)
+                answer = None if shard_placement_fn is None else shard_placement_fn(p)
+                taken[id(p)] = self._take(fqn, p, data_dims, answer)
         for root in modules:
             for module in root.modules():
                 for attr, p in list(module._parameters.items()):
                     if p is not None and id(p) in taken:
                         module._parameters[attr] = taken[id(p)]
 
-    def _take(self, fqn: str, p: nn.Parameter, data_dims: frozenset[int]) -> nn.Parameter:
+    def _take(self, fqn: str, p: nn.Parameter, data_dims: frozenset[int], answer=None) -> nn.Parameter:
         names = list(self.mesh.mesh_dim_names)
         if not isinstance(p, DTensor) and self.dp_mesh is not None:  # beside TP DTensors: sharded over DP alone
-            local = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
-            setattr(local, SPMD_PARAM_ATTR, SpmdParam(None, self, (), frozenset()))
-            for key, value in vars(p).items():  # the model's own annotations
-                if not key.startswith("_"):
-                    setattr(local, key, value)
-            return local
+            setattr(p, SPMD_PARAM_ATTR, SpmdParam(None, self, (), frozenset(), answer))
+            return p
         if not isinstance(p, DTensor):
             raise ValueError(f"fully_shard(dp_mesh_dims=...): parameter {fqn!r} is a plain tensor; with dp_mesh_dims "
                              "every parameter must be a DTensor on the full SPMD mesh (e.g. via distribute_module)")
@@ -256,7 +259,7 @@ class SpmdMesh:
             local.partition_dim = placement.dim
         # the data-parallel dims of the parameter's own mesh (none on a TP submesh): its gradient keeps them
         own_data_dims = data_dims if self.param_mesh is self.mesh else frozenset()
-        setattr(local, SPMD_PARAM_ATTR, SpmdParam(p._spec, self, placements, own_data_dims))
+        setattr(local, SPMD_PARAM_ATTR, SpmdParam(p._spec, self, placements, own_data_dims, answer))
         for key, value in vars(p).items():  # the model's own annotations
             if not key.startswith("_"):
                 setattr(local, key, value)

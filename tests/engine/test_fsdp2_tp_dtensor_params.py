@@ -26,14 +26,28 @@ BATCH = 4
 UNEVEN = (5, 15)  # (dim, hidden): hidden over tp 2 is 8 and 7 rows; over dp 2 again 4, 4 and 4, 3
 
 # name: (mesh shape, mesh dim names, the data-parallel dims fully_shard gets, flatten them into one, (dim, hidden),
-# shard_placement_fn's dim for 2-D parameters (None: no shard_placement_fn))
+# shard_placement_fn: None, 1 (Shard(1) for 2-D parameters) or "other" (a TP DTensor's other dim, as torch's
+# test_init_2d_transformer_shard_diff_dim: it must see the DTensor parameter))
 MESHES = {
     "dp_tp": ((2, 2), ("dp", "tp"), ("dp",), False, UNEVEN, None),
     "pp_dp_tp": ((1, 2, 2), ("pp", "dp", "tp"), ("dp",), False, UNEVEN, None),  # torch's 2-D test at world 4
     "hsdp_tp": ((2, 1, 2), ("dp_replicate", "dp_shard", "tp"), ("dp_replicate", "dp_shard"), False, UNEVEN, None),
     "flat_dp_tp": ((1, 2, 2), ("dp_replicate", "dp_shard", "tp"), ("dp_replicate", "dp_shard"), True, UNEVEN, None),
     "dp_tp_shard_dim1": ((2, 2), ("dp", "tp"), ("dp",), False, (4, 8), 1),  # Shard(1) splits evenly only
+    "dp_tp_shard_other_dim": ((2, 2), ("dp", "tp"), ("dp",), False, (4, 8), "other"),
 }
+
+
+def _placement_fn(kind):
+    from torch.distributed.tensor import DTensor, Shard
+
+    def other_dim(p):
+        tp = [q.dim for q in p.placements if isinstance(q, Shard)] if isinstance(p, DTensor) else []
+        return Shard(p.ndim - 1 - tp[0]) if tp else Shard(0)
+
+    if kind is None:
+        return None
+    return other_dim if kind == "other" else (lambda p: Shard(kind) if p.ndim == 2 else None)
 
 
 class Block(nn.Module):
@@ -73,7 +87,6 @@ def _meshes(case: str):
 def _build(impl: str, case: str, seed: int = 0) -> nn.Module:
     from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
-    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     import shardwise
@@ -89,7 +102,7 @@ def _build(impl: str, case: str, seed: int = 0) -> nn.Module:
         plan[f"blocks.{i}.down"] = RowwiseParallel()
     parallelize_module(model, tp_mesh, plan)
     checkpoint(model.blocks[1])
-    placement_fn = None if shard_dim is None else (lambda p: Shard(shard_dim) if p.ndim == 2 else None)
+    placement_fn = _placement_fn(shard_dim)
     for block in model.blocks:
         fully_shard(block, mesh=dp_mesh, shard_placement_fn=placement_fn)
     fully_shard(model, mesh=dp_mesh, shard_placement_fn=placement_fn)
