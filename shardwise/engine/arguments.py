@@ -272,8 +272,7 @@ def resolve_spmd_mesh(modules, mesh, dp_mesh_dims, reshard_after_forward, placem
     if dp_mesh_dims is not None:
         spmd = read_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward, **mesh_options)
     else:
-        spmd = read_tp_submesh(mesh, _unsharded_params(modules, ignored_params), reshard_after_forward,
-                               **mesh_options)
+        spmd = read_tp_submesh(mesh, _unsharded_params(modules, ignored_params), **mesh_options)
         if spmd is None:
             return None, mesh, placements, tp_axis
     return spmd, spmd.engine_mesh, spmd.placements, spmd.tp_axis or tp_axis

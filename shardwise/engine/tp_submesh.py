@@ -42,33 +42,34 @@ def _tp_mesh(dp_mesh: DeviceMesh, params: Iterable[tuple[str, nn.Parameter]]) ->
     return next(iter(found), None)
 
 
-def read_tp_submesh(mesh: DeviceMesh | None, params: Iterable[tuple[str, nn.Parameter]], reshard_after_forward,
+def read_tp_submesh(mesh: DeviceMesh | None, params: Iterable[tuple[str, nn.Parameter]],
                     **mesh_options) -> SpmdMesh | None:
     """FSDP2's reading of DTensor parameters on a TP submesh beside ``mesh`` (the DP submesh), as an
     :class:`SpmdMesh` whose parameters sit on that TP mesh; ``None`` where no parameter is such a DTensor.
     ``params``: the (fqn, parameter) this call shards (not those earlier calls took, nor the ignored ones).
-    ``mesh_options``: shardwise's own mesh arguments, which FSDP2's meaning replaces (refused when given)."""
+    ``mesh_options``: shardwise's own mesh arguments, which FSDP2's meaning replaces (refused when given). An int
+    ``reshard_after_forward`` is read later as for any mesh: the shard size is ``True``, 1 is ``False``, a smaller
+    group is refused beside a model-parallel dim (FSDP2 refuses it for DTensor parameters at the first forward)."""
     params = list(params)
     if mesh is None:
-        dtensors = [fqn for fqn, p in params if isinstance(p, DTensor)]
-        if dtensors:
-            raise ValueError(
-                f"fully_shard(mesh=None): parameter {dtensors[0]!r} is a DTensor (tensor parallel, on "
-                f"{params[[f for f, _ in params].index(dtensors[0])][1].device_mesh}); pass mesh= the data-parallel "
-                "submesh of the same world mesh (e.g. world_mesh['dp']), as FSDP2 needs")
+        for fqn, p in params:
+            if isinstance(p, DTensor):
+                raise ValueError(
+                    f"fully_shard(mesh=None): parameter {fqn!r} is a DTensor on {p.device_mesh} (tensor parallel); "
+                    "pass mesh= the data-parallel submesh of the same world mesh (e.g. world_mesh['dp'])")
         return None
     tp_mesh = _tp_mesh(mesh, params)
     if tp_mesh is None:
         return None
+    if tp_mesh.device_type != mesh.device_type:  # FSDP2's words
+        raise ValueError(f"Requires DTensor to have mesh of the same type as the FSDP mesh but got "
+                         f"{tp_mesh.device_type} for DTensor and {mesh.device_type} for FSDP (fully_shard(mesh="
+                         f"{mesh}) over DTensor parameters on {tp_mesh})")
     given = [name for name, value in mesh_options.items() if value is not None]
     if given:
         raise ValueError(f"fully_shard(mesh=dp_mesh) over DTensor parameters on the tensor-parallel mesh {tp_mesh} "
                          f"takes FSDP2's meaning of the DP mesh (1-D: FSDP, 2-D: HSDP); do not pass "
                          f"{', '.join(given)} with it")
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(  # FSDP2 raises it at the first forward; here before anything is sharded
-            f"reshard_after_forward={reshard_after_forward} (an int): resharding to a smaller mesh is not supported "
-            "for DTensor parameters (tensor parallel), as in torch's FSDP2; pass True, False or None")
     if mesh.ndim not in (1, 2) or mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
         raise ValueError(f"fully_shard(mesh={mesh}) over DTensor parameters on {tp_mesh}: both meshes must be named "
                          "submeshes of one world mesh (e.g. world_mesh['dp'] and world_mesh['tp']), the DP mesh "

@@ -177,3 +177,95 @@ def test_tp_dtensor_params_train_and_checkpoint_as_fsdp2(case, tmp_path):
     for impl, folder, want in (("shardwise", "fsdp2", theirs), ("fsdp2", "shardwise", ours)):
         for loaded, saved in zip(run_distributed(_load, 4, impl, case, str(tmp_path / folder)), want):
             _close(loaded, saved["params"])
+
+
+def _meta_init(impl: str, case: str) -> dict:
+    """torch's test_meta_device_2d_init flow: TP plan and fully_shard on the meta device, then ``to_empty`` and
+    each module's ``reset_parameters`` (DTensor random ops on the sharded faces), then one step."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import shardwise
+
+    fully_shard = torch_fully_shard if impl == "fsdp2" else shardwise.fully_shard
+    dp_mesh, tp_mesh = _meshes(case)
+    dim, hidden = MESHES[case][4]
+    with torch.device("meta"):
+        model = Net(dim, hidden)
+        parallelize_module(model, tp_mesh, {"blocks.0.up": ColwiseParallel(use_local_output=False),
+                                            "blocks.0.down": RowwiseParallel()})
+        for block in model.blocks:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    assert all(p.is_meta for p in model.parameters())
+    model.to_empty(device=device())
+    torch.manual_seed(0)
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.reset_parameters()
+        if isinstance(module, Block):
+            nn.init.uniform_(module.scale)
+    init = {n: p.detach().full_tensor().cpu() for n, p in model.named_parameters()}
+    g = torch.Generator().manual_seed(dist.get_rank() // 2)
+    loss = model(torch.randn(BATCH, dim, generator=g).to(device())).pow(2).sum()
+    loss.backward()
+    return {"init": init, "loss": loss.item(),
+            "grads": {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()}}
+
+
+def test_meta_device_tp_init_as_fsdp2():
+    theirs = run_distributed(_meta_init, 4, "fsdp2", "dp_tp")
+    ours = run_distributed(_meta_init, 4, "shardwise", "dp_tp")
+    for a, b in zip(theirs, ours):
+        for name in a["init"]:  # the same random numbers land in the same local rows
+            assert torch.equal(b["init"][name], a["init"][name]), name
+        torch.testing.assert_close(b["loss"], a["loss"], rtol=RTOL, atol=0)
+        _close(b["grads"], a["grads"])
+
+
+def _refusals(impl: str) -> dict:
+    """What shardwise refuses or takes in this flow, tried on both where FSDP2 can run on this host."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import shardwise
+
+    fully_shard = torch_fully_shard if impl == "fsdp2" else shardwise.fully_shard
+    world = init_device_mesh(device().type, (2, 1), mesh_dim_names=("dp", "tp"))
+
+    def model():
+        net = Net(*UNEVEN).to(device())
+        parallelize_module(net, world["tp"], {"blocks.0.up": ColwiseParallel()})
+        return net
+
+    def int_reshard():  # the DP size: True (FSDP2 refuses a smaller group for DTensor parameters, at forward)
+        net = model()
+        fully_shard(net, mesh=world["dp"], reshard_after_forward=2)
+        net(torch.randn(BATCH, UNEVEN[0], device=device()))
+
+    cases = {"int_reshard": int_reshard}
+    if impl == "shardwise":  # FSDP2 would need that device type to start
+        other = "cuda" if device().type == "cpu" else "cpu"
+        dp_other = DeviceMesh.from_group(world["dp"].get_group(), other, mesh_dim_names=("dp",))
+        cases["mesh_type"] = lambda: fully_shard(model(), mesh=dp_other)
+        cases["mesh_none"] = lambda: fully_shard(model())
+        cases["strategy"] = lambda: fully_shard(model(), mesh=world["dp"], strategy="optim")
+    out = {}
+    for name, case in cases.items():
+        try:
+            case()
+            out[name] = ("accepted", "")
+        except (ValueError, TypeError, NotImplementedError) as e:
+            out[name] = (type(e).__name__, str(e))
+    return out
+
+
+def test_tp_dtensor_params_refusals():
+    theirs = run_distributed(_refusals, 2, "fsdp2")[0]
+    ours = run_distributed(_refusals, 2, "shardwise")[0]
+    assert theirs["int_reshard"] == ours["int_reshard"] == ("accepted", "")
+    assert ours["mesh_type"][0] == "ValueError"
+    assert "Requires DTensor to have mesh of the same type as the FSDP mesh" in ours["mesh_type"][1]
+    assert ours["mesh_none"][0] == "ValueError" and "parameter 'blocks.0.up.weight'" in ours["mesh_none"][1]
+    assert ours["strategy"][0] == "ValueError" and "strategy" in ours["strategy"][1]
