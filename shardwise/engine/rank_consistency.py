@@ -366,7 +366,9 @@ def _tp_problem(module: nn.Module, mesh: Optional[DeviceMesh], experts: Iterable
         return None  # invalid placements or an axis neither data- nor model-parallel: fully_shard names it
     mesh_row = _axis_row(mesh, tp_axis, me) if mesh is not None and tp_axis in names else None
     for prefix, sub in module.named_modules():
-        params = [(n, p) for n, p in sub._parameters.items() if p is not None and getattr(p, "tensor_model_parallel", False)]
+        # (a DTensor, sharded by an earlier call, carries its own split: checked by that call)
+        params = [(n, p) for n, p in sub._parameters.items()
+                  if p is not None and getattr(p, "tensor_model_parallel", False) and not isinstance(p, DTensor)]
         params = [(n, p) for n, p in params if (f"{prefix}.{n}" if prefix else n) not in experts]
         if not params:
             continue
