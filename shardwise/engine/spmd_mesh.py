@@ -15,9 +15,15 @@ so this module only translates:
   - their gradients are made local the way FSDP2 does (``Partial`` on non-data-parallel dims redistributed to
     the parameter's placement first, data-parallel dims left to the engine's reduction);
   - the sharded parameters, gradients and optimizer state are DTensors with FSDP2's spec: the SPMD mesh
-    (data-parallel shard dims flattened into one where there are several), ``Shard(0)`` on the shard dim
-    (``_StridedShard(0, split_factor)`` where a later dim also splits dim 0: the same local rows as the
-    engine's chunk of the TP slice), the parameter's own placements elsewhere.
+    (data-parallel shard dims flattened into one where there are several), ``Shard(d)`` on the shard dim (``d``
+    from ``shard_placement_fn``, 0 by default; ``_StridedShard(d, split_factor)`` where a later dim also splits
+    dim ``d``: the same local rows as the engine's chunk of the TP slice), the parameter's own placements
+    elsewhere.
+
+``tp_submesh.py`` uses the same reading for FSDP2's 2-D recipe, parameters DTensors on a TP submesh and
+``fully_shard(mesh=<the DP submesh>)``: the SPMD mesh is the two concatenated and ``param_mesh`` the TP
+submesh (the parameters' placements there, ``Replicate()`` on the DP dims); plain parameters beside them are
+sharded over the DP mesh alone (``dp_mesh``), as FSDP2 shards them.
 """
 
 from __future__ import annotations
