@@ -33,8 +33,8 @@ ENGINE = "shardwise.engine"
 # docs/design.md's layers; a module imports only from its own layer or lower ones (an import under
 # ``if TYPE_CHECKING:`` counts: the module depends on what it names).
 ENGINE_LAYERS = {
-    1: "placements layout mesh spmd_mesh resolution precision offload replaced_params teardown launch_hint registry "
-       "graph_safe device owner_layout",
+    1: "placements layout mesh spmd_mesh tp_submesh resolution precision offload replaced_params teardown launch_hint "
+       "registry graph_safe device owner_layout",
     2: "collectives nccl_buffers backward_steps fully_shard_options rank_consistency watchdog",
     3: "sharded_param distributed_buffer quantized_gather gather_extensions grad_presence unsynced_grads grad_window "
        "param_group param_adoption post_forward_shard unit weight_origin shard_placement owner_state",

@@ -30,6 +30,7 @@ from .param_group import SHARDED_MARK
 from .placements import normalize_placements
 from .post_forward_shard import resolve_reshard_after_forward
 from .spmd_mesh import read_spmd_mesh
+from .tp_submesh import read_tp_submesh
 from .precision import MixedPrecisionPolicy, from_torch_policy
 from .sharded_module import STATE_ATTR
 
@@ -257,16 +258,28 @@ def _expert_plan(plan, placements, expert_mesh, expert_placements, ep_axis, tp_a
     return expert
 
 
-def resolve_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward, placements, strategy, outer_dp_sharding_strategy,
-                      expert_mesh, tp_axis: str) -> tuple:
+def resolve_spmd_mesh(modules, mesh, dp_mesh_dims, reshard_after_forward, placements, strategy,
+                      outer_dp_sharding_strategy, expert_mesh, tp_axis: str, ignored_params) -> tuple:
     """``(spmd, mesh, placements, tp_axis)``: under ``dp_mesh_dims`` the full SPMD mesh read as the engine's mesh
-    (``spmd_mesh``; its DTensor parameters are taken later by :func:`take_spmd_parameters`), else the arguments
-    as they came (``spmd`` ``None``)."""
-    if dp_mesh_dims is None:
-        return None, mesh, placements, tp_axis
-    spmd = read_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward, placements=placements, strategy=strategy,
-                          outer_dp_sharding_strategy=outer_dp_sharding_strategy, expert_mesh=expert_mesh)
+    (``spmd_mesh``), or where this call's parameters are DTensors on a TP submesh beside ``mesh`` (the DP submesh)
+    the two meshes concatenated, read alike (``tp_submesh``); its DTensor parameters are taken later by
+    :func:`take_spmd_parameters`. Else the arguments as they came (``spmd`` ``None``)."""
+    mesh_options = dict(placements=placements, strategy=strategy,
+                        outer_dp_sharding_strategy=outer_dp_sharding_strategy, expert_mesh=expert_mesh)
+    if dp_mesh_dims is not None:
+        spmd = read_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward, **mesh_options)
+    else:
+        spmd = read_tp_submesh(mesh, _unsharded_params(modules, ignored_params), **mesh_options)
+        if spmd is None:
+            return None, mesh, placements, tp_axis
     return spmd, spmd.engine_mesh, spmd.placements, spmd.tp_axis or tp_axis
+
+
+def _unsharded_params(modules: list[nn.Module], ignored_params) -> list[tuple[str, nn.Parameter]]:
+    """The (fqn, parameter) of ``modules`` that this call shards: not taken by an earlier call, not ignored."""
+    skip = {id(p) for p in ignored_params or ()}
+    return [(fqn, p) for m in modules for fqn, p in m.named_parameters()
+            if id(p) not in skip and not getattr(p, SHARDED_MARK, False)]
 
 
 def take_spmd_parameters(spmd, modules: list[nn.Module], options: FullyShardOptions) -> None:
@@ -275,7 +288,8 @@ def take_spmd_parameters(spmd, modules: list[nn.Module], options: FullyShardOpti
     if spmd is None:
         return
     earlier = {id(p) for m in modules for p in m.parameters() if getattr(p, SHARDED_MARK, False)}
-    spmd.take_parameters(modules, skip=earlier | {id(p) for p in options.ignored_params or ()})
+    spmd.take_parameters(modules, skip=earlier | {id(p) for p in options.ignored_params or ()},
+                         shard_placement_fn=options.shard_placement_fn)
 
 
 def resolve_reshard(options: FullyShardOptions, plan: ShardingPlan,

@@ -29,6 +29,7 @@ from .resolution import plan_choice
 from .owner_layout import OwnerBalancer, is_owned
 from .owner_state import state_dict_hooks
 from .shard_placement import shard_dim_of
+from .spmd_mesh import spmd_param_of
 from .sharded_state import ShardedState
 from .step_checks import mark_ignored, watch_state
 from .unit import Unit, UnitSettings
@@ -200,6 +201,19 @@ class GroupBuilder:
             self.options.init_fn(owner, self.device)
         return [self._group(owner, key, bucket) for key, bucket in self._buckets(owner).items()]
 
+    def _placement_answer(self, ref: ParamRef):
+        """``shard_placement_fn``'s answer for ``ref``: asked now, or for a parameter taken from a DTensor, the
+        one asked with the DTensor when it was taken (``spmd_mesh``)."""
+        spmd = spmd_param_of(ref.param)
+        return self.options.shard_placement_fn(ref.param) if spmd is None else spmd.shard_placement
+
+    def _shard_dim(self, ref: ParamRef, answer) -> int:
+        """The dim ``answer`` shards ``ref`` on; a ``ShardPlacementResult`` of a parameter taken from a DTensor
+        beside a TP submesh is read against the data-parallel mesh the caller gave."""
+        spmd = spmd_param_of(ref.param)
+        mesh = self.options.mesh if spmd is None or spmd.spmd.dp_mesh is None else spmd.spmd.dp_mesh
+        return shard_dim_of(ref, answer, mesh)
+
     def _buckets(self, owner: nn.Module) -> dict[tuple, list[ParamRef]]:
         """The owner's parameter groups: its parameters by (plan, dtype, requires_grad, sequence-parallel mark,
         gather kind: FP8 or FSDP2's all-gather extensions), the definition docs/design.md's vocabulary gives."""
@@ -207,11 +221,11 @@ class GroupBuilder:
         buckets: dict[tuple, list[ParamRef]] = {}
         for ref in self.ownership.refs(owner):
             if self.options.shard_placement_fn is not None:
-                answer = self.options.shard_placement_fn(ref.param)
+                answer = self._placement_answer(ref)
                 if is_owned(answer):  # whole on an owner rank, picked per group below
                     ref.owner = -1
                 else:
-                    ref.shard_dim = shard_dim_of(ref, answer, self.options.mesh)
+                    ref.shard_dim = self._shard_dim(ref, answer)
             ref_plan = _place_model_parallel(ref, self.plan, self.expert_plan, tp_axis, self.options.ep_axis, self.plan_fn)
             extended = has_extensions(ref.param, ref.fqn)  # FSDP2's all-gather extensions: gathered through its hooks
             if self.options.sync_module_states and not ref.param.is_meta:

@@ -121,8 +121,9 @@ def fully_shard(
     Returns ``module``.
     """
     modules = check_call(module, unit_modules)
-    spmd, mesh, placements, tp_axis = resolve_spmd_mesh(  # dp_mesh_dims: the full SPMD mesh as the engine's
-        mesh, dp_mesh_dims, reshard_after_forward, placements, strategy, outer_dp_sharding_strategy, expert_mesh, tp_axis)
+    spmd, mesh, placements, tp_axis = resolve_spmd_mesh(  # dp_mesh_dims, or TP DTensors: FSDP2's SPMD mesh
+        modules, mesh, dp_mesh_dims, reshard_after_forward, placements, strategy, outer_dp_sharding_strategy,
+        expert_mesh, tp_axis, ignored_params)
     options = FullyShardOptions(
         mesh=mesh, placements=placements, strategy=strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy,
         unit_modules=unit_modules, mixed_precision=resolve_policy(mp_policy, mixed_precision), init_fn=init_fn,
@@ -134,7 +135,7 @@ def fully_shard(
         sync_module_states=sync_module_states, check_module_states=resolve_check_mode(check_module_states),
     )
     adopted = check_modules(modules)
-    take_spmd_parameters(spmd, modules, options)  # under dp_mesh_dims: the DTensor parameters as TP slices
+    take_spmd_parameters(spmd, modules, options)  # the DTensor parameters as TP slices
     described = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
     differing = check_rank_consistency(described, options)  # one small collective; ranks that disagree fail here
     plan_fn = check_options(options)

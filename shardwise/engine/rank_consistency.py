@@ -53,6 +53,7 @@ from .fully_shard_options import FullyShardOptions
 from .mesh import EXPERT_CHOICES, mesh_axis_names
 from .placements import describe as describe_placements
 from .resolution import plan_choice, resolve_units
+from .spmd_mesh import spmd_param_of
 
 __all__ = ["check_rank_consistency", "describe", "first_difference", "raise_together"]
 
@@ -179,9 +180,10 @@ def _describe_params(module: nn.Module) -> tuple:
     for name, p in module.named_parameters(remove_duplicate=False):
         tied = first.setdefault(id(p), name)
         tp = f"dim {int(getattr(p, 'partition_dim', 0))}" if getattr(p, "tensor_model_parallel", False) else "none"
+        spmd = spmd_param_of(p)  # taken from a DTensor: its global shape (TP slices may be uneven, as FSDP2 takes)
         out.append((
             name,
-            tuple(p.shape),
+            tuple(p.shape if spmd is None else spmd.global_shape(p.shape)),
             str(p.dtype).replace("torch.", ""),
             bool(p.requires_grad),
             tp,
@@ -205,7 +207,7 @@ def describe(module: nn.Module, options: FullyShardOptions) -> dict:
     """What must agree across the ranks of a mesh, as a small picklable dict.
 
     Parameters are described as this rank holds them (TP/EP slices have the
-    same local shape on every rank): ``(name, shape, dtype, requires_grad,
+    same local shape on every rank; one taken from a DTensor, its global shape): ``(name, shape, dtype, requires_grad,
     tensor-parallel partition dim, allreduce mark, tied-to name)``, in
     ``named_parameters`` order with shared parameters listed under every name;
     with an expert mesh, the names ``plan_fn`` puts on it.
@@ -361,7 +363,9 @@ def _tp_problem(module: nn.Module, mesh: Optional[DeviceMesh], experts: Iterable
         return None  # invalid placements or an axis neither data- nor model-parallel: fully_shard names it
     mesh_row = _axis_row(mesh, tp_axis, me) if mesh is not None and tp_axis in names else None
     for prefix, sub in module.named_modules():
-        params = [(n, p) for n, p in sub._parameters.items() if p is not None and getattr(p, "tensor_model_parallel", False)]
+        # (a DTensor, sharded by an earlier call, carries its own split: checked by that call)
+        params = [(n, p) for n, p in sub._parameters.items()
+                  if p is not None and getattr(p, "tensor_model_parallel", False) and not isinstance(p, DTensor)]
         params = [(n, p) for n, p in params if (f"{prefix}.{n}" if prefix else n) not in experts]
         if not params:
             continue

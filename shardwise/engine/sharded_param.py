@@ -94,18 +94,20 @@ class ShardedParam:
             axis = _check_owned(ref, plan)
             self.mine = axis.index == self.owner
             self.pieces = [RowPiece(axis.size, axis.index, self.rows, 0, self.rows if self.mine else 0)]
-        self.global_shape = plan.global_shape(self.shape, ref.model_parallel_dims)
-        self.spmd = spmd_param_of(ref.param)  # taken from a DTensor on an SPMD mesh (dp_mesh_dims): its faces
+        self.spmd = spmd_param_of(ref.param)  # taken from a DTensor on an SPMD mesh or a TP submesh: its faces
         if self.owner is not None:
+            self.global_shape = plan.global_shape(self.shape, ref.model_parallel_dims)
             # torch.chunk rows over the data-parallel mesh: what state dicts hold (``owner_state``)
             self.rows_mesh, self.rows_placements = plan.dtensor_spec(ref.model_parallel_dims, ref.local_axes, 0)
             self.owner_rank = dist.get_global_rank(axis.group, self.owner)
             self.mesh, self.placements = owner_mesh(self.rows_mesh.device_type, self.owner_rank), [Replicate()]
             self.axis = self.sum_group = axis  # its ranks' local tensors together are the matrix (clipping)
         elif self.spmd is None:
+            self.global_shape = plan.global_shape(self.shape, ref.model_parallel_dims)
             self.mesh, self.placements = plan.dtensor_spec(ref.model_parallel_dims, ref.local_axes, self.shard_dim)
-        else:
-            self.mesh, self.placements = self.spmd.sharded_mesh, self.spmd.sharded_placements
+        else:  # the DTensor's own global shape (a TP split may be uneven) and FSDP2's face
+            self.global_shape = self.spmd.global_shape(self.shape)
+            self.mesh, self.placements = self.spmd.sharded_face(self.shard_dim)
         self._specs: dict[torch.dtype, DTensorSpec] = {}  # the DTensor face per dtype (dtensor)
 
     @property

@@ -15,15 +15,22 @@ so this module only translates:
   - their gradients are made local the way FSDP2 does (``Partial`` on non-data-parallel dims redistributed to
     the parameter's placement first, data-parallel dims left to the engine's reduction);
   - the sharded parameters, gradients and optimizer state are DTensors with FSDP2's spec: the SPMD mesh
-    (data-parallel shard dims flattened into one where there are several), ``Shard(0)`` on the shard dim
-    (``_StridedShard(0, split_factor)`` where a later dim also splits dim 0: the same local rows as the
-    engine's chunk of the TP slice), the parameter's own placements elsewhere.
+    (data-parallel shard dims flattened into one where there are several), ``Shard(d)`` on the shard dim (``d``
+    from ``shard_placement_fn``, 0 by default; ``_StridedShard(d, split_factor)`` where a later dim also splits
+    dim ``d``: the same local rows as the engine's chunk of the TP slice), the parameter's own placements
+    elsewhere.
+
+``tp_submesh.py`` uses the same reading for FSDP2's 2-D recipe, parameters DTensors on a TP submesh and
+``fully_shard(mesh=<the DP submesh>)``: the SPMD mesh is the two concatenated and ``param_mesh`` the TP
+submesh (the parameters' placements there, ``Replicate()`` on the DP dims); plain parameters beside them are
+sharded over the DP mesh alone (``dp_mesh``), as FSDP2 shards them.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -57,15 +64,32 @@ def _flattened(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
 @dataclass(frozen=True)
 class SpmdParam:
     """One parameter's DTensor faces under an SPMD mesh: ``compute`` (the spec it came with: forward's gathered
-    parameter) and ``sharded`` (FSDP2's spec of the sharded parameter, its gradient and optimizer state)."""
+    parameter; ``None`` for a plain tensor beside TP DTensors, read as it is) and the sharded one (FSDP2's spec of
+    the sharded parameter, its gradient and optimizer state: :meth:`sharded_face`)."""
 
-    compute: DTensorSpec
-    sharded_mesh: DeviceMesh
-    sharded_placements: tuple[Placement, ...]
+    compute: DTensorSpec | None
+    spmd: "SpmdMesh"
+    placements: tuple[Placement, ...]  # the parameter's own, per dim of ``spmd.mesh``
     data_parallel_dims: frozenset[int]  # indices into ``compute.mesh``
+    # ``shard_placement_fn``'s answer for the parameter as the model gave it (FSDP2 asks with the DTensor itself,
+    # which the engine replaces by its local tensor; a function may test placements or identity)
+    shard_placement: Any = None
 
-    def compute_tensor(self, local: torch.Tensor) -> DTensor:
+    def global_shape(self, local: torch.Size) -> torch.Size:
+        """The parameter's global shape (a TP split may be uneven): its DTensor's, or a plain tensor's own."""
+        return torch.Size(local) if self.compute is None else self.compute.shape
+
+    def sharded_face(self, shard_dim: int) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        """FSDP2's mesh and placements of the sharded parameter, split along ``shard_dim`` over the data-parallel
+        dims: the SPMD mesh's face, or a plain tensor's data-parallel mesh."""
+        if self.compute is None:
+            return self.spmd.data_parallel_face(shard_dim)
+        return self.spmd.face_mesh(), self.spmd.sharded_placements(self.placements, shard_dim)
+
+    def compute_tensor(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` (the gathered TP-local parameter) as the DTensor the model was written for."""
+        if self.compute is None:
+            return local
         meta = self.compute.tensor_meta
         spec = DTensorSpec(self.compute.mesh, self.compute.placements,
                            tensor_meta=TensorMeta(meta.shape, meta.stride, local.dtype))
@@ -92,9 +116,15 @@ class SpmdMesh:
     """The engine's reading of ``(mesh, dp_mesh_dims)``: ``engine_mesh`` / ``placements`` / ``tp_axis`` for
     ``fully_shard``'s plan, and :meth:`take_parameters` for the module's DTensor parameters."""
 
-    def __init__(self, mesh: DeviceMesh, shard: tuple[str, ...], replicate: tuple[str, ...]):
+    def __init__(self, mesh: DeviceMesh, shard: tuple[str, ...], replicate: tuple[str, ...],
+                 param_mesh: DeviceMesh | None = None, dp_mesh: DeviceMesh | None = None):
         names = list(mesh.mesh_dim_names)
         self.mesh, self.shard, self.replicate = mesh, shard, replicate
+        # The mesh the parameters come on: ``mesh`` itself, or (``tp_submesh.py``) its non-data-parallel dims
+        # alone, a TP submesh, where they are DTensors before ``fully_shard`` sees the data-parallel mesh
+        # (``dp_mesh``: the plain tensors beside them are sharded over it alone, as FSDP2 shards them).
+        self.param_mesh = mesh if param_mesh is None else param_mesh
+        self.dp_mesh = dp_mesh
         data = set(shard) | set(replicate)
         others = [n for n in names if n not in data and mesh.size(names.index(n)) > 1]
         if len(others) > 1:
@@ -129,7 +159,7 @@ class SpmdMesh:
         self._sharded_mesh: DeviceMesh | None = None
 
     # ------------------------------------------------------------------ the sharded DTensor face
-    def _face_mesh(self) -> DeviceMesh:
+    def face_mesh(self) -> DeviceMesh:
         """FSDP2's mesh of the sharded parameters: the SPMD mesh itself with one shard dim; with several, the
         mesh with them flattened into one dim (and, under HSDP, the replicate dims moved just before it)."""
         if len(self.shard) <= 1:
@@ -154,16 +184,22 @@ class SpmdMesh:
                                                        mesh_dim_names=tuple(face_names))
         return self._sharded_mesh
 
-    def _sharded_placements(self, placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
-        """FSDP2's placements of the sharded parameter, from the parameter's own (``placements``, per SPMD dim)."""
+    def data_parallel_face(self, shard_dim: int) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        """FSDP2's face of a plain tensor beside TP DTensors: the data-parallel mesh, ``Shard(shard_dim)`` on its
+        shard dim (``Replicate()`` before it under HSDP)."""
+        return self.dp_mesh, (Replicate(),) * (self.dp_mesh.ndim - 1) + (Shard(shard_dim),)
+
+    def sharded_placements(self, placements: tuple[Placement, ...], shard_dim: int = 0) -> tuple[Placement, ...]:
+        """FSDP2's placements of the sharded parameter, from the parameter's own (``placements``, per SPMD dim),
+        split along ``shard_dim`` over the shard dims."""
         names = list(self.mesh.mesh_dim_names)
         out = list(placements)
         for name in self.shard:
             i = names.index(name)
             later = [self.mesh.size(j) for j in range(i + 1, len(names))
-                     if isinstance(placements[j], (Shard, _StridedShard)) and placements[j].dim == 0]
+                     if isinstance(placements[j], (Shard, _StridedShard)) and placements[j].dim == shard_dim]
             split = math.prod(later)
-            out[i] = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+            out[i] = _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
         if len(self.shard) <= 1:
             return tuple(out)
         first = names.index(self.shard[0])
@@ -179,9 +215,11 @@ class SpmdMesh:
         return tuple(face)
 
     # ------------------------------------------------------------------ the parameters
-    def take_parameters(self, modules: list[nn.Module], skip: set[int]) -> None:
+    def take_parameters(self, modules: list[nn.Module], skip: set[int],
+                        shard_placement_fn: Callable | None = None) -> None:
         """Replace each DTensor parameter of ``modules`` (but those in ``skip``: sharded by an earlier call, or
-        ignored) by its local tensor, marked as a TP slice where it is one, carrying its :class:`SpmdParam`.
+        ignored) by its local tensor, marked as a TP slice where it is one, carrying its :class:`SpmdParam` (with
+        ``shard_placement_fn``'s answer for the parameter as given).
         Refuses, by name, a plain tensor, a DTensor on another mesh, and placements FSDP2 refuses too."""
         names = list(self.mesh.mesh_dim_names)
         data_dims = frozenset(names.index(n) for n in self.shard + self.replicate)
@@ -190,22 +228,27 @@ class SpmdMesh:
             for fqn, p in root.named_parameters(remove_duplicate=True):
                 if id(p) in skip or id(p) in taken:
                     continue
-                taken[id(p)] = self._take(fqn, p, data_dims)
+                answer = None if shard_placement_fn is None else shard_placement_fn(p)
+                taken[id(p)] = self._take(fqn, p, data_dims, answer)
         for root in modules:
             for module in root.modules():
                 for attr, p in list(module._parameters.items()):
                     if p is not None and id(p) in taken:
                         module._parameters[attr] = taken[id(p)]
 
-    def _take(self, fqn: str, p: nn.Parameter, data_dims: frozenset[int]) -> nn.Parameter:
+    def _take(self, fqn: str, p: nn.Parameter, data_dims: frozenset[int], answer=None) -> nn.Parameter:
         names = list(self.mesh.mesh_dim_names)
+        if not isinstance(p, DTensor) and self.dp_mesh is not None:  # beside TP DTensors: sharded over DP alone
+            setattr(p, SPMD_PARAM_ATTR, SpmdParam(None, self, (), frozenset(), answer))
+            return p
         if not isinstance(p, DTensor):
             raise ValueError(f"fully_shard(dp_mesh_dims=...): parameter {fqn!r} is a plain tensor; with dp_mesh_dims "
                              "every parameter must be a DTensor on the full SPMD mesh (e.g. via distribute_module)")
-        if p.device_mesh != self.mesh:
-            raise ValueError(f"fully_shard(dp_mesh_dims=...): parameter {fqn!r} is a DTensor on mesh "
-                             f"{p.device_mesh}, not on the mesh passed to fully_shard ({self.mesh})")
-        placements = tuple(p.placements)
+        if p.device_mesh != self.param_mesh:
+            raise ValueError(f"fully_shard: parameter {fqn!r} is a DTensor on mesh {p.device_mesh}, not on "
+                             f"{self.param_mesh} (the mesh passed to fully_shard with dp_mesh_dims, or the "
+                             "tensor-parallel mesh of the call's other DTensor parameters)")
+        placements = self._spmd_placements(p)
         for i in data_dims:
             if not isinstance(placements[i], Replicate):
                 raise ValueError(f"fully_shard(dp_mesh_dims=...): parameter {fqn!r} has {placements[i]} on the "
@@ -216,16 +259,25 @@ class SpmdMesh:
                 continue
             if isinstance(placement, Partial) or type(placement) is not Shard:
                 raise NotImplementedError(
-                    f"fully_shard(dp_mesh_dims=...): parameter {fqn!r} has {placement} on mesh dim {names[i]!r}; "
-                    "shardwise takes Replicate() or Shard(d) there")
+                    f"fully_shard: parameter {fqn!r} has {placement} on mesh dim {names[i]!r}; shardwise takes "
+                    "Replicate() or Shard(d) there")
             local.tensor_model_parallel = True
             local.partition_dim = placement.dim
-        spec = SpmdParam(p._spec, self._face_mesh(), self._sharded_placements(placements), data_dims)
-        setattr(local, SPMD_PARAM_ATTR, spec)
+        # the data-parallel dims of the parameter's own mesh (none on a TP submesh): its gradient keeps them
+        own_data_dims = data_dims if self.param_mesh is self.mesh else frozenset()
+        setattr(local, SPMD_PARAM_ATTR, SpmdParam(p._spec, self, placements, own_data_dims, answer))
         for key, value in vars(p).items():  # the model's own annotations
             if not key.startswith("_"):
                 setattr(local, key, value)
         return local
+
+    def _spmd_placements(self, p: DTensor) -> tuple[Placement, ...]:
+        """``p``'s placements per dim of the SPMD mesh: its own, or on a TP submesh those of its dims with
+        ``Replicate()`` on the others (the data-parallel ones)."""
+        if self.param_mesh is self.mesh:
+            return tuple(p.placements)
+        own = dict(zip(self.param_mesh.mesh_dim_names, p.placements))
+        return tuple(own.get(name, Replicate()) for name in self.mesh.mesh_dim_names)
 
 
 def read_spmd_mesh(mesh: DeviceMesh | None, dp_mesh_dims, reshard_after_forward, **mesh_options) -> SpmdMesh:

@@ -26,7 +26,7 @@ MICRO = 2  # micro-batches per step (accumulation)
 BATCH, SEQ, VOCAB, DIM = 2, 32, 128, 64
 
 
-def _config(tied: bool, backend: str = "partial_dtensor"):
+def _config(tied: bool, backend: str = "partial_dtensor", tp: int = 1):
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
     from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init
@@ -49,14 +49,15 @@ def _config(tied: bool, backend: str = "partial_dtensor"):
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
         layers=layers,
     )
-    if backend != "partial_dtensor":  # what the trainer's update_from_config does: the modules' sharding configs
+    if backend != "partial_dtensor" or tp > 1:  # the trainer's update_from_config: the modules' sharding configs
         from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
         set_llama3_sharding_config(config, enable_sp=False)
     return config
 
 
-def _train(impl: str, tied: bool, param_dtype: str, dp_replicate: int, backend: str = "partial_dtensor") -> dict:
+def _train(impl: str, tied: bool, param_dtype: str, dp_replicate: int, backend: str = "partial_dtensor",
+           tp: int = 1) -> dict:
     import torch
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as tt_dims
@@ -77,11 +78,11 @@ def _train(impl: str, tied: bool, param_dtype: str, dp_replicate: int, backend: 
     world = dist.get_world_size()
     tt_dims.device_type = "cpu"
     tt_utils.set_spmd_backend(backend)  # the trainer's: the loss reads it
-    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=world // dp_replicate, cp=1, tp=1, pp=1, ep=1,
+    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=world // dp_replicate // tp, cp=1, tp=tp, pp=1, ep=1,
                         world_size=world, spmd_backend=backend)
     dims.build_mesh()
     with torch.device("meta"):
-        model = _config(tied, backend).build()
+        model = _config(tied, backend, tp).build()
     torch_fully_shard = tt_fsdp.fully_shard
     wrapper = shardwise.fully_shard if impl == "shardwise" else torch_fully_shard
     dp_mesh_dims = []  # what torchtitan passed, call by call
@@ -117,10 +118,10 @@ def _train(impl: str, tied: bool, param_dtype: str, dp_replicate: int, backend: 
     model._skip_lm_head = True
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    batch_ranks = dist.get_world_size()
+    batch_ranks = dist.get_world_size() // tp  # the TP ranks of a data rank read its rows
     gen = torch.Generator().manual_seed(1)
     data = torch.randint(0, VOCAB, (STEPS, MICRO, batch_ranks, BATCH, SEQ + 1), generator=gen)
-    rank = dist.get_rank()
+    rank = dist.get_rank() // tp
     positions = torch.arange(SEQ).expand(BATCH, SEQ)
     losses, norms, counts = [], [], []
     for step in range(STEPS):
@@ -151,9 +152,9 @@ def _train(impl: str, tied: bool, param_dtype: str, dp_replicate: int, backend: 
             "dp_mesh_dims": [None if d is None else (d.shard, d.replicate) for d in dp_mesh_dims]}
 
 
-def _both(tied: bool, param_dtype: str, dp_replicate: int, world: int, backend: str = "partial_dtensor"):
-    ref = run_distributed(_train, world, "fsdp2", tied, param_dtype, dp_replicate, backend)[0]
-    got = run_distributed(_train, world, "shardwise", tied, param_dtype, dp_replicate, backend)[0]
+def _both(tied: bool, param_dtype: str, dp_replicate: int, world: int, backend: str = "partial_dtensor", tp: int = 1):
+    ref = run_distributed(_train, world, "fsdp2", tied, param_dtype, dp_replicate, backend, tp)[0]
+    got = run_distributed(_train, world, "shardwise", tied, param_dtype, dp_replicate, backend, tp)[0]
     return ref, got
 
 
@@ -226,6 +227,15 @@ def test_torchtitan_bf16_is_fsdp2s_bit_for_bit():
 def test_torchtitan_hsdp_2x2_matches_fsdp2():
     """HSDP on 4 ranks: torchtitan's ("dp_replicate", "fsdp") mesh, replicate across 2, shard across 2."""
     ref, got = _both(tied=False, param_dtype="float32", dp_replicate=2, world=4)
+    _assert_same(ref, got)
+    _assert_counts(ref, got)
+
+
+def test_torchtitan_tp_2x2_matches_fsdp2():
+    """Tensor parallelism, torchtitan's ``partial_dtensor`` backend on 4 ranks (FSDP 2 x TP 2): the model's TP
+    plan makes the parameters DTensors on the ``tp`` submesh, then ``fully_shard(mesh=<the fsdp submesh>)``
+    (torch's 2-D recipe; ``tp_submesh.py``)."""
+    ref, got = _both(tied=False, param_dtype="float32", dp_replicate=1, world=4, tp=2)
     _assert_same(ref, got)
     _assert_counts(ref, got)
 
