@@ -210,6 +210,7 @@ def _check_even(fqn: str, shape: torch.Size, dim: int, plan: ShardingPlan) -> No
     pieces = math.prod(a.size for a in plan.opt_axes)
     if shape[dim] % pieces:
         raise NotImplementedError(
+            f"FSDP does not support uneven sharding on dim {dim}: "  # FSDP2's words first
             f"shard_placement_fn returned Shard({dim}) for parameter {fqn!r} of shape {tuple(shape)}: dim {dim} "
             f"({shape[dim]}) does not split evenly over the {pieces} ranks that shard it; as FSDP2, shardwise "
             "shards a dim other than 0 evenly only. Return Shard(0) or None for it, or a dim divisible by "

@@ -151,15 +151,18 @@ def check_gathered_weights_current(units) -> None:
 
 def check_materialized(state) -> None:
     """At a model's first forward: refuse parameters still on the meta device (a module left there, never
-    ``to_empty()``-ed), listing them, instead of failing inside a gather on a device mismatch."""
+    ``to_empty()``-ed), listing them, instead of failing inside a gather on a device mismatch. In FSDP2's words
+    and order: the first unit holding any (the root, then the others in module order), its parameters listed."""
     if state in _materialized:
         return
-    meta = [ref.fqn if unit.is_root else f"{unit.name}.{ref.fqn}" for unit in state.all_units
-            for group in unit.groups for ref, p in zip(group.refs, group.sharded_params) if p.device.type == "meta"]
-    if meta:
-        shown = ", ".join(repr(n) for n in meta[:8]) + (f" and {len(meta) - 8} more" if len(meta) > 8 else "")
-        raise RuntimeError(
-            f"{len(meta)} parameters are still on the meta device at the first forward: {shown}; materialize them "
-            "first: model.to_empty(device=...) and the model's own initialisation (or fully_shard(..., "
-            "init_fn=shardwise.MetaInitializer(model)))")
+    position = {id(m): i for i, m in enumerate(state.root.module.modules())}
+    units = [state.root] + sorted(state.units, key=lambda u: min(position.get(id(m), len(position)) for m in u.modules))
+    for unit in units:
+        meta = [ref.fqn if unit.is_root else f"{unit.name}.{ref.fqn}" for group in unit.groups
+                for ref, p in zip(group.refs, group.sharded_params) if p.device.type == "meta"]
+        if meta:
+            raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, but the following were "
+                f"still on meta device: {meta}; materialize them first: model.to_empty(device=...) and the "
+                "model's own initialisation (or fully_shard(..., init_fn=shardwise.MetaInitializer(model)))")
     _materialized.add(state)

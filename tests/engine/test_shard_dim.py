@@ -323,9 +323,9 @@ def test_uneven_and_impossible_shard_dims_are_refused_at_wrap_as_fsdp2_refuses_t
     FSDP2 has not) is refused by name."""
     out = run_distributed(_refusals, 2)[0]
     assert out["fsdp2_uneven"].startswith("NotImplementedError: FSDP does not support uneven sharding on dim 1")
-    assert out["ours_uneven"].startswith("NotImplementedError: shard_placement_fn returned Shard(1) for parameter "
-                                         "'w.weight' of shape (4, 3): dim 1 (3) does not split evenly over the 2"), \
-        out["ours_uneven"]
+    assert out["ours_uneven"].startswith("NotImplementedError: FSDP does not support uneven sharding on dim 1: "
+                                         "shard_placement_fn returned Shard(1) for parameter 'w.weight' of shape "
+                                         "(4, 3): dim 1 (3) does not split evenly over the 2"), out["ours_uneven"]
     assert "Shard dim 2 is invalid for 2D tensor" in out["fsdp2_no_dim"]
     # a ValueError and FSDP2's AssertionError at once (shard_placement.InvalidShardDim), with FSDP2's words too
     assert out["ours_no_dim"].startswith("InvalidShardDim: shard_placement_fn returned Shard(dim=2) for parameter "
