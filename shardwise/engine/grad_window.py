@@ -248,10 +248,12 @@ class GradWindow:
             acc.all_reduce(self.group.sum_over_axes, average=False)
         if acc is main_grad:
             main_grad.all_reduce(self.group.plan.finalize_allreduce_axes)
+            self._call_all_reduce_hook(main_grad.flat)
         else:
             into = main_grad if main_grad.takes(self.group.opt_level, acc.flat.dtype) else None
             reduced = acc.reduce_scatter(self.group.opt_level, staged, into=into)
             reduced.all_reduce(self.group.plan.finalize_allreduce_axes)
+            self._call_all_reduce_hook(reduced.flat)
             if reduced is not main_grad:
                 main_grad.accumulate(reduced)
             # the reduce stream may still read it: the caller keeps it alive until it waits
@@ -268,6 +270,22 @@ class GradWindow:
             self.main_grad = main_grad.copy_to(host)
             self.released = self.released + (main_grad.flat,)
         self.presence.reduced_over(self.group.plan.axes.values())
+
+    def _call_all_reduce_hook(self, flat: torch.Tensor) -> None:
+        """FSDP2's ``set_all_reduce_hook``: the hook gets this step's reduced flat shard (after the replicas'
+        all-reduce under HSDP; averaged, before it joins grads the user kept) and may change it in place; on
+        its own stream when one was given (1-D meshes only), ordered after the reduction and before its use."""
+        if self.group.all_reduce_hook is None:
+            return
+        hook, stream = self.group.all_reduce_hook
+        if stream is None:
+            hook(flat)
+            return
+        module = torch.get_device_module(flat.device.type)
+        stream.wait_stream(module.current_stream())
+        with module.stream(stream):
+            hook(flat)
+        module.current_stream().wait_stream(stream)
 
     def discard(self) -> None:
         """Drop installed grads and any accumulation still open (the next backward overwrites)."""

@@ -134,6 +134,8 @@ class ParamGroup:
         # Multiplies the reduced gradients (the plan's mean over the data-parallel ranks, or FSDP2's
         # ``set_gradient_divide_factor``: a sum divided by the factor).
         self.grad_scale = plan.grad_scale
+        # FSDPModule.set_all_reduce_hook: (hook, stream or None), called on each finished reduction
+        self.all_reduce_hook: tuple | None = None
         # Offloaded: main weights (so the optimizer state) and the finished grads live on the host.
         self.offloaded = offload
         # page-locked only where a GPU copies from it (a gloo run on a CUDA host makes no CUDA context)

@@ -174,8 +174,16 @@ class ShardedModule(FSDPModule):
                          "subclass) to replace how buffers travel")
 
     def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> None:
-        raise _not_built("set_all_reduce_hook", "the replicas' all-reduce runs inside the engine; replace it with "
-                         "fully_shard(..., collectives=...)")
+        """FSDP2's: ``hook(reduced)`` runs on each of this unit's finished gradient reductions (the flat local
+        shard, after the replicas' all-reduce under HSDP) and may change it in place; ``stream`` (1-D meshes
+        only, as FSDP2) is where it runs."""
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook: hook={hook!r} must be a callable (reduced: torch.Tensor) -> None")
+        for group in self._unit.groups:
+            if stream is not None and group.plan.finalize_allreduce_axes:
+                raise ValueError("stream cannot be set when using native HSDP")
+        for group in self._unit.groups:
+            group.all_reduce_hook = (hook, stream)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         raise _not_built("set_reduce_scatter_max_input_buffers",
