@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from .collectives import Collectives
 from .fully_shard_options import FullyShardOptions
-from .mesh import PLAN_CHOICES, ShardingPlan, build_dp_mesh, fold_context_parallel, named_mesh
+from .mesh import PLAN_CHOICES, ShardingPlan, default_fsdp2_mesh, fold_context_parallel, named_mesh
 from .offload import OffloadPolicy
 from .param_group import SHARDED_MARK
 from .placements import normalize_placements
@@ -195,9 +195,9 @@ def build_plans(options: FullyShardOptions) -> tuple[ShardingPlan, ShardingPlan 
     their gradients scaled for ``gradient_reduction``."""
     tp_axis, ep_axis, gradient_reduction = options.tp_axis, options.ep_axis, options.gradient_reduction
     expert_mesh, expert_placements = options.expert_mesh, options.expert_placements
-    mesh, placements = resolve_placements(options)
+    mesh, placements, face = resolve_placements(options)
     names = mesh.mesh_dim_names or ()
-    plan = ShardingPlan(mesh, placements, model_parallel_axes=[tp_axis] if tp_axis in names else [])
+    plan = ShardingPlan(mesh, placements, model_parallel_axes=[tp_axis] if tp_axis in names else [], face_mesh=face)
     expert_plan = _expert_plan(plan, placements, expert_mesh, expert_placements, ep_axis, tp_axis)
     if gradient_reduction not in ("mean", "sum"):
         raise ValueError(f"gradient_reduction={gradient_reduction!r} must be 'mean' or 'sum'")
@@ -209,16 +209,21 @@ def build_plans(options: FullyShardOptions) -> tuple[ShardingPlan, ShardingPlan 
 
 
 # ------------------------------------------------------------------ placements, units, parameters
-def resolve_placements(options: FullyShardOptions) -> tuple[DeviceMesh, dict]:
-    """The mesh (FSDP2's unnamed meshes named, the default one built) and each data-parallel axis's placements
-    (``FullyShardOptions.axis_placements``, which the rank-consistency check reads too)."""
-    mesh = None if options.mesh is None else named_mesh(options.mesh)
+def resolve_placements(options: FullyShardOptions) -> tuple[DeviceMesh, dict, DeviceMesh | None]:
+    """The mesh (FSDP2's unnamed meshes named, FSDP2's default one built), each data-parallel axis's placements
+    (``FullyShardOptions.axis_placements``, which the rank-consistency check reads too) and the unnamed mesh the
+    DTensors keep (``ShardingPlan.face_mesh``; ``None`` for a named one)."""
+    given = options.mesh
+    face = given if given is not None and given.mesh_dim_names is None else None
+    mesh = None if given is None else named_mesh(given)
     placements = options.axis_placements(None if mesh is None else mesh.mesh_dim_names)
     if mesh is None:
         if list(placements) != ["dp_shard"]:
             raise ValueError(f"placements name axes {list(placements)}; pass a mesh that has them")
-        mesh = build_dp_mesh()
-    return _fold_context_parallel(mesh, placements)
+        face = default_fsdp2_mesh()
+        mesh = named_mesh(face)
+    folded, placements = _fold_context_parallel(mesh, placements)
+    return folded, placements, face if folded is mesh else None
 
 
 def _fold_context_parallel(mesh: DeviceMesh, placements: dict) -> tuple[DeviceMesh, dict]:

@@ -23,6 +23,7 @@ from .device import device_for
 from .placements import AxisPlacements
 
 __all__ = [
+    "default_fsdp2_mesh",
     "mesh_axis_names",
     "named_mesh",
     "AxisGroup",
@@ -87,6 +88,13 @@ def build_dp_mesh(
             shape.append(size)
             names.append(axis)
     return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+
+
+def default_fsdp2_mesh() -> DeviceMesh:
+    """FSDP2's mesh when ``fully_shard`` is given none: every rank on one unnamed axis (the default group)."""
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard without a mesh needs an initialized default process group")
+    return init_device_mesh(default_device_type(), (dist.get_world_size(),))
 
 
 def fold_context_parallel(mesh: DeviceMesh, cp_axis: str = "cp", inner_axis: str = "dp_shard") -> DeviceMesh:
@@ -185,6 +193,7 @@ class ShardingPlan:
         placements: Mapping[str, AxisPlacements],
         model_parallel_axes: Sequence[str] = (),
         grad_scale: float = 1.0,
+        face_mesh: DeviceMesh | None = None,
     ):
         names = mesh.mesh_dim_names
         if names is None:
@@ -237,6 +246,9 @@ class ShardingPlan:
             if isinstance(p.gradient, Partial) and isinstance(p.optimizer, Replicate)
         ]
         self.opt_axis_names = [a.name for a in opt_axes]
+        # The user's unnamed mesh (FSDP2's default one when none was given), ``mesh`` being it with FSDP2's
+        # reading as names: the DTensors' mesh where the axes keep their order, so they compare equal to FSDP2's.
+        self.face_mesh = face_mesh
         self._dt_mesh: DeviceMesh | None = None
         self._local_meshes: dict[frozenset, DeviceMesh] = {}
         self.dp_size = math.prod(a.size for a in self.axes.values())
@@ -260,7 +272,7 @@ class ShardingPlan:
         """
         mesh = self._dtensor_mesh(frozenset(local_axes))
         out = []
-        for name in mesh.mesh_dim_names:
+        for name in (self.mesh_axes if mesh is self.face_mesh else mesh.mesh_dim_names):
             if name in model_parallel_dims:
                 out.append(Shard(model_parallel_dims[name]))
             elif name in self.opt_axis_names:
@@ -280,7 +292,7 @@ class ShardingPlan:
             if [n for n in order if n not in trivial] == [n for n in names if n not in trivial]:
                 # A size-1 axis splits nothing, so its position is free; keeping the given mesh also
                 # avoids torch 2.11's failure to slice a regrouped mesh with a size-1 axis in it.
-                self._dt_mesh = self.mesh
+                self._dt_mesh = self.face_mesh if self.face_mesh is not None else self.mesh
             else:
                 perm = [names.index(n) for n in order]
                 self._dt_mesh = DeviceMesh.from_group(

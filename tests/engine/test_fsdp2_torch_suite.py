@@ -90,3 +90,28 @@ def test_a_hook_stream_is_refused_under_hsdp_as_fsdp2():
     theirs = run_distributed(_hook_stream_refusals, 2, "fsdp2")[0]
     ours = run_distributed(_hook_stream_refusals, 2, "shardwise")[0]
     assert theirs == ours == {"hsdp": "stream cannot be set when using native HSDP", "fsdp": "accepted"}
+
+
+# ------------------------------------------------------------------ the DTensors' mesh
+def _default_mesh_faces(which: str) -> dict:
+    fully_shard = _fully_shard(which)
+    world = dist.get_world_size()
+    model = _MLP().to(device())
+    fully_shard(model)  # no mesh: FSDP2's default one
+    fresh = init_device_mesh(device().type, (world,))
+    unnamed = _MLP().to(device())
+    given = init_device_mesh(device().type, (world,))
+    fully_shard(unnamed, mesh=given)
+    return {"default": [p.device_mesh == fresh for p in model.parameters()],
+            "names": [p.device_mesh.mesh_dim_names for p in model.parameters()],
+            "placements": [tuple(p.placements) for p in model.parameters()],
+            "given": [p.device_mesh == given for p in unnamed.parameters()]}
+
+
+def test_the_dtensors_mesh_is_fsdp2s_default_or_the_unnamed_mesh_given():
+    """torch's test_shard_tensor_parameters: with no mesh the parameters' mesh equals a fresh
+    ``init_device_mesh(type, (world,))`` (FSDP2's default: unnamed), and an unnamed mesh passed in is theirs."""
+    theirs = run_distributed(_default_mesh_faces, 2, "fsdp2")[0]
+    ours = run_distributed(_default_mesh_faces, 2, "shardwise")[0]
+    assert theirs == ours
+    assert all(ours["default"]) and all(ours["given"]) and set(ours["names"]) == {None}
