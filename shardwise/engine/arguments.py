@@ -31,7 +31,7 @@ from .placements import normalize_placements
 from .post_forward_shard import resolve_reshard_after_forward
 from .spmd_mesh import read_spmd_mesh
 from .tp_submesh import read_tp_submesh
-from .precision import MixedPrecisionPolicy, from_torch_policy
+from .precision import CASTABLE_DTYPES, MixedPrecisionPolicy, from_torch_policy
 from .sharded_module import STATE_ATTR
 
 __all__ = [
@@ -45,7 +45,6 @@ __all__ = [
     "check_parameters",
 ]
 
-_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # ------------------------------------------------------------------ checks
@@ -175,10 +174,10 @@ def check_parameters(root: nn.Module, init_fn: Callable | None) -> None:
     for name, p in root.named_parameters():
         if isinstance(p, DTensor):  # sharded by an earlier fully_shard call on a submodule
             continue
-        if p.dtype not in _FLOATING:
+        if p.dtype not in CASTABLE_DTYPES and p.requires_grad:
             raise ValueError(
-                f"parameter {name!r} has dtype {p.dtype}, which shardwise cannot shard; "
-                f"supported parameter dtypes are {[str(d) for d in _FLOATING]}"
+                f"parameter {name!r} has dtype {p.dtype} and requires grad, which shardwise cannot shard; "
+                f"trainable parameter dtypes are {[str(d) for d in CASTABLE_DTYPES]} (other dtypes: frozen only)"
             )
         if p.dim() == 0:
             raise ValueError(

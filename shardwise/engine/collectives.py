@@ -212,6 +212,11 @@ def _unpack(rows: torch.Tensor, numels: Sequence[int]) -> tuple[torch.Tensor, ..
     return rows.split(list(numels), dim=1)
 
 
+def _as_bytes(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """FP8 tensors as their bytes (gloo has no FP8 type; a gather moves bytes either way), others as they are."""
+    return [t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t for t in tensors]
+
+
 def gather_pieces(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], axis: AxisGroup) -> None:
     """All-gather each ``ins[i]`` over ``axis`` into ``outs[i]`` (rank-major), as one coalesced group.
 
@@ -219,6 +224,7 @@ def gather_pieces(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], axi
     """
     if not outs:
         return
+    outs, ins = _as_bytes(outs), _as_bytes(ins)
     if axis.averages_natively:  # NCCL
         _coalesced_call(axis.group, ("all_gather_single_coalesced", "allgather_into_tensor_coalesced"), outs, ins,
                         AllgatherOptions())

@@ -44,7 +44,7 @@ from .distributed_buffer import BufferState, DistributedBuffer, Levels
 from .mesh import ShardingPlan
 from .offload import HostMemory
 from .sharded_param import ParamRef, ShardedParam
-from .precision import MixedPrecisionPolicy
+from .precision import CASTABLE_DTYPES, MixedPrecisionPolicy
 from .owner_layout import OWNER_SUM_GROUP
 from .quantized_gather import QuantizedGather, gather_mark
 from .gather_extensions import ExtensionGather, ExtensionParam, check_extension_group, has_extensions, patched_hooks
@@ -177,10 +177,13 @@ class ParamGroup:
     def _set_dtypes(self, dtype: torch.dtype) -> None:
         """Every buffer's dtype for parameters of ``dtype`` under the group's policy, and what follows from it."""
         policy, kp, m = self.policy, len(self.plan.param_axes), len(self.plan.opt_axes)
-        self.compute_dtype = policy.compute_dtype(dtype)
-        self.main_dtype = policy.main_dtype(dtype)
-        self.main_grad_dtype = policy.main_grad_dtype(dtype)
-        self.comm_dtype = policy.comm_dtype(dtype)
+        if dtype in CASTABLE_DTYPES:
+            self.compute_dtype = policy.compute_dtype(dtype)
+            self.main_dtype = policy.main_dtype(dtype)
+            self.main_grad_dtype = policy.main_grad_dtype(dtype)
+            self.comm_dtype = policy.comm_dtype(dtype)
+        else:  # a frozen integer or FP8 parameter (FSDP2 shards these too): kept, gathered as it is, never cast
+            self.compute_dtype = self.main_dtype = self.main_grad_dtype = self.comm_dtype = dtype
         self.main_aliases_model = self.compute_dtype == self.main_dtype and not self.offloaded
         # With ZeRO-3-like placements (parameters sharded exactly like the optimizer state) a
         # lower-precision model-weight shard is cast from the main weights on the gather

@@ -14,7 +14,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["MixedPrecisionPolicy", "from_torch_policy", "cast_floating"]
+__all__ = ["MixedPrecisionPolicy", "from_torch_policy", "cast_floating", "CASTABLE_DTYPES"]
+
+# Parameter dtypes a policy casts (and gradients exist for); others (integers, FP8) are kept as they are.
+CASTABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -115,3 +115,58 @@ def test_the_dtensors_mesh_is_fsdp2s_default_or_the_unnamed_mesh_given():
     ours = run_distributed(_default_mesh_faces, 2, "shardwise")[0]
     assert theirs == ours
     assert all(ours["default"]) and all(ours["given"]) and set(ours["names"]) == {None}
+
+
+# ------------------------------------------------------------------ frozen parameters of other dtypes
+class _WithFrozen(nn.Module):
+    """A trainable linear beside frozen parameters FSDP2 shards as they are: FP8 weights and integer tables."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.w_fp8 = nn.Parameter(torch.randn(6, 4).to(torch.float8_e4m3fn), requires_grad=False)
+        self.index = nn.Parameter(torch.arange(5, dtype=torch.int64), requires_grad=False)
+
+    def forward(self, x):
+        scale = self.w_fp8.float().sum(0) + self.index.float().sum()
+        return self.lin(x) * scale
+
+
+def _frozen_other_dtypes(which: str, policy) -> dict:
+    fully_shard = _fully_shard(which)
+    torch.manual_seed(0)
+    model = _WithFrozen().to(device())
+    fully_shard(model, mp_policy=policy)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    torch.manual_seed(1 + dist.get_rank())
+    losses = []
+    for _ in range(2):
+        loss = model(torch.randn(3, 4, device=device())).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    local = {n: p.to_local().detach().cpu() for n, p in model.named_parameters()}  # (gloo gathers no FP8: compare shards)
+    return {"losses": losses, "dtypes": {n: str(t.dtype) for n, t in local.items()},
+            "local": {n: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for n, t in local.items()},
+            "state_dict": sorted((k, str(v.dtype)) for k, v in model.state_dict().items())}
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_frozen_fp8_and_integer_parameters_are_sharded_as_fsdp2_shards_them(bf16):
+    """torch's test_mixed_dtypes_no_grad_param: parameters that need no grad may be FP8 or integers; they are
+    sharded and gathered bit for bit, never cast by the policy, and train beside the rest as under FSDP2."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
+    rtol = 4 * torch.finfo(torch.bfloat16).eps if bf16 else RTOL  # bf16 compute: kernels' order differs
+    for theirs, ours in zip(run_distributed(_frozen_other_dtypes, 2, "fsdp2", policy),
+                            run_distributed(_frozen_other_dtypes, 2, "shardwise", policy)):
+        assert theirs["dtypes"] == ours["dtypes"] == {"lin.weight": "torch.float32", "lin.bias": "torch.float32",
+                                                      "w_fp8": "torch.float8_e4m3fn", "index": "torch.int64"}
+        assert theirs["state_dict"] == ours["state_dict"]
+        for name in ("w_fp8", "index"):
+            assert torch.equal(theirs["local"][name], ours["local"][name]), name
+        torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=rtol, atol=0)
+        for name in ("lin.weight", "lin.bias"):
+            torch.testing.assert_close(ours["local"][name], theirs["local"][name], rtol=rtol, atol=1e-7, msg=name)

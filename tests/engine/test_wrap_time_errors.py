@@ -12,11 +12,13 @@ from tests.helpers.distributed import run_distributed
 from tests.helpers.tiny_model import Block, TinyConfig, TinyLM
 
 
-class _IntParam(nn.Module):
+class _TrainableFp8Param(nn.Module):
+    """A trainable FP8 parameter (frozen ones of other dtypes are sharded as they are, as FSDP2 shards them)."""
+
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(4, 4)
-        self.counts = nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+        self.counts = nn.Parameter(torch.zeros(3).to(torch.float8_e4m3fn))
 
 
 class _ScalarParam(nn.Module):
@@ -62,7 +64,7 @@ def _bad_inputs():
     )
     capture("unit_type", lambda: shardwise.fully_shard(model(), unit_modules=[nn.GRU]))
     capture("unit_instance", lambda: shardwise.fully_shard(model(), unit_modules=[nn.Linear(2, 2)]))
-    capture("dtype", lambda: shardwise.fully_shard(_IntParam()))
+    capture("dtype", lambda: shardwise.fully_shard(_TrainableFp8Param()))
     capture("scalar", lambda: shardwise.fully_shard(_ScalarParam()))
     capture("precision", lambda: shardwise.MixedPrecisionPolicy(param_dtype=torch.int8))
     wrapped = shardwise.fully_shard(model(), unit_modules=[Block])
@@ -100,7 +102,7 @@ EXPECTED_ERRORS = {
     "placement": "placements['dp_shard']",
     "unit_type": "GRU",
     "unit_instance": "unit_modules entry Linear",
-    "dtype": "'counts' has dtype torch.int64",
+    "dtype": "'counts' has dtype torch.float8_e4m3fn and requires grad",
     "scalar": "'temperature' is 0-dimensional",
     "precision": "MixedPrecisionPolicy.param_dtype=torch.int8",
     "twice": "already sharded",
