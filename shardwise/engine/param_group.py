@@ -368,7 +368,12 @@ class ParamGroup:
             ref.param = None
 
     def use_unsharded(self) -> None:
-        """Point every holding module at the unsharded parameters (for forward)."""
+        """Point every holding module at the unsharded parameters (for forward). A trainable group's parameters
+        frozen (or unfrozen again) on their sharded DTensors since wrapping are so in forward too, as FSDP2's."""
+        if self.requires_grad:
+            for param, sharded in zip(self.unsharded_params, self.sharded_params):
+                if param.requires_grad != sharded.requires_grad:
+                    param.requires_grad_(sharded.requires_grad)
         if self.module_params is ModuleParams.UNSHARDED:
             return
         for ref, param in zip(self.refs, self.unsharded_params):

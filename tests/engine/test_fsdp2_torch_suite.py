@@ -170,3 +170,45 @@ def test_frozen_fp8_and_integer_parameters_are_sharded_as_fsdp2_shards_them(bf16
         torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=rtol, atol=0)
         for name in ("lin.weight", "lin.bias"):
             torch.testing.assert_close(ours["local"][name], theirs["local"][name], rtol=rtol, atol=1e-7, msg=name)
+
+
+# ------------------------------------------------------------------ freezing after wrapping
+def _freeze_after_wrap(which: str, reshard_after_forward) -> dict:
+    """torch's test_train_mixed_requires_grad_across_groups: every linear its own root, the first one's
+    parameters frozen on the sharded DTensors after wrapping (the optimizer already holds them), a no-grad
+    forward, then unfrozen again."""
+    fully_shard = _fully_shard(which)
+    torch.manual_seed(42)
+    model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(8, 8), nn.ReLU())]).to(device())
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m, reshard_after_forward=reshard_after_forward)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(42 + dist.get_rank())
+    inp = torch.randn(4, 8, device=device())
+    losses, frozen_grads = [], []
+    for step in range(5):
+        for p in model[0].parameters():
+            p.requires_grad_(step >= 3)
+        if step == 1:
+            with torch.no_grad():
+                losses.append(model(inp).sum().item())
+            continue
+        loss = model(inp).sum()
+        loss.backward()
+        frozen_grads.append([p.grad is None for p in model[0].parameters()])
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "frozen_grad_none": frozen_grads,
+            "params": {n: p.detach().full_tensor().cpu() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_parameters_frozen_after_wrapping_get_no_grad_as_under_fsdp2(reshard_after_forward):
+    theirs = run_distributed(_freeze_after_wrap, 2, "fsdp2", reshard_after_forward)[0]
+    ours = run_distributed(_freeze_after_wrap, 2, "shardwise", reshard_after_forward)[0]
+    assert ours["frozen_grad_none"] == theirs["frozen_grad_none"] == [[True, True]] * 2 + [[False, False]] * 2
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=RTOL, atol=0)
+    for name, value in theirs["params"].items():
+        torch.testing.assert_close(ours["params"][name], value, rtol=RTOL, atol=1e-7, msg=name)
