@@ -370,10 +370,13 @@ class ParamGroup:
     def use_unsharded(self) -> None:
         """Point every holding module at the unsharded parameters (for forward). A trainable group's parameters
         frozen (or unfrozen again) on their sharded DTensors since wrapping are so in forward too, as FSDP2's."""
-        if self.requires_grad:
-            for param, sharded in zip(self.unsharded_params, self.sharded_params):
-                if param.requires_grad != sharded.requires_grad:
-                    param.requires_grad_(sharded.requires_grad)
+        for param, sharded, fqn in zip(self.unsharded_params, self.sharded_params, self.fqns):
+            if param.requires_grad != sharded.requires_grad:
+                if not self.requires_grad:
+                    raise RuntimeError(
+                        f"parameter {fqn!r} was frozen when fully_shard wrapped it and requires grad now: its group "
+                        "has no gradient buffers; unfreeze it before fully_shard (freezing after wrapping works)")
+                param.requires_grad_(sharded.requires_grad)
         if self.module_params is ModuleParams.UNSHARDED:
             return
         for ref, param in zip(self.refs, self.unsharded_params):

@@ -212,3 +212,21 @@ def test_parameters_frozen_after_wrapping_get_no_grad_as_under_fsdp2(reshard_aft
     torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=RTOL, atol=0)
     for name, value in theirs["params"].items():
         torch.testing.assert_close(ours["params"][name], value, rtol=RTOL, atol=1e-7, msg=name)
+
+
+def _unfreeze_frozen_at_wrap() -> str:
+    model = _MLP().to(device())
+    model.in_proj.weight.requires_grad_(False)
+    shardwise.fully_shard(model)
+    model.in_proj.weight.requires_grad_(True)
+    try:
+        model(torch.randn(2, 4, device=device()))
+    except RuntimeError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_unfreezing_a_parameter_frozen_at_wrap_time_is_refused_by_name():
+    """Where shardwise differs (FSDP2 trains it): said at the next forward, not trained silently."""
+    message = run_distributed(_unfreeze_frozen_at_wrap, 1)[0]
+    assert message.startswith("parameter 'in_proj.weight' was frozen when fully_shard wrapped it"), message
