@@ -227,8 +227,8 @@ class ParamGroup:
                     self._main = DistributedBuffer(self.levels, m, flat)
                 else:
                     self._main = self.levels.zeros(m, self.main_dtype)
-                if fulls is not None:
-                    self._main.fill(fulls)
+                if fulls is not None and not (self.offloaded and any(f.is_meta for f in fulls)):
+                    self._main.fill(fulls)  # (host main weights of a meta-built model: zeros until loaded)
         self.sharded_params = [self._make_sharded_param(i) for i in range(len(self.params))]
 
         # The unsharded buffer and the leaf parameters forward uses.

@@ -230,3 +230,35 @@ def test_unfreezing_a_parameter_frozen_at_wrap_time_is_refused_by_name():
     """Where shardwise differs (FSDP2 trains it): said at the next forward, not trained silently."""
     message = run_distributed(_unfreeze_frozen_at_wrap, 1)[0]
     assert message.startswith("parameter 'in_proj.weight' was frozen when fully_shard wrapped it"), message
+
+
+# ------------------------------------------------------------------ a meta-built model offloaded to the host
+def _meta_offload_load(which: str, split: bool) -> dict:
+    """torch's test_dp_state_dict_cpu_offload: built on the meta device, wrapped with CPUOffloadPolicy, loaded
+    with ``assign=True`` (one parameter at a time, ``strict=False``, or at once), then run."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.tensor import distribute_tensor
+
+    fully_shard = _fully_shard(which)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    for m in (*model, model):
+        fully_shard(m, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    torch.manual_seed(0)
+    pieces = [{n: distribute_tensor(torch.randn(p.size()), p.device_mesh, p.placements)}
+              for n, p in model.named_parameters()]
+    if split:
+        for sd in pieces:
+            model.load_state_dict(sd, assign=True, strict=False)
+    else:
+        model.load_state_dict({k: v for sd in pieces for k, v in sd.items()}, assign=True)
+    out = model(torch.ones(3, 4)).sum().item()
+    return {"out": out, "devices": sorted({v.device.type for v in model.state_dict().values()})}
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_a_meta_built_offloaded_model_loads_by_assignment_as_under_fsdp2(split):
+    theirs = run_distributed(_meta_offload_load, 2, "fsdp2", split)[0]
+    ours = run_distributed(_meta_offload_load, 2, "shardwise", split)[0]
+    assert ours["devices"] == theirs["devices"] == ["cpu"]
+    torch.testing.assert_close(ours["out"], theirs["out"], rtol=RTOL, atol=0)
