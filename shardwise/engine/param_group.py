@@ -134,8 +134,7 @@ class ParamGroup:
         # Multiplies the reduced gradients (the plan's mean over the data-parallel ranks, or FSDP2's
         # ``set_gradient_divide_factor``: a sum divided by the factor).
         self.grad_scale = plan.grad_scale
-        # FSDPModule.set_all_reduce_hook: (hook, stream or None), called on each finished reduction
-        self.all_reduce_hook: tuple | None = None
+        self.all_reduce_hook: tuple | None = None  # set_all_reduce_hook's (hook, stream), at each finished reduction
         # Offloaded: main weights (so the optimizer state) and the finished grads live on the host.
         self.offloaded = offload
         # page-locked only where a GPU copies from it (a gloo run on a CUDA host makes no CUDA context)
@@ -177,13 +176,11 @@ class ParamGroup:
     def _set_dtypes(self, dtype: torch.dtype) -> None:
         """Every buffer's dtype for parameters of ``dtype`` under the group's policy, and what follows from it."""
         policy, kp, m = self.policy, len(self.plan.param_axes), len(self.plan.opt_axes)
-        if dtype in CASTABLE_DTYPES:
-            self.compute_dtype = policy.compute_dtype(dtype)
-            self.main_dtype = policy.main_dtype(dtype)
-            self.main_grad_dtype = policy.main_grad_dtype(dtype)
-            self.comm_dtype = policy.comm_dtype(dtype)
-        else:  # a frozen integer or FP8 parameter (FSDP2 shards these too): kept, gathered as it is, never cast
-            self.compute_dtype = self.main_dtype = self.main_grad_dtype = self.comm_dtype = dtype
+        cast = dtype in CASTABLE_DTYPES  # a frozen integer / FP8 parameter (FSDP2 shards them too) is never cast
+        self.compute_dtype = policy.compute_dtype(dtype) if cast else dtype
+        self.main_dtype = policy.main_dtype(dtype) if cast else dtype
+        self.main_grad_dtype = policy.main_grad_dtype(dtype) if cast else dtype
+        self.comm_dtype = policy.comm_dtype(dtype) if cast else dtype
         self.main_aliases_model = self.compute_dtype == self.main_dtype and not self.offloaded
         # With ZeRO-3-like placements (parameters sharded exactly like the optimizer state) a
         # lower-precision model-weight shard is cast from the main weights on the gather
@@ -368,14 +365,12 @@ class ParamGroup:
             ref.param = None
 
     def use_unsharded(self) -> None:
-        """Point every holding module at the unsharded parameters (for forward). A trainable group's parameters
-        frozen (or unfrozen again) on their sharded DTensors since wrapping are so in forward too, as FSDP2's."""
+        """Point every holding module at the unsharded parameters (for forward), frozen where their DTensors are."""
         for param, sharded, fqn in zip(self.unsharded_params, self.sharded_params, self.fqns):
-            if param.requires_grad != sharded.requires_grad:
+            if param.requires_grad != sharded.requires_grad:  # frozen (or unfrozen) since wrapping, as FSDP2 follows
                 if not self.requires_grad:
-                    raise RuntimeError(
-                        f"parameter {fqn!r} was frozen when fully_shard wrapped it and requires grad now: its group "
-                        "has no gradient buffers; unfreeze it before fully_shard (freezing after wrapping works)")
+                    raise RuntimeError(f"parameter {fqn!r} was frozen when fully_shard wrapped it and requires grad "
+                                       "now: its group has no gradient buffers; unfreeze it before fully_shard")
                 param.requires_grad_(sharded.requires_grad)
         if self.module_params is ModuleParams.UNSHARDED:
             return
