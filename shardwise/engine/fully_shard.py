@@ -121,6 +121,7 @@ def fully_shard(
     Returns ``module``.
     """
     modules = check_call(module, unit_modules)
+    adopted = check_modules(modules)  # torch's units, a module wrapped twice: named before the meshes are read
     spmd, mesh, placements, tp_axis = resolve_spmd_mesh(  # dp_mesh_dims, or TP DTensors: FSDP2's SPMD mesh
         modules, mesh, dp_mesh_dims, reshard_after_forward, placements, strategy, outer_dp_sharding_strategy,
         expert_mesh, tp_axis, ignored_params)
@@ -134,7 +135,6 @@ def fully_shard(
         ignored_params=None if ignored_params is None else frozenset(ignored_params),
         sync_module_states=sync_module_states, check_module_states=resolve_check_mode(check_module_states),
     )
-    adopted = check_modules(modules)
     take_spmd_parameters(spmd, modules, options)  # the DTensor parameters as TP slices
     described = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
     differing = check_rank_consistency(described, options)  # one small collective; ranks that disagree fail here
