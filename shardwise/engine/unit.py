@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import torch
 import torch.nn as nn
 
 from .collectives import InFlight
@@ -98,20 +99,24 @@ class Unit:
     def trainable_groups(self) -> list[ParamGroup]:
         return [g for g in self.groups if g.requires_grad]
 
-    # Everything below is a loop over groups; the hooks decide when.
+    # Everything below is a loop over groups; the hooks decide when. The weight buffers' own work (gather,
+    # refresh, free) runs outside torch.func's transforms: a unit first called inside ``torch.func.jvp``
+    # gathers plain tensors, as FSDP2's collectives do, not functorch wrappers (which have no storage).
     def _restore_post_forward(self) -> None:
         if self.post_forward is not None and self.post_forward.holds:
             self.post_forward.restore()  # gathered over the k ranks: the groups' own gathers then do nothing
 
     def start_unshard(self) -> None:
-        self._restore_post_forward()
-        for g in self.groups:
-            g.start_unshard()
+        with torch._C._DisableFuncTorch():
+            self._restore_post_forward()
+            for g in self.groups:
+                g.start_unshard()
 
     def finish_unshard(self) -> None:
-        self._restore_post_forward()
-        for g in self.groups:
-            g.finish_unshard()
+        with torch._C._DisableFuncTorch():
+            self._restore_post_forward()
+            for g in self.groups:
+                g.finish_unshard()
 
     def unshard(self) -> None:
         self.finish_unshard()
@@ -126,16 +131,18 @@ class Unit:
             return
         if self.post_forward is not None:
             self.post_forward.drop()
-        for g in self.groups:
-            g.reshard()
+        with torch._C._DisableFuncTorch():
+            for g in self.groups:
+                g.reshard()
 
     def use_sharded(self) -> None:
         for g in self.groups:
             g.use_sharded()
 
     def refresh_model_weights(self) -> None:
-        for g in self.groups:
-            g.refresh_model_weights()
+        with torch._C._DisableFuncTorch():
+            for g in self.groups:
+                g.refresh_model_weights()
 
     def reduce_grads(self, finalize: bool) -> list[tuple[ParamGroup, InFlight]]:
         self.reduced = True
