@@ -33,10 +33,20 @@ def init_weights(model: nn.Module) -> None:
     place that sets the order in which the default RNG is consumed: a model built
     on ``meta``, materialized with ``to_empty`` and passed here after
     ``torch.manual_seed(s)`` equals one built directly after the same seed.
+
+    A module whose own tensors are all on ``meta`` is left alone: there are no values to write, meta
+    ops draw nothing from the RNG, and torch's meta ``normal_``/``arange`` import ``torch._dynamo``
+    (about as long as importing torch), paid by every process that only counts a model's parameters
+    (the ``shardwise train`` launcher's memory estimate, ``shardwise plan``).
     """
     for module in model.modules():
-        if hasattr(module, "reset_parameters"):
+        if hasattr(module, "reset_parameters") and not _all_meta(module):
             module.reset_parameters()
+
+
+def _all_meta(module: nn.Module) -> bool:
+    own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    return bool(own) and all(t.is_meta for t in own)
 
 
 def run_layers(layers, x, rope_cos, rope_sin, recompute: bool):
