@@ -7,7 +7,9 @@ Partial->Replicate all-reduces a flat buffer. The per-parameter collectives of
 one step run as one coalesced NCCL group, which costs no more than one flat
 collective and leaves each gathered parameter contiguous. Averages divide by
 the axis size (NCCL's ``AVG`` does that inside the collective; gloo sums, then
-we divide).
+we divide). A reduce-scatter in a narrow-range dtype (fp16, anything but fp32 and
+bf16) divides as FSDP2 does against overflow and underflow: by about the square
+root of the axis size before a SUM and by the rest after it, on every backend.
 
 On CUDA the chains run on a gather or a reduce side stream that first waits
 for the compute stream; the caller gets an event to make the compute stream
@@ -247,14 +249,43 @@ def reduce_scatter_pieces(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tens
     """Average ``ins[i]`` over ``axis`` and keep this rank's piece in ``outs[i]``, as one coalesced group."""
     if not outs:
         return
+    split = _split_divide(ins[0].dtype, axis.size)
+    if split is not None:  # fp16: FSDP2's pre-divide, SUM, post-divide, on every backend
+        pre, post = split
+        _sum_scatter(outs, torch._foreach_div(list(ins), float(pre)), axis)
+        torch._foreach_div_(list(outs), float(post))
+        return
     if axis.averages_natively:  # NCCL
         options = ReduceScatterOptions()
         options.reduceOp = dist.ReduceOp.AVG
         _coalesced_call(axis.group, ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"), outs, ins,
                         options)
         return
-    if not _packable(ins):
-        for out, inp in zip(outs, ins):  # gloo: one by one, summed, then divided
+    _sum_scatter(outs, ins, axis)
+    torch._foreach_div_(list(outs), float(axis.size))
+
+
+def _split_divide(dtype: torch.dtype, n: int) -> tuple[int, float] | None:
+    """FSDP2's split of the mean's division by ``n`` for a dtype with overflow risk (not fp32, not bf16):
+    ``pre`` doubles from 1 while it divides ``n`` and ``n / pre > pre``; ``n / pre`` after the SUM.
+    ``None`` for fp32 and bf16 (one average, bits unchanged) and for ``n == 1``."""
+    if dtype in (torch.float32, torch.bfloat16) or n == 1:
+        return None
+    pre = 1
+    while n % pre == 0 and n / pre > pre:
+        pre *= 2
+    return pre, n / pre
+
+
+def _sum_scatter(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], axis: AxisGroup) -> None:
+    """SUM ``ins[i]`` over ``axis`` and keep this rank's piece in ``outs[i]`` (NCCL: one coalesced group)."""
+    if axis.averages_natively:  # NCCL
+        options = ReduceScatterOptions()
+        options.reduceOp = dist.ReduceOp.SUM
+        _coalesced_call(axis.group, ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"), outs, ins,
+                        options)
+    elif not _packable(ins):
+        for out, inp in zip(outs, ins):  # gloo: one by one
             _reduce_scatter(out, inp, dist.ReduceOp.SUM, axis.group)
     else:  # gloo, several pieces: one call, rank-major over the packed pieces
         numels = [out.numel() for out in outs]
@@ -265,7 +296,6 @@ def reduce_scatter_pieces(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tens
         _reduce_scatter(mine, packed.view(-1), dist.ReduceOp.SUM, axis.group)
         for out, piece in zip(outs, mine.split(numels)):
             out.copy_(piece.view_as(out))
-    torch._foreach_div_(list(outs), float(axis.size))
 
 
 def broadcast_from_first_rank(tensor: torch.Tensor, groups: Sequence, device: torch.device) -> None:
