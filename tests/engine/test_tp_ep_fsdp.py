@@ -235,7 +235,8 @@ def _ep_dp_plan_fn():
                                       plan_fn=plan_fn)
         w1 = model.layers[1].mlp.bank.w1
         assert "ep" in w1.device_mesh.mesh_dim_names and w1.shape[0] == 4  # all 4 experts, split over EP
-        assert "ep" not in model.layers[1].mlp.router.device_mesh.mesh_dim_names
+        # the dense parameters' mesh: FSDP2's default one (unnamed) with mesh=None, never the expert mesh
+        assert "ep" not in (model.layers[1].mlp.router.device_mesh.mesh_dim_names or ())
         return model
 
     def full_state(model):  # under the reference's names
