@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..engine.placements import STRATEGY_PLACEMENTS, outer_strategy_choices
 from ..models import GPTConfig
 from .corpus import check_flags as check_data_flags, check_world as check_data, resolve_tokenizer
 from .data import DATA_DTYPES, check_data_path
@@ -54,9 +55,9 @@ class TrainConfig:
     seq_len: int = field(default=128, metadata=_help("tokens per sequence"))
     max_grad_norm: float = field(default=1.0, metadata=_help("clip the global grad norm (0 = no clipping)"))
     strategy: str = field(default="optim_grads_params", metadata=_help(
-        "sharding: no_shard/optim/optim_grads/optim_grads_params or ZeRO stage 0-3"))
+        f"sharding: {'/'.join(STRATEGY_PLACEMENTS)} or ZeRO stage 0-3"))
     outer_strategy: str = field(default="", metadata=_help(
-        "outer axis: no_shard (HSDP) or optim (HFSDP); needs --outer-dp"))
+        f"outer axis: {outer_strategy_choices()}; needs --outer-dp"))
     outer_dp: int = field(default=0, metadata=_help("size of the outer data-parallel axis"))
     pp: int = field(default=1, metadata=_help(
         "pipeline stages: the model cut by layers over this many ranks (processes = pp x data-parallel ranks; "

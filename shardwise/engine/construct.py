@@ -195,8 +195,8 @@ class GroupBuilder:
     balancer: OwnerBalancer = field(default_factory=OwnerBalancer)  # owners of Owned() matrices (owner_layout)
 
     def build_groups(self, owner: nn.Module) -> list[ParamGroup]:
-        """Materialize ``owner``'s meta parameters, then shard what it owns: one group per plan, dtype,
-        requires_grad and sequence-parallel flag (the root's split into buckets of ``bucket_size``)."""
+        """Materialize ``owner``'s meta parameters, then shard what it owns: one ``ParamGroup`` per key of
+        :meth:`_buckets` (docs/design.md's "group")."""
         if self.options.init_fn is not None and any(p.is_meta for p in owner.parameters()):
             self.options.init_fn(owner, self.device)
         return [self._group(owner, key, bucket) for key, bucket in self._buckets(owner).items()]

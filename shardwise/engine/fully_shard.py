@@ -120,21 +120,17 @@ def fully_shard(
     checksums (``"off"`` or ``False``: a caller that syncs them later, as Megatron's ``broadcast_params``).
     Returns ``module``.
     """
+    arguments = dict(locals())  # the call's arguments by name: FullyShardOptions' fields are named after them
     modules = check_call(module, unit_modules)
     adopted = check_modules(modules)  # torch's units, a module wrapped twice: named before the meshes are read
     spmd, mesh, placements, tp_axis = resolve_spmd_mesh(  # dp_mesh_dims, or TP DTensors: FSDP2's SPMD mesh
         modules, mesh, dp_mesh_dims, reshard_after_forward, placements, strategy, outer_dp_sharding_strategy,
         expert_mesh, tp_axis, ignored_params)
-    options = FullyShardOptions(
-        mesh=mesh, placements=placements, strategy=strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy,
-        unit_modules=unit_modules, mixed_precision=resolve_policy(mp_policy, mixed_precision), init_fn=init_fn,
-        reshard_after_forward=reshard_after_forward, prefetch=prefetch, tp_axis=tp_axis, expert_mesh=expert_mesh,
-        expert_placements=expert_placements, ep_axis=ep_axis, gradient_reduction=gradient_reduction,
-        bucket_size=bucket_size, plan_fn=plan_fn, offload_policy=resolve_offload(offload_policy),
-        collectives=collectives, graph_safe=graph_safe, shard_placement_fn=shard_placement_fn,
+    options = FullyShardOptions.from_call(
+        arguments, mesh=mesh, placements=placements, tp_axis=tp_axis,
+        mixed_precision=resolve_policy(mp_policy, mixed_precision), offload_policy=resolve_offload(offload_policy),
         ignored_params=None if ignored_params is None else frozenset(ignored_params),
-        sync_module_states=sync_module_states, check_module_states=resolve_check_mode(check_module_states),
-    )
+        check_module_states=resolve_check_mode(check_module_states))
     take_spmd_parameters(spmd, modules, options)  # the DTensor parameters as TP slices
     described = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
     differing = check_rank_consistency(described, options)  # one small collective; ranks that disagree fail here

@@ -1,6 +1,7 @@
 """One parameter group: its buffers and their lifecycle.
 
-A group is the parameters of one unit that share a dtype and requires_grad.
+What a group is (which parameters of a unit share one) is written once, in docs/design.md's vocabulary
+("group"), and built once, by ``construct.GroupBuilder._buckets``.
 Each buffer is a ``DistributedBuffer`` (``distributed_buffer``): one *level* of every
 parameter's sharding (see ``layout``), one slot per parameter packed into a
 flat tensor, and the transitions between levels:

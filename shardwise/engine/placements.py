@@ -18,6 +18,8 @@ __all__ = [
     "AxisPlacements",
     "STRATEGY_PLACEMENTS",
     "OUTER_STRATEGY_PLACEMENTS",
+    "HYBRID_NAMES",
+    "outer_strategy_choices",
     "hybrid_problem",
     "resolve_strategy",
     "strategy_placements",
@@ -51,6 +53,13 @@ OUTER_STRATEGY_PLACEMENTS: dict[str, AxisPlacements] = {
     "no_shard": AxisPlacements(R, P, R),
     "optim": AxisPlacements(R, P, S),
 }
+#: what each outer strategy is called (flags' help, errors, the planner's labels)
+HYBRID_NAMES = {"no_shard": "HSDP", "optim": "HFSDP"}
+
+
+def outer_strategy_choices() -> str:
+    """``'no_shard' = HSDP, 'optim' = HFSDP``: the outer strategies with their names, for help and errors."""
+    return ", ".join(f"{name!r} = {HYBRID_NAMES[name]}" for name in OUTER_STRATEGY_PLACEMENTS)
 
 _ALIASES = {
     0: "no_shard",
@@ -113,8 +122,7 @@ def hybrid_problem(inner: str, outer: str, inner_argument: str = "strategy", giv
     :data:`OUTER_STRATEGY_PLACEMENTS` (``no_shard`` = HSDP, ``optim`` = HFSDP), and HFSDP needs ZeRO-3 on the
     inner axis (``inner_argument`` names it, with the value ``given_inner`` as the caller was given it)."""
     if outer not in OUTER_STRATEGY_PLACEMENTS:
-        return (f"is not supported; expected one of {sorted(OUTER_STRATEGY_PLACEMENTS)} "
-                "('no_shard' = HSDP, 'optim' = HFSDP)")
+        return f"is not supported; expected one of {sorted(OUTER_STRATEGY_PLACEMENTS)} ({outer_strategy_choices()})"
     if outer == "optim" and inner != "optim_grads_params":
         return (f"(HFSDP) needs {inner_argument}='optim_grads_params' on the inner axis, "
                 f"got {inner_argument}={inner if given_inner is None else given_inner!r}")

@@ -7,6 +7,7 @@ from typing import Callable, Sequence
 
 import torch.nn as nn
 
+from ...engine.placements import hybrid_problem
 from ...models import GPTConfig
 from .hardware import EFFICIENCY, Cluster, GpuSpec, load_calibration, parse_gpu
 from .model_source import ModelSource, factory_source, gpt_source, hf_source, preset_source, shape_source
@@ -64,8 +65,8 @@ def plan(model, *, gpus: int, gpus_per_node: int = 8, gpu: str | GpuSpec = "H100
     """
     if replicas is not None and (replicas < 1 or gpus % replicas):
         raise ValueError(f"replicas={replicas} must be a positive divisor of gpus={gpus}")
-    if outer_strategy not in (None, "no_shard", "optim"):
-        raise ValueError(f"outer_strategy={outer_strategy!r} must be 'no_shard' (HSDP) or 'optim' (HFSDP)")
+    if outer_strategy is not None and (problem := hybrid_problem("optim_grads_params", outer_strategy)):
+        raise ValueError(f"outer_strategy={outer_strategy!r} {problem}")
     spec = gpu if isinstance(gpu, GpuSpec) else parse_gpu(gpu)
     eff = EFFICIENCY
     if calibration:  # the measured machine replaces the named GPU and the fitted efficiencies

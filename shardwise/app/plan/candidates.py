@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
+from ...engine.placements import HYBRID_NAMES, resolve_strategy
+
 __all__ = ["Candidate", "candidates", "replica_choices"]
 
 STRATEGIES = ("optim_grads_params", "optim_grads", "optim")  # ZeRO-3, 2, 1
-ZERO = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+ZERO = {resolve_strategy(stage): stage for stage in range(4)}  # the engine's ZeRO stage of each strategy name
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class Candidate:
     def label(self) -> str:
         parts = [f"ZeRO-{ZERO[self.strategy]}"]
         if self.replicas > 1:
-            parts.append(f"{'HFSDP' if self.outer_strategy == 'optim' else 'HSDP'} x{self.replicas}")
+            parts.append(f"{HYBRID_NAMES[self.outer_strategy]} x{self.replicas}")
         if not self.reshard_after_forward:
             parts.append("keep weights fwd->bwd")
         parts.append("AC" if self.activation_checkpointing else "no AC")

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ...engine.placements import OUTER_STRATEGY_PLACEMENTS, outer_strategy_choices
+from .candidates import STRATEGIES
 from .hardware import GPUS
 
 __all__ = ["build_parser", "main", "DEFAULT_CALIBRATION"]
@@ -51,13 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     choice.add_argument("--offload", action="store_true", help="also weigh CPU offload (fractions 0.5, 1)")
     choice.add_argument("--no-fp8", action="store_true", help="leave out FP8 compute (with and without the FP8 gather)")
     choice.add_argument("--no-hybrid", action="store_true", help="leave out HSDP / HFSDP")
-    choice.add_argument("--strategy", action="append", choices=["optim_grads_params", "optim_grads", "optim"],
+    choice.add_argument("--strategy", action="append", choices=list(STRATEGIES),
                         help="weigh only these ZeRO stages (repeatable; HSDP/HFSDP are optim_grads_params)")
     choice.add_argument("--activation-checkpointing", choices=["on", "off", "both"], default="both")
     choice.add_argument("--reshard-after-forward", choices=["on", "off", "both"], default="both")
     choice.add_argument("--replicas", type=int, help="weigh only this HSDP/HFSDP replica count (1: none)")
-    choice.add_argument("--outer-strategy", choices=["no_shard", "optim"],
-                        help="weigh only HSDP (no_shard) or HFSDP (optim) among the hybrid layouts")
+    choice.add_argument("--outer-strategy", choices=list(OUTER_STRATEGY_PLACEMENTS),
+                        help=f"weigh only this one among the hybrid layouts ({outer_strategy_choices()})")
     dry = p.add_argument_group("dry run (docs/plan.md, \"The dry run\")")
     dry.add_argument("--dry-run", action="store_true",
                      help="then run a few real steps of rank 0 of the recommended configuration on this machine's "
