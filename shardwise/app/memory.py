@@ -30,9 +30,10 @@ only each layer's input. MoE and Mamba layers are counted roughly (not
 calibrated against a measurement); the estimate says so in its notes.
 
 ``check_fits`` compares an estimate with free memory and raises
-:class:`DoesNotFit`, naming the numbers and the changes that would fit;
-``check_fits_on_cpu`` does the same for a CPU run, whose ranks all take their
-memory from the host's (``MemAvailable``).
+:class:`DoesNotFit`, naming the numbers; ``check_fits_on_cpu`` does the same
+for a CPU run, whose ranks all take their memory from the host's
+(``MemAvailable``). What would fit is ``plan.fit``'s one search (train's
+refusal and the planner's answer alike).
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ import torch
 
 from .memory_estimate import GIB, BufferSizes, MemoryEstimate, combine, host_parts, offloaded_units
 from ..models import GPT, GPTConfig
-from ..engine.placements import resolve_strategy
 
 __all__ = ["Activations", "activation_bytes", "gpt_units", "estimate_for_run", "check_fits", "DoesNotFit",
            "host_available_bytes", "OPTIMIZER_TEMPS", "check_fits_on_cpu", "cpu_bytes",
@@ -391,68 +391,10 @@ def _fits(est: MemoryEstimate, gpu_free: float, host_free: float | None) -> bool
     return est.gpu_bytes <= gpu_free and (host_free is None or est.host_bytes <= host_free)
 
 
-def _suggestions(est: MemoryEstimate, gpu_free: float, host_free: float | None) -> list[str]:
-    """Changes that make the estimate fit, each with its numbers (needs an estimate_for_run estimate)."""
-    inputs = est.inputs
-    if "config" not in inputs:
-        return []
-    out = []
-
-    def again(**changes) -> MemoryEstimate:
-        return estimate_for_run(**{**inputs, **changes})
-
-    def numbers(e: MemoryEstimate) -> str:
-        host = f", per host {e.host_bytes / GIB:.1f} GiB" if e.host_bytes else ""
-        return f"per GPU {e.gpu_bytes / GIB:.1f} GiB{host}"
-
-    fraction = inputs["offload_fraction"]
-    if est.gpu_bytes > gpu_free:
-        for f in [x / 10 for x in range(1, 11)]:
-            e = again(offload_fraction=f) if f > fraction else None
-            if e is not None and _fits(e, gpu_free, host_free):
-                out.append(f"offloading more, --offload --offload-fraction {f:g} ({numbers(e)})")
-                break
-        config = inputs["config"]
-        ckpt = inputs["activation_checkpointing"]
-        ckpt = config.activation_checkpointing if ckpt is None else ckpt
-        if not ckpt:
-            e = again(activation_checkpointing=True)
-            out.append(f"activation checkpointing, --activation-checkpointing ({numbers(e)})")
-        if inputs["micro_batch"] > 1:
-            mb = inputs["micro_batch"] // 2
-            while mb >= 1:
-                e = again(micro_batch=mb)
-                if _fits(e, gpu_free, host_free) or mb == 1:
-                    out.append(f"a smaller --micro-batch-size {mb} ({numbers(e)})")
-                    break
-                mb //= 2
-        world, outer = inputs["world"], inputs["outer"]
-        for factor in (2, 4, 8, 16):
-            e = again(world=world * factor, outer=outer * factor if outer else None,
-                      ranks_per_host=inputs["ranks_per_host"])
-            if _fits(e, gpu_free, host_free):
-                out.append(f"more GPUs: {world * factor} ({numbers(e)})")
-                break
-        if resolve_strategy(inputs["strategy"]) != "optim_grads_params":
-            e = again(strategy="optim_grads_params")
-            out.append(f"--strategy optim_grads_params ({numbers(e)})")
-    if host_free is not None and est.host_bytes > host_free and fraction > 0:
-        for f in [x / 10 for x in range(9, -1, -1)]:
-            if f < fraction:
-                e = again(offload_fraction=f)
-                if _fits(e, gpu_free, host_free):
-                    out.append(f"a smaller --offload-fraction {f:g} ({numbers(e)})")
-                    break
-        hosts = inputs["ranks_per_host"] or inputs["world"]
-        if hosts > 1:
-            e = again(ranks_per_host=max(1, hosts // 2))
-            out.append(f"fewer ranks per host ({hosts // 2}: {numbers(e)})")
-    return out
-
-
 def check_fits(estimate: MemoryEstimate, gpu_free_bytes: float, host_free_bytes: float | None = None,
                *, warn_within: float = 0.10) -> str:
-    """Raise :class:`DoesNotFit` when ``estimate`` passes the free memory of a GPU or of the host.
+    """Raise :class:`DoesNotFit` when ``estimate`` passes the free memory of a GPU or of the host, naming the
+    numbers (``plan.fit.check_run`` adds what would fit: the one search, ``plan.fit.search``).
 
     Returns a warning line when it fits with less than ``warn_within`` of the free memory to spare
     (the allocator's fragmentation takes a few percent more than the allocated peak), else ``""``.
@@ -463,10 +405,7 @@ def check_fits(estimate: MemoryEstimate, gpu_free_bytes: float, host_free_bytes:
     if host_free_bytes is not None and estimate.host_bytes > host_free_bytes:
         over.append(f"{estimate.host_bytes / GIB:.1f} GiB of host memory needed, {host_free_bytes / GIB:.1f} GiB free")
     if over:
-        tips = _suggestions(estimate, gpu_free_bytes, host_free_bytes)
-        message = ("this configuration does not fit: " + "; ".join(over) + f". Estimate: {estimate.describe()}."
-                   + (" Would fit or help: " + "; ".join(tips) + "." if tips else ""))
-        raise DoesNotFit(message)
+        raise DoesNotFit("this configuration does not fit: " + "; ".join(over) + f". Estimate: {estimate.describe()}.")
     tight = []
     if estimate.gpu_bytes > (1 - warn_within) * gpu_free_bytes:
         tight.append(f"per GPU {estimate.gpu_bytes / GIB:.1f} of {gpu_free_bytes / GIB:.1f} GiB free")
@@ -491,35 +430,14 @@ def check_fits_on_cpu(estimate: MemoryEstimate, available_bytes: float | None, r
     """Raise :class:`DoesNotFit` when a CPU run's ranks together pass the host's available memory.
 
     Without this a run too large for the machine starts and swaps, or is killed after minutes without a word.
-    ``available_bytes`` ``None`` (not Linux) checks nothing.
+    ``available_bytes`` ``None`` (not Linux) checks nothing. ``plan.fit.check_run_on_cpu`` adds what would fit.
     """
     needed = cpu_bytes(estimate, ranks_on_host)
     if available_bytes is None or needed <= available_bytes:
         return
-    inputs = estimate.inputs
-    tips = []
-    if "config" in inputs:
-        def numbers(changes: dict, ranks: int) -> tuple[bool, str]:
-            e = estimate_for_run(**{**inputs, **changes})
-            total = cpu_bytes(e, ranks)
-            return total <= available_bytes, f"{total / GIB:.1f} GiB"
-
-        ckpt = inputs["activation_checkpointing"]
-        if not (inputs["config"].activation_checkpointing if ckpt is None else ckpt):
-            tips.append(("--activation-checkpointing", {"activation_checkpointing": True}, ranks_on_host))
-        if inputs["micro_batch"] > 1:
-            tips.append((f"--micro-batch-size {inputs['micro_batch'] // 2}",
-                         {"micro_batch": inputs["micro_batch"] // 2}, ranks_on_host))
-        if resolve_strategy(inputs["strategy"]) != "optim_grads_params":
-            tips.append(("--strategy optim_grads_params", {"strategy": "optim_grads_params"}, ranks_on_host))
-        if ranks_on_host > 1 and inputs["world"] == ranks_on_host and not inputs["outer"]:
-            tips.append(("--nproc 1", {"world": 1, "ranks_per_host": 1}, 1))
-        tips = [f"{flag} ({'fits' if fits else 'still too large'}: {total})"
-                for flag, changes, ranks in tips for fits, total in [numbers(changes, ranks)]]
     ranks = f"{ranks_on_host} ranks x " if ranks_on_host > 1 else ""
     host = f" + {estimate.host_bytes / GIB:.1f} GiB offloaded" if estimate.host_bytes else ""
     raise DoesNotFit(
         f"this configuration does not fit in this machine's memory: {ranks}({estimate.gpu_bytes / GIB:.1f} GiB + "
         f"{INTERPRETER_BYTES / GIB:.2f} GiB interpreter) per rank{host} = {needed / GIB:.1f} GiB needed, {available_bytes / GIB:.1f} GiB available (MemAvailable). "
-        f"Estimate: {estimate.describe('cpu')}. Would help: " + "".join(tip + "; " for tip in tips)
-        + "a smaller model (--preset, --dim, --n-layers).")
+        f"Estimate: {estimate.describe('cpu')}.")

@@ -125,7 +125,8 @@ def _run_estimate(cfg: TrainConfig, model_cfg: GPTConfig, world: int, device_typ
 def check_host_memory(cfg: TrainConfig, model_cfg: GPTConfig, world: int, ranks_per_host: int) -> None:
     """A CPU run: every rank's estimated peak together against the host's available memory (before any
     process starts); :class:`.memory.DoesNotFit` says what would fit."""
-    from .memory import INTERPRETER_BYTES, check_fits_on_cpu, host_available_bytes
+    from .memory import INTERPRETER_BYTES, host_available_bytes
+    from .plan.fit import check_run_on_cpu
 
     available = host_available_bytes()
     if cfg.pp > 1:
@@ -142,7 +143,7 @@ def check_host_memory(cfg: TrainConfig, model_cfg: GPTConfig, world: int, ranks_
         return
     estimate = _run_estimate(cfg, model_cfg, world, "cpu", ranks_per_host)
     if estimate is not None:
-        check_fits_on_cpu(estimate, available, ranks_per_host)
+        check_run_on_cpu(estimate, available, ranks_per_host)
 
 
 def _limit_collective_waits(model: torch.nn.Module | None, timeout_s: float) -> None:

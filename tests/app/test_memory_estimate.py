@@ -144,6 +144,10 @@ def test_hybrid_sharding_levels():
 
 
 def test_check_fits_raises_naming_the_numbers_and_what_would_fit():
+    """check_fits names the numbers; train's refusal (plan.fit.check_run) adds the one search's answer, whose
+    numbers are that configuration's own estimate and fit."""
+    from shardwise.app.plan.fit import check_run
+
     s = SIZES["8b"]
     estimate = estimate_for_run(model_config(s), s.seq_len, s.micro_batch, 1)  # 8B on one 80 GiB GPU
     assert estimate.gpu_bytes > 120 * GIB
@@ -151,15 +155,21 @@ def test_check_fits_raises_naming_the_numbers_and_what_would_fit():
         check_fits(estimate, gpu_free_bytes=79 * GIB, host_free_bytes=250 * GIB)
     message = str(error.value)
     assert f"{estimate.gpu_bytes / GIB:.1f} GiB per GPU needed, 79.0 GiB free" in message
-    assert "--offload-fraction" in message and "more GPUs: 2" in message
-    # the host side: everything offloaded on a small host
+    with pytest.raises(DoesNotFit) as error:
+        check_run(estimate, gpu_free=79 * GIB, host_free=250 * GIB)
+    assert str(error.value).startswith(message + " What fits: ") and "--offload-fraction" in str(error.value)
+    # the host side: everything offloaded on a small host; the search offloads less
     offloaded = estimate_for_run(model_config(s), s.seq_len, s.micro_batch, 2, offload_fraction=1.0)
-    with pytest.raises(DoesNotFit, match=r"GiB of host memory needed, 64.0 GiB free.*smaller --offload-fraction"):
-        check_fits(offloaded, gpu_free_bytes=139 * GIB, host_free_bytes=64 * GIB)
-    # 0.9b without checkpointing on a 24 GiB GPU: checkpointing is named with its numbers
+    with pytest.raises(DoesNotFit, match=r"GiB of host memory needed, 64.0 GiB free.*What fits: .*"
+                                         r"--offload-fraction 0.5\) \(per GPU [\d.]+ GiB, per host [\d.]+ GiB\)"):
+        check_run(offloaded, gpu_free=139 * GIB, host_free=64 * GIB)
+    # 0.9b without checkpointing on a 16 GiB GPU: checkpointing alone, with its numbers
     small = _bench_estimate("0.9b")
-    with pytest.raises(DoesNotFit, match=r"activation checkpointing, --activation-checkpointing \(per GPU"):
-        check_fits(small, gpu_free_bytes=16 * GIB)
+    checkpointed = estimate_for_run(**{**small.inputs, "activation_checkpointing": True})
+    with pytest.raises(DoesNotFit, match=r"What fits: .*\(--strategy optim_grads_params --micro-batch-size "
+                                         rf"{small.inputs['micro_batch']} --activation-checkpointing\) "
+                                         rf"\(per GPU {checkpointed.gpu_bytes / GIB:.1f} GiB\)\.$"):
+        check_run(small, gpu_free=16 * GIB, host_free=None)
     assert check_fits(small, gpu_free_bytes=139 * GIB) == ""
     assert "tight" in check_fits(small, gpu_free_bytes=21 * GIB)
 

@@ -143,13 +143,50 @@ def test_train_refuses_a_run_that_cannot_fit_naming_a_configuration_that_does():
 
     s = SIZES["8b"]
     estimate = estimate_for_run(model_config(s), s.seq_len, 2, 1, "optim", activation_checkpointing=False)
-    with pytest.raises(DoesNotFit, match=r"The planner's configuration that fits: --strategy \S+ "
+    with pytest.raises(DoesNotFit, match=r"What fits: .*\(--strategy \S+ "
                                          r"--micro-batch-size \d+.*--offload --offload-fraction") as error:
         check_run(estimate, gpu_free=79 * 2**30, host_free=2**40)
     import re
 
-    named = float(re.search(r"fits: .*\(per GPU ([\d.]+) GiB", str(error.value)).group(1))
+    named = float(re.search(r"What fits: .*\(per GPU ([\d.]+) GiB", str(error.value)).group(1))
     assert named <= 79
+
+
+def test_the_search_tries_fewest_changes_first_then_other_worlds():
+    """fit.search (train's refusal and the planner's): one changed field before two, then the start on more
+    GPUs; the first that fits is returned with what weighed it."""
+    from shardwise.app.plan.fit import search
+
+    start = Candidate(strategy="optim", micro_batch=4)
+    weighed = []
+
+    def weigh(cand, gpus):
+        weighed.append((cand, gpus))
+        return gpus
+
+    assert search(start, 2, weigh, lambda gpus: gpus >= 8, worlds=[4, 8, 16]).gpus == 8
+    changed = [sum(getattr(c, f) != getattr(start, f) for f in ("strategy", "activation_checkpointing", "micro_batch",
+                                                                 "offload_fraction")) for c, g in weighed if g == 2]
+    assert changed == sorted(changed) and changed[0] == 1 and start not in [c for c, g in weighed if g == 2]
+    assert [g for _, g in weighed if g != 2] == [4, 8]
+    assert search(start, 2, weigh, lambda gpus: False, worlds=[4]) is None
+
+
+def test_the_planner_names_what_would_fit_when_no_candidate_does():
+    """Only ZeRO-3 without checkpointing weighed, on a GPU whose limit (92% of 1.4 MiB) is under its traced peak:
+    no row fits, and the plan names what the same search finds, traced: the fewest changes, checkpointing."""
+    from shardwise.app.plan import plan
+    from shardwise.app.plan.fit import flags
+
+    found = plan(TINY, gpus=2, gpus_per_node=2, gpu="custom:bf16=1000,fp8=2000,hbm=0.0013671875,hbm_bw=3,nvlink=400,"
+                 "net=50", seq=32, fp8=False, hybrid=False, checkpointing=False, reshard_after_forward=True,
+                 strategies=["optim_grads_params"])
+    limit = (1 - 0.08) * 1.4 * 2**20
+    assert [r.fits for r in found.rows] == [False] and found.rows[0].memory.peak > limit
+    fit = found.would_fit
+    assert (fit.candidate, fit.gpus) == (Candidate(activation_checkpointing=True), 2) and fit.memory.peak <= limit
+    assert found.why() == (f"no candidate fits. What fits: {fit.candidate.label()} ({flags(fit.candidate)}) "
+                           f"(peak {fit.memory.peak / 2**20:.1f} MiB per GPU).")
 
 
 def test_the_command_plans_a_preset_and_names_what_it_recommends(capsys):

@@ -51,6 +51,7 @@ class Plan:
     global_batch: int
     rows: list[Row] = field(default_factory=list)  # ranked: fitting ones first, fastest first
     dry_run: object = None  # the recommended row's ``DryRun`` (``dry_run.py``) when one was asked for
+    would_fit: object = None  # where no row fits: what ``fit.search`` found that would (``fit.Fit``), or None
 
     @property
     def recommended(self) -> Row | None:
@@ -59,7 +60,9 @@ class Plan:
     def why(self) -> str:
         best = self.recommended
         if best is None:
-            return "no candidate fits: more GPUs, a smaller micro-batch or CPU offload (--offload)"
+            from .fit import advice
+
+            return "no candidate fits. " + advice(self.would_fit, _peak)
         terms = best.time.terms
         top = best.time.dominant()
         share = terms[top] / best.time.seconds
@@ -70,6 +73,11 @@ class Plan:
             text += (f"; faster but over memory: {fastest.candidate.label()} "
                      f"({fastest.memory.peak / 2**30:.1f} GiB)")
         return text
+
+
+def _peak(memory: MemoryTrace) -> str:
+    unit, name = (2**30, "GiB") if memory.peak >= 2**30 else (2**20, "MiB")
+    return f"peak {memory.peak / unit:.1f} {name} per GPU"
 
 
 def evaluate(source: ModelSource, cluster: Cluster, cand: Candidate, seq: int, global_batch: int, *,
@@ -102,7 +110,27 @@ def plan(source: ModelSource, cluster: Cluster, seq: int, global_batch: int, *, 
         _rank(found, source, cluster, seq, global_batch, compiled, eff, offload, fp8, hybrid, micro_batches, only,
               headroom, progress)
     found.rows.sort(key=lambda r: (not r.fits, -r.tokens_per_s_per_gpu))
+    if found.rows and found.recommended is None:
+        found.would_fit = _would_fit(found, source, cluster, seq, headroom)
     return found
+
+
+def _would_fit(found: Plan, source: ModelSource, cluster: Cluster, seq: int, headroom: float):
+    """Nothing weighed fits: ``fit.search`` (the same search as ``shardwise train``'s refusal) from the row of
+    the smallest peak, with the trace, over offload and on more GPUs."""
+    from .fit import search
+
+    start = min(found.rows, key=lambda r: r.memory.peak)
+    traced = {(replace(r.candidate, fp8=False, fp8_gather=False), cluster.gpus): r.memory for r in found.rows}
+
+    def weigh(cand: Candidate, gpus: int) -> MemoryTrace:
+        key = (replace(cand, fp8=False, fp8_gather=False), gpus)
+        if key not in traced:
+            traced[key] = trace_memory(source, gpus, key[0], seq)
+        return traced[key]
+
+    return search(start.candidate, cluster.gpus, weigh, lambda m: m.peak <= (1 - headroom) * cluster.gpu.hbm_bytes,
+                  worlds=[cluster.gpus * k for k in (2, 4, 8, 16)])
 
 
 def _rank(found, source, cluster, seq, global_batch, compiled, eff, offload, fp8, hybrid, micro_batches, only,
