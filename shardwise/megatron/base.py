@@ -358,13 +358,13 @@ class _ShardedDataParallel(_BaseDataParallel):
         expert_placements: Optional[dict[str, AxisPlacements]] = None,
         gradient_reduction: str = "mean",
         bucket_size: Optional[int] = None,
-        graph_mode: bool = False,
+        graph_safe: bool = False,
     ) -> None:
         """Shard the model (:attr:`sharded_model`) with the engine: dense parameters over ``mesh`` (its ``tp`` axis, if
         any, is tensor-parallel), expert parameters (:func:`is_expert_param`) over ``expert_mesh``
-        (its ``ep`` axis). ``graph_mode`` (``megatron_fsdp_cuda_graph_mode``): ``graph_safe=True``, see
+        (its ``ep`` axis). ``graph_safe`` (``megatron_fsdp_cuda_graph_mode``): ``fully_shard(graph_safe=True)``, see
         :meth:`zero_grad_buffer` and :class:`ParamAndGradBufferView` for what changes around it."""
-        self.graph_mode = graph_mode
+        self.graph_safe = graph_safe
         module = self.sharded_model
         initializer = None
         if has_meta_tensors(module):
@@ -399,7 +399,7 @@ class _ShardedDataParallel(_BaseDataParallel):
             bucket_size=bucket_size,
             plan_fn=plan_fn_for(module),
             collectives=buffers,
-            graph_safe=graph_mode,
+            graph_safe=graph_safe,
             check_module_states=False,  # data-parallel ranks may differ until broadcast_params (--data-parallel-random-init)
         )
         if initializer is not None:
@@ -407,7 +407,7 @@ class _ShardedDataParallel(_BaseDataParallel):
         for param in module.parameters():
             setattr(param, FSDP_PARAM_ATTR, True)
         attach_checkpoint_attributes(module, tp_attributes)
-        self.param_and_grad_buffer = ParamAndGradBufferView(module, rebuild_now=not graph_mode, ddp_config=ddp_config,
+        self.param_and_grad_buffer = ParamAndGradBufferView(module, rebuild_now=not graph_safe, ddp_config=ddp_config,
                                                             user_buffers=buffers)
 
     @property
@@ -429,11 +429,11 @@ class _ShardedDataParallel(_BaseDataParallel):
         """Start a new step: the next backward overwrites the gradient buffers instead of adding.
 
         Clears every sharded parameter's ``.grad`` and drops what earlier
-        ``no_sync`` micro-batches accumulated without a final backward. In CUDA-graph mode the
+        ``no_sync`` micro-batches accumulated without a final backward. In graph-safe mode the
         gradients are zeroed in place instead and ``.grad`` stays: Megatron-LM's optimizer reads it right
         after a replay, which runs no Python to install it again.
         """
-        if getattr(self, "graph_mode", False):
+        if getattr(self, "graph_safe", False):
             zero_grads_in_place(self.sharded_model)
         else:
             self.sharded_model.zero_grad_buffer()

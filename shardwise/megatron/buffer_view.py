@@ -38,7 +38,7 @@ class ParamAndGradBufferView:
         self._module = module
         self._ddp_config = ddp_config
         self._user_buffers = user_buffers  # the chunk's NcclUserBuffers (nccl_ub on NCCL), else None
-        # CUDA-graph mode: the rebuild belongs to the next forward (inside Megatron-LM's captured
+        # graph-safe mode: the rebuild belongs to the next forward (inside Megatron-LM's captured
         # iteration, so every replay redoes it), never to the eager optimizer step.
         self._rebuild_now = rebuild_now
 
@@ -51,7 +51,7 @@ class ParamAndGradBufferView:
 
         Where parameters are replicated but the optimizer state is sharded
         (ZeRO-1/2, HFSDP's outer axis) this gathers the updated shards now; a
-        ZeRO-3 unit casts and gathers at its next forward, as it always does. In CUDA-graph mode
+        ZeRO-3 unit casts and gathers at its next forward, as it always does. In graph-safe mode
         the weights are only marked changed: the next forward rebuilds them in place (a replay
         cannot run the host logic that would decide it).
         """

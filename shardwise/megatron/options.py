@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Optional
 
 __all__ = [
     "Verdict", "Handling", "Option", "OPTIONS", "UnsupportedMegatronOption",
-    "check_options", "render_markdown", "V1", "V2", "GRAPH_MODE", "graph_mode",
+    "check_options", "render_markdown", "V1", "V2", "GRAPH_SAFE_REFUSALS", "asks_graph_safe",
 ]
 
 logger = logging.getLogger("shardwise.megatron.mcore_fsdp_adapter")
@@ -85,8 +85,9 @@ NOT_NONE = When("not None", lambda v: v is not None)
 NOT_ONE = When("not 1", lambda v: v is not None and v != 1)
 
 
-def graph_mode(ddp_config: Any) -> bool:
-    """Whether the DDP config asks for Megatron-FSDP's CUDA-graph mode (0.19's field; 0.16 has none)."""
+def asks_graph_safe(ddp_config: Any) -> bool:
+    """Whether the DDP config asks for Megatron-FSDP's CUDA-graph mode (0.19's field; 0.16 has none): the
+    engine's graph-safe mode (``fully_shard(graph_safe=True)``; docs/design.md, "graph-safe")."""
     return bool(getattr(ddp_config, "megatron_fsdp_cuda_graph_mode", False))
 
 
@@ -96,9 +97,9 @@ def graph_mode(ddp_config: Any) -> bool:
 UNCAPTURABLE_GRAPH = When(
     "not 'none' without megatron_fsdp_cuda_graph_mode",
     lambda v: v not in (None, "none"),
-    given=lambda sources: not graph_mode(sources.get(DDP)))
-GRAPH_WITHOUT_GRAPH_MODE = When("set without megatron_fsdp_cuda_graph_mode", lambda v: bool(v),
-                                given=lambda sources: not graph_mode(sources.get(DDP)))
+    given=lambda sources: not asks_graph_safe(sources.get(DDP)))
+GRAPHS_WITHOUT_GRAPH_SAFE = When("set without megatron_fsdp_cuda_graph_mode", lambda v: bool(v),
+                                given=lambda sources: not asks_graph_safe(sources.get(DDP)))
 PER_LAYER_GRAPHS = ("local", "transformer_engine")
 WITHOUT_NCCL_UB = When("True without nccl_ub", lambda v: bool(v),
                        given=lambda sources: not _read_name(sources, DDP, "nccl_ub"))
@@ -302,8 +303,8 @@ OPTIONS: tuple[Option, ...] = (
         "fp8 parameters are not built", "drop --fp8-param-gather")),
     Option(TC, "fp4", "--fp4-format", refused("fp4 compute is not built", "drop --fp4-format"), when=NOT_NONE),
     Option(TC, "fp4_param", "--fp4-param-gather", refused("fp4 parameters are not built", "drop --fp4-param-gather")),
-    Option(TC, "enable_cuda_graph", "--enable-cuda-graph", _CUDA_GRAPHS, when=GRAPH_WITHOUT_GRAPH_MODE),
-    Option(TC, "external_cuda_graph", "--external-cuda-graph", _CUDA_GRAPHS, when=GRAPH_WITHOUT_GRAPH_MODE),
+    Option(TC, "enable_cuda_graph", "--enable-cuda-graph", _CUDA_GRAPHS, when=GRAPHS_WITHOUT_GRAPH_SAFE),
+    Option(TC, "external_cuda_graph", "--external-cuda-graph", _CUDA_GRAPHS, when=GRAPHS_WITHOUT_GRAPH_SAFE),
     Option(TC, "cuda_graph_impl", "--cuda-graph-impl", _CUDA_GRAPHS, when=UNCAPTURABLE_GRAPH),
     # ------------------------------------------------ the constructor's arguments
     Option(ARG, "fsdp_unit_modules", "", implemented(
@@ -324,7 +325,7 @@ OPTIONS: tuple[Option, ...] = (
 _GRAPH_TODO = "leave CUDA graphs off for this run (--cuda-graph-impl none)"
 
 # What a captured full iteration cannot hold, refused at wrap time when megatron_fsdp_cuda_graph_mode=True.
-GRAPH_MODE: tuple[Option, ...] = (
+GRAPH_SAFE_REFUSALS: tuple[Option, ...] = (
     Option(DDP, "check_for_nan_in_grad", "on by default; --no-check-for-nan-in-loss-and-grad", refused(
         "the NaN check reads its verdict on the host inside finish_grad_sync, which a captured iteration cannot "
         "hold (per-layer graphs leave finish_grad_sync eager: allowed there)",
@@ -392,8 +393,8 @@ def check_options(face: str, config: Any, ddp_config: Any, arguments: Mapping[st
         if handling.verdict is Verdict.REFUSED:
             raise UnsupportedMegatronOption(refusal_message(face, row, value))
         logger.info("%s: %s=%r is accepted and ignored: %s", face, row.name, value, handling.text)
-    if graph_mode(ddp_config):
-        for row in GRAPH_MODE:
+    if asks_graph_safe(ddp_config):
+        for row in GRAPH_SAFE_REFUSALS:
             value = _read(row, sources)
             if row.when.applies(value, sources):
                 raise UnsupportedMegatronOption(
@@ -440,7 +441,7 @@ def render_markdown() -> str:
               "What a captured full iteration (`--cuda-graph-impl full_iteration`) cannot hold: refused at wrap "
               "time, on top of the rows above, when the DDP config asks for graph mode.", "",
               "| field | source | Megatron-LM flag | when | V1 and V2 |", "| --- | --- | --- | --- | --- |"]
-    for row in GRAPH_MODE:
+    for row in GRAPH_SAFE_REFUSALS:
         flags = row.flags.replace("|", "\\|") or "-"
         lines.append(f"| `{row.name}` | {row.source} | {flags} | {row.when.text} | {_cell(row.v1)} |")
     lines.append("")

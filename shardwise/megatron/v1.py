@@ -55,7 +55,7 @@ from .parallelism import (
     detect_parallelism_type,
     mark_tensor_parallel,
 )
-from .options import V1, check_options, graph_mode
+from .options import V1, asks_graph_safe, check_options
 from .process_groups import ProcessGroupCollection, build_process_groups, group_size
 
 __all__ = ["FullyShardedDataParallelV1"]
@@ -251,7 +251,7 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
             expert_placements=index.expert_placements,
             gradient_reduction="sum" if cfg.calculate_per_token_loss else "mean",
             bucket_size=self.bucket_size,
-            graph_mode=graph_mode(ddp_config),
+            graph_safe=asks_graph_safe(ddp_config),
         )
         wire_megatron_grads(self.sharded_model, config, ddp_config)
         # The sharded parameters are new objects: carry the annotations over by name.
@@ -356,11 +356,11 @@ class FullyShardedDataParallelV1(_ShardedDataParallel):
         Where the optimizer state is sharded but the parameters are not (ZeRO-1/2,
         HFSDP's outer axis) this is the all-gather of the updated shards; ZeRO-3
         units are gathered later by their forward hooks. Without this call the
-        engine does the same at the next forward. In CUDA-graph mode with
+        engine does the same at the next forward. In graph-safe mode with
         ``fsdp_all_gather_in_start_param_sync=False`` (Megatron-LM's full-iteration graph) nothing is
         gathered here: the weights are marked changed and the next forward, the captured one, rebuilds them.
         """
-        if self.graph_mode and not getattr(self.ddp_config, "fsdp_all_gather_in_start_param_sync", True):
+        if self.graph_safe and not getattr(self.ddp_config, "fsdp_all_gather_in_start_param_sync", True):
             self.sharded_model.mark_weights_modified()
             return
         refresh_model_weights(self.sharded_model)

@@ -29,7 +29,7 @@ from .context_parallel import check_context_parallel
 from .grads import check_grads_finite, wire_megatron_grads
 from .meshes import _build_dense_mesh, _build_expert_mesh_and_placements, _check_model_groups
 from .parallelism import annotate_tensor_parallelism, mark_tensor_parallel
-from .options import V2, check_options, graph_mode
+from .options import V2, asks_graph_safe, check_options
 from .process_groups import ProcessGroupCollection, group_size
 
 __all__ = ["FullyShardedDataParallelV2"]
@@ -107,7 +107,7 @@ class FullyShardedDataParallelV2(_ShardedDataParallel):
             prefetch=True,
             expert_mesh=self.moe_mesh,
             expert_placements=expert_placements,
-            graph_mode=graph_mode(ddp_config),
+            graph_safe=asks_graph_safe(ddp_config),
         )
         wire_megatron_grads(self.sharded_model, config, ddp_config)
 

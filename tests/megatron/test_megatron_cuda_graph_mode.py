@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from shardwise.engine.model_ops import sharded_state
 from shardwise.engine.param_group import RefreshState
 from shardwise.megatron import FullyShardedDataParallelV1, FullyShardedDataParallelV2, ProcessGroupCollection
-from shardwise.megatron.options import GRAPH_MODE, V1, V2, UnsupportedMegatronOption
+from shardwise.megatron.options import GRAPH_SAFE_REFUSALS, V1, V2, UnsupportedMegatronOption
 from tests.helpers.distributed import run_distributed
 from tests.helpers.graph_safe import engine_addresses
 from tests.helpers.host_syncs import HostSyncs
@@ -210,7 +210,7 @@ def test_fsdp_all_gather_in_start_param_sync_true_rebuilds_now():
 _TRIGGER = {"check_for_nan_in_grad": True, "num_moe_experts": 4, "expert_model_parallel_size": 2,
             "pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
             "cpu_offloading": True, "fine_grained_activation_offloading": True}
-REFUSALS = [(face, row) for row in GRAPH_MODE for face in FACES]
+REFUSALS = [(face, row) for row in GRAPH_SAFE_REFUSALS for face in FACES]
 
 
 def _real_configs(graph: bool):
@@ -229,7 +229,7 @@ def _wrap(face, config, ddp):
 
 
 def test_every_graph_mode_row_has_a_trigger():
-    assert {row.name for row in GRAPH_MODE} == set(_TRIGGER)
+    assert {row.name for row in GRAPH_SAFE_REFUSALS} == set(_TRIGGER)
 
 
 @pytest.mark.parametrize("face,row", REFUSALS, ids=[f"{f[-2:]}-{r.name}" for f, r in REFUSALS])
@@ -254,7 +254,7 @@ def _refused_off_graph_mode(face, row) -> bool:
 
 @pytest.mark.parametrize("face", FACES)
 def test_graph_mode_rows_apply_only_in_graph_mode(face):
-    assert not any(_refused_off_graph_mode(face, row) for row in GRAPH_MODE)
+    assert not any(_refused_off_graph_mode(face, row) for row in GRAPH_SAFE_REFUSALS)
 
 
 @pytest.mark.parametrize("face", FACES)
