@@ -56,6 +56,7 @@ def _choices(start: Candidate) -> Iterable[Candidate]:
             for s, ac, mb, f in product(dict.fromkeys([start.strategy, "optim_grads_params"]),
                                         dict.fromkeys([start.activation_checkpointing, True]), mbs,
                                         _fractions(start.offload_fraction))]
+
     def changes(c: Candidate) -> tuple:  # how many fields change; among as many, offload last, then ZeRO-3
         which = [getattr(c, name) != getattr(start, name) for name in _LAST_CHANGED]
         return (sum(getattr(c, f.name) != getattr(start, f.name) for f in fields(Candidate)), *which)
