@@ -53,6 +53,7 @@ def test_the_simulated_step_allocates_what_a_gloo_run_allocates_at_world_4(cand)
         _same(fake, real)
 
 
+@pytest.mark.slow  # among the quick tier's largest: out of it (docs/testing.md, "How long it takes")
 def test_three_shallow_traces_extended_equal_the_whole_trace():
     deep = GPTConfig(**{**TINY.to_dict(), "n_layers": 5})  # the fewest layers past the three traced depths
     for cand, extends in ((Candidate(micro_batch=8), True), (Candidate(strategy="optim", micro_batch=4), True),
@@ -152,6 +153,7 @@ def test_train_refuses_a_run_that_cannot_fit_naming_a_configuration_that_does():
     assert named <= 79
 
 
+@pytest.mark.slow  # among the quick tier's largest: out of it (docs/testing.md, "How long it takes")
 def test_the_command_plans_a_preset_and_names_what_it_recommends(capsys):
     from shardwise.app.cli import main
 
