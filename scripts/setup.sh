@@ -3,7 +3,7 @@
 # it there (editable). Nothing is installed outside .venv.
 #
 #   bash scripts/setup.sh && .venv/bin/python -m shardwise train        # what the main job needs
-#   bash scripts/setup.sh test && .venv/bin/python -m pytest -q         # and the test extra
+#   bash scripts/setup.sh test && .venv/bin/python -m pytest -q -n 2    # and the test extra
 #
 # - The argument names the extras to install as well (pyproject.toml's optional-dependencies,
 #   comma-separated: test, hf, data, fp8, megatron, tensorboard, wandb); none: the main job's
@@ -14,7 +14,8 @@
 # - torch: a torch >= 2.11 that .venv/bin/python can import is kept. Otherwise the CPU
 #   build torch==2.13.0+cpu is installed (a plain `pip install torch` on Linux would pull
 #   a multi-GB CUDA build): from what pip is configured with (a local wheel folder or
-#   index), else from https://download.pytorch.org/whl/cpu.
+#   index), in the same pip call as shardwise, else from https://download.pytorch.org/whl/cpu.
+# - pip runs with --no-compile: modules are byte-compiled when first imported.
 # - To keep a CUDA torch installed in the system Python (a GPU host), create the venv
 #   yourself first so that it sees the system's packages, then run this script:
 #       python3 -m venv --system-site-packages .venv && bash scripts/setup.sh
@@ -92,27 +93,33 @@ if (major, minor) < (2, 11):
 print(f"setup: keeping torch {torch.__version__} ({torch.__file__.rsplit('/', 2)[0]})")
 PYEOF
 then
-    :
+    TORCH=()
 else
-    echo "setup: installing torch==2.13.0+cpu into .venv (about 200 MB)"
-    if ! pip_install "torch==2.13.0+cpu"; then
-        echo "setup: not available from pip's configured sources; trying https://download.pytorch.org/whl/cpu"
-        pip_install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
-    fi
+    TORCH=("torch==2.13.0+cpu")
 fi
 
+# One pip call for torch and shardwise with its extras (one resolution, one install step); --no-compile: the
+# packages' modules are byte-compiled when first imported, not all of them now (transformers, torch, triton...
+# hold thousands that shardwise never imports)
 if [ -n "$EXTRAS" ]; then
-    echo "setup: installing shardwise (editable, with the extras: $EXTRAS) into .venv"
-    pip_install -e ".[$EXTRAS]"
+    echo "setup: installing shardwise (editable, with the extras: $EXTRAS)${TORCH:+ and torch==2.13.0+cpu} into .venv"
+    PROJECT=(-e ".[$EXTRAS]")
 else
-    echo "setup: installing shardwise (editable; the main job's dependencies) into .venv;" \
-         "bash scripts/setup.sh test adds the test extra"
-    pip_install -e .
+    echo "setup: installing shardwise (editable; the main job's dependencies)${TORCH:+ and torch==2.13.0+cpu}" \
+         "into .venv; bash scripts/setup.sh test adds the test extra"
+    PROJECT=(-e .)
+fi
+if ! pip_install --no-compile "${TORCH[@]}" "${PROJECT[@]}"; then
+    [ ${#TORCH[@]} -gt 0 ] || exit 1
+    echo "setup: torch==2.13.0+cpu is not available from pip's configured sources;" \
+         "installing it from https://download.pytorch.org/whl/cpu"
+    pip_install --no-compile "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+    pip_install --no-compile "${PROJECT[@]}"
 fi
 case ",$EXTRAS," in *,test,*)
     # torchtitan's model code and FSDP recipe for tests/clients/test_torchtitan.py, without its requirements
     # (wandb, datasets, torchdata, ...: see the test extra in pyproject.toml); never replaces torch
     echo "setup: installing torchtitan==0.3.0 (without its requirements) for the tests"
-    pip_install --no-deps "torchtitan==0.3.0" ;;
+    pip_install --no-compile --no-deps "torchtitan==0.3.0" ;;
 esac
 echo "setup: done"

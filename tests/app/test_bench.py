@@ -171,6 +171,7 @@ def test_tiny_benchmark_on_two_processes(tmp_path):
     assert (tmp_path / "bench.png").exists() and "| shardwise |" in md and "| none |" in md
 
 
+@pytest.mark.slow  # among the quick tier's largest: out of it (docs/testing.md, "How long it takes")
 def test_tiny_benchmark_compiled_and_eager_interleaved(tmp_path):
     runs = run_distributed(_bench_tiny, 2, str(tmp_path), "both", ("shardwise", "fsdp2", "none"))[0]
     # repeat 0: eager runs, then compiled ones, in --wrappers order

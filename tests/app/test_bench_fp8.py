@@ -41,6 +41,7 @@ def _bench_fp8(out: str):
     return cli.worker(opts, out, "test")
 
 
+@pytest.mark.slow  # among the quick tier's largest: out of it (docs/testing.md, "How long it takes")
 def test_tiny_fp8_benchmark_shardwise_and_fsdp2_fp8_gathers_agree(tmp_path):
     runs = {r["wrapper"]: r for r in run_distributed(_bench_fp8, 2, str(tmp_path))[0]}
     assert runs["megatron-fsdp"]["status"] == "skipped"

@@ -53,6 +53,7 @@ def test_the_simulated_step_allocates_what_a_gloo_run_allocates_at_world_4(cand)
         _same(fake, real)
 
 
+@pytest.mark.slow  # among the quick tier's largest: out of it (docs/testing.md, "How long it takes")
 def test_three_shallow_traces_extended_equal_the_whole_trace():
     deep = GPTConfig(**{**TINY.to_dict(), "n_layers": 5})  # the fewest layers past the three traced depths
     for cand, extends in ((Candidate(micro_batch=8), True), (Candidate(strategy="optim", micro_batch=4), True),
@@ -172,6 +173,7 @@ def test_the_search_tries_fewest_changes_first_then_other_worlds():
     assert search(start, 2, weigh, lambda gpus: False, worlds=[4]) is None
 
 
+@pytest.mark.slow  # two traces of the tiny model: out of the quick tier
 def test_the_planner_names_what_would_fit_when_no_candidate_does():
     """Only ZeRO-3 without checkpointing weighed, on a GPU whose limit (92% of 1.4 MiB) is under its traced peak:
     no row fits, and the plan names what the same search finds, traced: the fewest changes, checkpointing."""
@@ -188,7 +190,7 @@ def test_the_planner_names_what_would_fit_when_no_candidate_does():
     assert found.why() == (f"no candidate fits. What fits: {fit.candidate.label()} ({flags(fit.candidate)}) "
                            f"(peak {fit.memory.peak / 2**20:.1f} MiB per GPU).")
 
-
+@pytest.mark.slow  # among the quick tier's largest: out of it (docs/testing.md, "How long it takes")
 def test_the_command_plans_a_preset_and_names_what_it_recommends(capsys):
     from shardwise.app.cli import main
 

@@ -21,7 +21,6 @@ from tests.helpers import REPO
 from tests.helpers.doc_runner import RUN_LANGUAGES, blocks
 
 PAGES = ["README.md"] + sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))
-REPORT: list[str] = []  # printed at the end of the run (conftest.py)
 PAGE_TIMEOUT_S = 900
 
 
@@ -36,10 +35,10 @@ def _untracked() -> set[str] | None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES)
-def test_the_pages_code_blocks_run_as_written(page, tmp_path):
+def test_the_pages_code_blocks_run_as_written(page, tmp_path, record_property):
     code = [b for b in blocks((REPO / page).read_text()) if b.lang in RUN_LANGUAGES]
     if not code:
-        REPORT.append(f"{page}: no bash or python blocks")
+        record_property("doc-runner", f"{page}: no bash or python blocks")  # listed at the end (conftest.py)
         return
     before = _untracked()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
@@ -52,8 +51,8 @@ def test_the_pages_code_blocks_run_as_written(page, tmp_path):
     report = json.loads(done.stdout.strip().splitlines()[-1])
     reasons = Counter(reason for _, reason in report["skipped"])
     took = sum(seconds for _, seconds in report["run"])
-    REPORT.append(f"{page}: {len(report['run'])} run ({took:.0f} s), {len(report['skipped'])} skipped"
-                  + "".join(f"\n    skipped x{n}: {reason}" for reason, n in reasons.items()))
+    record_property("doc-runner", f"{page}: {len(report['run'])} run ({took:.0f} s), {len(report['skipped'])} skipped"
+                    + "".join(f"\n    skipped x{n}: {reason}" for reason, n in reasons.items()))
     assert len(report["run"]) + len(report["skipped"]) == len(code)
     after = _untracked()
     assert before is None or after is None or after <= before, f"{page} wrote into the repository: {after - before}"

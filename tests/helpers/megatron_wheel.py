@@ -11,6 +11,7 @@ in the process that runs it (Python 3.11 getting ``typing.override`` from
 
 from __future__ import annotations
 
+import fcntl
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,16 @@ def megatron_core_019() -> Path:
     target = Path(sys.prefix) / f"megatron-core-{RELEASE}"
     if (target / "megatron" / "training" / "training.py").is_file():
         return target
+    # one fetch at a time: two xdist workers (or two runs) would each replace the folder the other reads
+    with open(Path(sys.prefix) / f"megatron-core-{RELEASE}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "megatron" / "training" / "training.py").is_file():  # fetched while this one waited
+            return target
+        _fetch(target)
+    return target
+
+
+def _fetch(target: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run = subprocess.run(
             [sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"megatron-core=={RELEASE}",
@@ -40,4 +51,3 @@ def megatron_core_019() -> Path:
         zipfile.ZipFile(wheels[0]).extractall(unpacked)
         shutil.rmtree(target, ignore_errors=True)
         shutil.move(str(unpacked), str(target))
-    return target
