@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
+from torch.distributed.utils import _apply_to_tensors  # FSDP2's own walk of forward inputs and outputs
 
 __all__ = ["MixedPrecisionPolicy", "from_torch_policy", "cast_floating", "CASTABLE_DTYPES"]
 
@@ -102,10 +102,15 @@ class MixedPrecisionPolicy:
 
 
 def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    """``tree`` with every floating-point tensor cast to ``dtype`` (others untouched)."""
-    def cast(x):
-        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x
-    return pytree.tree_map(cast, tree)
+    """``tree`` with every floating-point tensor cast to ``dtype`` (others untouched).
+
+    The containers walked are FSDP2's (its ``cast_forward_inputs`` and ``output_dtype`` use the same walk):
+    dataclasses (rebuilt with ``dataclasses.replace``), dicts, namedtuples, lists, tuples and sets; a tensor in
+    any other object is left as it is, as FSDP2 leaves it.
+    """
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+    return _apply_to_tensors(cast, tree)
 
 
 def from_torch_policy(policy: Any) -> MixedPrecisionPolicy:
