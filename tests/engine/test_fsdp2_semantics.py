@@ -69,8 +69,14 @@ def _assert_same(a: dict, b: dict) -> None:
     torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=RTOL, atol=0)
     torch.testing.assert_close(torch.tensor(a["norms"]), torch.tensor(b["norms"]), rtol=RTOL, atol=0)
     assert a["params"].keys() == b["params"].keys()
+    # Parameters at RTOL of each tensor's scale: FSDP2's and shardwise's gathered weights sit in differently
+    # aligned buffers, and a CPU's BLAS may block a matmul differently for each (on one AMD EPYC the weight
+    # gradients differ in the last bits, on other CPUs they are equal), while AdamW scales every element's step
+    # to about lr whatever its size, so an element near zero carries the same absolute rounding as its tensor's
+    # largest ones and has no meaningful relative error of its own.
     for name in a["params"]:
-        torch.testing.assert_close(a["params"][name], b["params"][name], rtol=RTOL, atol=1e-7, msg=name)
+        scale = float(a["params"][name].abs().max())
+        torch.testing.assert_close(a["params"][name], b["params"][name], rtol=RTOL, atol=RTOL * scale, msg=name)
     assert a["fsdp_units"] == b["fsdp_units"]
 
 
