@@ -21,10 +21,10 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from .mesh import ShardingPlan
 from .sharded_module import STATE_ATTR as _STATE_ATTR
-from .sharded_state import ShardedState
+from .step_controller import StepController
 
 __all__ = [
-    "ShardedState",
+    "StepController",
     "sharded_state",
     "is_sharded",
     "sharding_plan",
@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 
-def sharded_state(model: nn.Module) -> ShardedState:
+def sharded_state(model: nn.Module) -> StepController:
     """The engine's state of a model ``fully_shard`` wrapped: its units, parameter groups and plan.
 
     The one way to it: ``ValueError`` naming the model's type when ``model`` is

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
-from .sharded_state import ShardedState
+from .step_controller import StepController
 from .torch_fsdp_state import TorchStateView
 from .torch_fsdp_state import install as install_torch_state_view
 from .unit import Unit
@@ -62,7 +62,7 @@ class ShardedModule(FSDPModule):
 
     # ---------------------------------------------------------------- the engine's state
     @property
-    def sharded_state(self) -> ShardedState:
+    def sharded_state(self) -> StepController:
         """The engine's state of the model this unit belongs to (units, parameter groups, plan)."""
         return getattr(self, STATE_ATTR)
 
@@ -277,7 +277,7 @@ def _units_of(modules: list, method: str) -> list[Unit]:
     return units
 
 
-def make_fsdp_modules(state: ShardedState) -> None:
+def make_fsdp_modules(state: StepController) -> None:
     """Every module of every unit of ``state``: tied to its state and unit, answering torch's state reads,
     and an instance of ``Sharded<Class>`` (so of torch's ``FSDPModule``)."""
     for unit in state.all_units:

@@ -23,7 +23,7 @@ from .param_adoption import adopt_module_params
 from .step_checks import check_gathered_weights_current, check_materialized
 from .unit import Unit
 
-__all__ = ["ShardedState", "opaque_to_compiler"]
+__all__ = ["StepController", "opaque_to_compiler"]
 
 
 def opaque_to_compiler(fn: Callable) -> Callable:
@@ -57,7 +57,7 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, None) + grads
 
 
-class ShardedState:
+class StepController:
     """Everything one ``fully_shard`` call created, and the hook logic."""
 
     def __init__(self, root: Unit, units: list[Unit], plan: ShardingPlan, streams: StreamSet, prefetch: bool):
