@@ -140,7 +140,7 @@ class ShardedModule(FSDPModule):
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor({factor!r}): the factor must be positive")
         for group in self._unit.groups:
-            group.grad_scale = group.plan.dp_size / float(factor)
+            group.reduction.grad_scale = group.plan.dp_size / float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """The older name of ``set_gradient_divide_factor``."""
@@ -183,7 +183,7 @@ class ShardedModule(FSDPModule):
             if stream is not None and group.plan.finalize_allreduce_axes:
                 raise ValueError("stream cannot be set when using native HSDP")
         for group in self._unit.groups:
-            group.all_reduce_hook = (hook, stream)
+            group.reduction.all_reduce_hook = (hook, stream)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         raise _not_built("set_reduce_scatter_max_input_buffers",

@@ -169,12 +169,16 @@ class StepController:
 
     # ---------------------------------------------------------------- phase
     def _move(self, to: Phase, *leaving: Phase) -> None:
-        """The one place the step's phase changes: to ``to``, from one of ``leaving`` (anything else is a bug
-        of the engine's, named here rather than left to show as wrong gradients)."""
-        if self.phase not in leaving:
-            raise RuntimeError(f"shardwise internal error: the step moved to {to.name} from {self.phase.name}, "
-                               f"expected from {' or '.join(p.name for p in leaving)}; please report it with the model")
+        """The one place the step's phase changes: to ``to``, from one of ``leaving``."""
+        self._expect(f"the step moved to {to.name}", *leaving)
         self.phase = to
+
+    def _expect(self, what: str, *phases: Phase) -> None:
+        """Raise unless the step is in one of ``phases``: a bug of the engine's, named here rather than left to
+        show as wrong gradients."""
+        if self.phase not in phases:
+            raise RuntimeError(f"shardwise internal error: {what} in phase {self.phase.name}, expected "
+                               f"{' or '.join(p.name for p in phases)}; please report it with the model")
 
     # ------------------------------------------------------------- ordering
     def _neighbour(self, unit: Unit, step: int) -> Unit | None:
@@ -371,6 +375,7 @@ class StepController:
             leaving = tuple(p for p in Phase if p is not Phase.BACKWARD)
         else:
             leaving = (Phase.BACKWARD,)
+        self._expect(f"the gradient window ended ({reason.value})", *leaving)
         deferred = reason is WindowEnd.BACKWARD and self.defer_reduction  # the weight pass will reduce
         previous = self.sync_grads
         if reason is WindowEnd.ACCUMULATION:
