@@ -37,7 +37,7 @@ def _count_collectives(counter: list[int]) -> None:
 def _checks(on: bool) -> None:
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    import shardwise.engine.sharded_state as sharded_state
+    import shardwise.engine.step_controller as step_controller
     import shardwise.engine.step_checks as step_checks
 
     if on and step_checks._hook is None:
@@ -45,9 +45,9 @@ def _checks(on: bool) -> None:
     if not on and step_checks._hook is not None:
         step_checks._hook.remove()
         step_checks._hook = None
-    sharded_state.check_gathered_weights_current = step_checks.check_gathered_weights_current if on else (
+    step_controller.check_gathered_weights_current = step_checks.check_gathered_weights_current if on else (
         lambda units: None)
-    sharded_state.check_materialized = step_checks.check_materialized if on else (lambda state: None)
+    step_controller.check_materialized = step_checks.check_materialized if on else (lambda state: None)
 
 
 def _worker(rank: int, world: int, port: int, rounds: int, steps: int) -> None:

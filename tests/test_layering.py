@@ -38,7 +38,7 @@ ENGINE_LAYERS = {
     2: "collectives nccl_buffers backward_steps fully_shard_options rank_consistency watchdog",
     3: "sharded_param distributed_buffer quantized_gather gather_extensions grad_presence unsynced_grads grad_window "
        "param_group param_adoption post_forward_shard unit weight_origin shard_placement owner_state",
-    4: "step_checks fully_shard arguments construct sharded_state sharded_module torch_fsdp_state model_ops compile "
+    4: "step_checks fully_shard arguments construct step_controller sharded_module torch_fsdp_state model_ops compile "
        "cuda_graphs",
     5: "fp8 optim pipeline state_dict materialize rng",
 }
@@ -69,7 +69,7 @@ SURFACE_MODULES = {
     "nccl_buffers": "NcclUserBuffers: a Collectives whose buffers come from NCCL's registered pool",
     "owner_layout": "Owned(): matrices whole on one owner rank (Muon), the owners' balance",
 }
-# Attributes of the engine's state objects (ShardedState, its units, parameter groups): a face neither reads nor
+# Attributes of the engine's state objects (StepController, its units, parameter groups): a face neither reads nor
 # writes them, whatever the object; model_ops answers for them.
 STATE_ATTRS = {"sharded_state", "groups", "all_units", "units", "sharded_params", "unsharded_params", "grad_attr",
                "grad_aliases"}

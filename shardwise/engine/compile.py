@@ -6,7 +6,7 @@ the graph (``nn.Module.compile()`` compiles the module's whole ``__call__``,
 hooks included). So only ``forward`` is compiled: ``module(...)`` runs the
 pre-forward hook eagerly (the parameters are now the unsharded ones), then the
 compiled ``forward``, then the post-forward hook. The hooks are also opaque to
-the compiler (``hooks.opaque_to_compiler``), for code that compiles more than
+the compiler (``step_controller.opaque_to_compiler``), for code that compiles more than
 a unit.
 
 Why the compiled code is reused every step: the hooks always swap in the same

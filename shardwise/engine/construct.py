@@ -30,7 +30,7 @@ from .owner_layout import OwnerBalancer, is_owned
 from .owner_state import state_dict_hooks
 from .shard_placement import shard_dim_of
 from .spmd_mesh import spmd_param_of
-from .sharded_state import ShardedState
+from .step_controller import StepController
 from .step_checks import mark_ignored, watch_state
 from .unit import Unit, UnitSettings
 from .weight_origin import watch_weights
@@ -352,7 +352,7 @@ def move_buffers(root: nn.Module, device: torch.device) -> None:
                 m._buffers[key] = buf.to(device)
 
 
-def register_hooks(state: ShardedState) -> None:
+def register_hooks(state: StepController) -> None:
     """The root's and each unit's forward hooks on each of their modules; the load-state-dict hooks (before: the
     unit's modules hold the sharded parameters again, as FSDP2's, so a load after a forward with no backward
     writes the main weights; after: loaded values taken in); and on every module holding a parameter the
@@ -393,7 +393,7 @@ def attach_post_forward_shards(units: list[Unit], plan: ShardingPlan, options: F
             unit.post_forward = PostForwardShard(unit.groups, plan, options.reshard_after_forward)
 
 
-def start_checks(state: ShardedState, adopted: list, described: nn.Module, differing, options: FullyShardOptions) -> None:
+def start_checks(state: StepController, adopted: list, described: nn.Module, differing, options: FullyShardOptions) -> None:
     """The checks that run later: weights not to be trusted until written, looked at by the first forward
     (``weight_origin``), and the optimizer-step checks (``step_checks``), which never warn about the ignored
     parameters (left unreduced on purpose)."""

@@ -5,7 +5,7 @@ parameters not yet taken by an earlier call are sharded now, into DTensors.
 A later call on an ancestor takes in the units below it, so calling it on each
 block and then on the model (FSDP2's idiom, any number of levels) builds one
 sharded model whose root is the last call's module. The recipe is here; its
-steps live in ``construct``, the scheduling in ``sharded_state``, the unit
+steps live in ``construct``, the scheduling in ``step_controller``, the unit
 methods in ``sharded_module``. ``unit_modules=[...]`` is the one-call
 shortcut: those modules become units in the same call, deepest first.
 """
@@ -44,11 +44,11 @@ from .placements import AxisPlacements
 from .rank_consistency import check_rank_consistency
 from .resolution import resolve_units
 from .sharded_module import ShardedModule, make_fsdp_modules
-from .sharded_state import ShardedState
+from .step_controller import StepController
 from .torch_fsdp_state import state as torch_state
 from .weight_origin import resolve_check_mode
 
-__all__ = ["fully_shard", "ShardedModule", "ShardedState"]
+__all__ = ["fully_shard", "ShardedModule", "StepController"]
 
 _STREAMS: dict[tuple, StreamSet] = {}  # one set of side streams per device: every unit's gathers queue on it
 
@@ -151,7 +151,7 @@ def fully_shard(
     new_units, own = build_units(modules, unit_list, builder.build_groups, unit_settings(options))
     attach_post_forward_shards(new_units + [own], plan, options)  # reshard_after_forward=k
     move_buffers(described, device)
-    state = ShardedState(own, adopt_units(modules, adopted, new_units), plan, streams, prefetch)
+    state = StepController(own, adopt_units(modules, adopted, new_units), plan, streams, prefetch)
     register_hooks(state)
     make_fsdp_modules(state)
     start_checks(state, adopted, described, differing, options)  # the first forward's and the optimizer's

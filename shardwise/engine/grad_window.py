@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import enum
 import weakref
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 from .collectives import InFlight
@@ -24,7 +27,7 @@ from .distributed_buffer import BufferState, DistributedBuffer
 from .grad_presence import GradPresence
 from .unsynced_grads import UnsyncedGrads
 
-__all__ = ["GradState", "GradWindow"]
+__all__ = ["GradDtypes", "GradState", "GradWindow", "ReduceSettings"]
 
 
 class GradState(enum.Enum):
@@ -35,8 +38,35 @@ class GradState(enum.Enum):
     REDUCED = "reduced"  # the window is finalized; the grads wait to be installed as ``.grad``
 
 
+@dataclass(frozen=True)
+class GradDtypes:
+    """A group's dtypes, as its gradients see them."""
+
+    main: torch.dtype  # the main weights' (``.grad`` must have it: main grads of another are handed out cast)
+    main_grad: torch.dtype  # the finalized gradients'
+    comm: torch.dtype  # the reductions' (and the unsynced accumulation's)
+    compute: torch.dtype  # autograd's gradients'
+
+
+@dataclass
+class ReduceSettings:
+    """What FSDP2's per-module setters change about a group's reductions after wrapping; the group's, shared by
+    each window it makes. ``grad_scale`` multiplies the reduced gradients (the plan's mean over the
+    data-parallel ranks, or ``set_gradient_divide_factor``'s sum divided by the factor); ``all_reduce_hook``:
+    ``set_all_reduce_hook``'s ``(hook, stream)``, called at each finished reduction."""
+
+    grad_scale: float = 1.0
+    all_reduce_hook: tuple | None = None
+
+
 class GradWindow:
-    """The gradients of one ``ParamGroup`` (``group``: its levels, parameters, streams and dtypes).
+    """The gradients of one ``ParamGroup``, built from what they need of it: ``name`` (for errors), ``params``
+    (``ShardedParam``: each parameter's rows), ``sharded_params`` / ``unsharded_params`` (the group's lists,
+    shared: their entries may be replaced in place), ``levels`` (buffers, collectives), ``plan`` (the gradient
+    and optimizer levels, the finalizing all-reduce's axes), ``streams``, ``dtypes`` (``GradDtypes``),
+    ``reduction`` (``ReduceSettings``), ``sum_over_axes`` (model-parallel partial sums), ``host`` (the host
+    memory of an offloaded group, else ``None``), ``graph_safe``, ``requires_grad``, ``on_install`` (called
+    when ``.grad`` is handed out: the group's weights are then stale).
 
     ``state``: a ``GradState``. ``grad_acc``: the micro-batches' sum at the gradient level (Partial over
     the axes that reduce later), ``None`` outside a window. ``main_grad``: the finalized gradients at the
@@ -51,8 +81,15 @@ class GradWindow:
     (``GradPresence``); ``unsynced``: gradients waiting unsharded for a later reduction (``UnsyncedGrads``).
     """
 
-    def __init__(self, group):  # its ParamGroup (which imports this module)
-        self.group = group
+    def __init__(self, name: str, params: list, sharded_params: list, unsharded_params: list, levels, plan, streams,
+                 dtypes: GradDtypes, reduction: ReduceSettings, sum_over_axes: list, host, graph_safe: bool,
+                 requires_grad: bool, on_install: Callable[[], None]):
+        self.name, self.params, self.levels, self.plan, self.streams = name, params, levels, plan, streams
+        self.sharded_params, self.unsharded_params = sharded_params, unsharded_params
+        self.dtypes, self.reduction, self.sum_over_axes = dtypes, reduction, sum_over_axes
+        self.host, self.offloaded, self.graph_safe = host, host is not None, graph_safe
+        self.requires_grad, self.on_install = requires_grad, on_install
+        self.grad_level, self.opt_level = len(plan.grad_axes), len(plan.opt_axes)
         self.state = GradState.IDLE
         self.grad_acc: DistributedBuffer | None = None
         self.main_grad: DistributedBuffer | None = None
@@ -64,9 +101,9 @@ class GradWindow:
         self.host_grad: torch.Tensor | None = None
         self.host_ready: "torch.cuda.Event | None" = None
         self.host_kept = None
-        self.presence = GradPresence(len(group.params), [p.owner is not None and not p.mine for p in group.params])
+        self.presence = GradPresence(len(params), [p.owner is not None and not p.mine for p in params])
         # graph-safe: the optimizer reads, after a replay that runs no Python, the .grad of every parameter
-        self.presence.install_all = group.graph_safe
+        self.presence.install_all = graph_safe
         self.unsynced = UnsyncedGrads()
 
     @property
@@ -90,12 +127,12 @@ class GradWindow:
         (no zero-fill). Grads the user kept are accumulated onto.
         """
         if self.state is GradState.REDUCED:  # the engine installs every finalized window first
-            raise RuntimeError(f"group {self.group.name}: a new accumulation window opened before the last one's "
+            raise RuntimeError(f"group {self.name}: a new accumulation window opened before the last one's "
                                "gradients were installed; please report it with the model")
-        m = self.group.opt_level
-        cleared = [getattr(p, self.grad_attr, None) is None for p in self.group.sharded_params]
+        m = self.opt_level
+        cleared = [getattr(p, self.grad_attr, None) is None for p in self.sharded_params]
         existing = self.main_grad_ref() if self.main_grad_ref is not None else None
-        if self.group.offloaded:  # the host grads the user kept are added to at install time
+        if self.offloaded:  # the host grads the user kept are added to at install time
             self.host_kept = None if all(cleared) or existing is None else (existing, cleared)
             existing = None
         if all(cleared) or existing is None or self.hands_out_copies:
@@ -103,14 +140,14 @@ class GradWindow:
             self.main_grad = self._fresh("main_grad", m)  # the first reduction overwrites it
             self.main_grad_ref = weakref.ref(self.main_grad.flat)
         else:  # the kept grads, accumulated onto (those the user cleared restart from zero)
-            self.main_grad = DistributedBuffer(self.group.levels, m, existing)
+            self.main_grad = DistributedBuffer(self.levels, m, existing)
             for i, was_cleared in enumerate(cleared):
                 if was_cleared:
                     self.main_grad.local(i).zero_()
-        if self.group.levels.same_layout(self.group.grad_level, m):  # the same level, or one buffer with it in all but name
+        if self.levels.same_layout(self.grad_level, m):  # the same level, or one buffer with it in all but name
             self.grad_acc = self.main_grad
         else:  # a Partial accumulation buffer of its own, restarted every window
-            self.grad_acc = self._fresh("grad_acc", self.group.grad_level)
+            self.grad_acc = self._fresh("grad_acc", self.grad_level)
         self.presence.reset()
         self.state = GradState.ACCUMULATING
 
@@ -118,18 +155,18 @@ class GradWindow:
         """An ``EMPTY`` gradient buffer of ``level`` (``dtype``: the main grads' unless given): a new one, or in
         graph-safe mode the one this group made at its first window (kept for good: the same addresses every
         step, whoever drops ``.grad``)."""
-        dtype = dtype or self.group.main_grad_dtype
-        if not self.group.graph_safe:
-            return self.group.levels.empty(level, dtype)
+        dtype = dtype or self.dtypes.main_grad
+        if not self.graph_safe:
+            return self.levels.empty(level, dtype)
         flat = self.graph_safe_buffers.get(kind)
         if flat is None:
-            flat = self.graph_safe_buffers[kind] = self.group.levels.new(self.group.layouts[level].total, dtype)
-        return DistributedBuffer(self.group.levels, level, flat, BufferState.EMPTY)
+            flat = self.graph_safe_buffers[kind] = self.levels.new(self.levels.layouts[level].total, dtype)
+        return DistributedBuffer(self.levels, level, flat, BufferState.EMPTY)
 
     @property
     def has_unsharded_grads(self) -> bool:
         """Whether gradients wait for a reduction: on the gathered parameters, or accumulated apart."""
-        return self.unsynced.waiting or any(p.grad is not None for p in self.group.unsharded_params)
+        return self.unsynced.waiting or any(p.grad is not None for p in self.unsharded_params)
 
     def stash_unsynced(self) -> None:
         """A post-backward that does not reduce: move the gathered parameters' gradients into the comm-dtype
@@ -137,13 +174,13 @@ class GradWindow:
         ``main_grad`` alias (fused wgrad accumulation writes into ``.grad``) keeps autograd's own."""
         if self.grad_aliases:
             return
-        comm = self.group.comm_dtype
-        self.unsynced.stash(self.group.unsharded_params, comm, lambda: self._fresh("unsynced", 0, comm))
+        comm = self.dtypes.comm
+        self.unsynced.stash(self.unsharded_params, comm, lambda: self._fresh("unsynced", 0, comm))
 
     def _take_grads(self) -> list:
         """This backward's unsharded grads (``None`` where a parameter got none), taken off the parameters."""
         grads = []
-        for param, sharded in zip(self.group.unsharded_params, self.group.params):
+        for param, sharded in zip(self.unsharded_params, self.params):
             grads.append(sharded.local_grad(param.grad))  # a DTensor's local tensor under an SPMD mesh
             param.grad = None
             for alias in self.grad_aliases:
@@ -156,10 +193,10 @@ class GradWindow:
         holds level 0's rows in a dtype the staged path would give the same result in: the comm dtype, or any
         dtype when the comm dtype holds the grads exactly (bf16 grads, fp32 comm: the staged copy is exact and
         the add rounds once either way; Megatron-LM's no-sync micro-batches, the bf16-main recipe)."""
-        acc, group = self.grad_acc, self.group
-        return (not self.unsynced.waiting and group.grad_scale == 1.0
-                and group.levels.same_layout(0, group.grad_level)
-                and (acc.flat.dtype == group.comm_dtype or _holds_exactly(group.comm_dtype, group.compute_dtype)))
+        acc, dtypes = self.grad_acc, self.dtypes
+        return (not self.unsynced.waiting and self.reduction.grad_scale == 1.0
+                and self.levels.same_layout(0, self.grad_level)
+                and (acc.flat.dtype == dtypes.comm or _holds_exactly(dtypes.comm, dtypes.compute)))
 
     def _add_in_place(self, finalize: bool) -> InFlight:
         """``reduce`` where :meth:`_adds_in_place`: the first micro-batch's grads loaded into the fresh buffer
@@ -168,7 +205,7 @@ class GradWindow:
         self.presence.note([g is not None for g in grads])
         staged: list = []
         pairs = []
-        with self.group.streams.on(self.group.streams.reduce):
+        with self.streams.on(self.streams.reduce):
             if self.grad_acc.state is BufferState.EMPTY:
                 self.grad_acc.load(grads)
             else:
@@ -190,7 +227,7 @@ class GradWindow:
             self.presence.note([h or g is not None for h, g in zip(held, grads)])
             return flat
         acc = self.grad_acc
-        flat = acc if acc.takes(0, self.group.comm_dtype) else self.group.levels.staged(0, self.group.comm_dtype, staged)
+        flat = acc if acc.takes(0, self.dtypes.comm) else self.levels.staged(0, self.dtypes.comm, staged)
         flat.load(grads)
         self.presence.note([g is not None for g in grads])
         return flat
@@ -210,13 +247,13 @@ class GradWindow:
         acc = self.grad_acc
         own = self.unsynced.waiting  # the flat buffer will be the waiting accumulator
         flat = self._flat_unsharded(staged)
-        with self.group.streams.on(self.group.streams.reduce):
+        with self.streams.on(self.streams.reduce):
             # the first micro-batch's reduction lands in the fresh accumulation buffer itself (when the
             # grads were loaded into it, ZeRO-0/1, it holds them already and takes nothing more)
-            lands = self.group.grad_level > 0 and acc.takes(self.group.grad_level, flat.flat.dtype)
-            shard = flat.reduce_scatter(self.group.grad_level, staged, into=acc if lands else None)
-            if self.group.grad_scale != 1.0:
-                shard.flat.mul_(self.group.grad_scale)
+            lands = self.grad_level > 0 and acc.takes(self.grad_level, flat.flat.dtype)
+            shard = flat.reduce_scatter(self.grad_level, staged, into=acc if lands else None)
+            if self.reduction.grad_scale != 1.0:
+                shard.flat.mul_(self.reduction.grad_scale)
             if shard is not acc:
                 acc.accumulate(shard)
             if finalize:
@@ -226,10 +263,10 @@ class GradWindow:
         return self._in_flight(staged)
 
     def _in_flight(self, staged: list) -> InFlight:
-        event = self.group.streams.record(self.group.streams.reduce)
-        if self.group.offloaded and self.state is GradState.REDUCED:
+        event = self.streams.record(self.streams.reduce)
+        if self.offloaded and self.state is GradState.REDUCED:
             self.host_ready = event  # the CPU may read the host grads once this has passed
-        flight = InFlight(event, keepalive=self.released, staged=tuple(staged), pool=self.group.streams.pool)
+        flight = InFlight(event, keepalive=self.released, staged=tuple(staged), pool=self.streams.pool)
         self.released = ()  # only the flight keeps them now: they go as soon as it is waited on
         return flight
 
@@ -238,21 +275,21 @@ class GradWindow:
         if self.state is not GradState.ACCUMULATING:
             return None
         staged: list = []
-        with self.group.streams.on(self.group.streams.reduce):
+        with self.streams.on(self.streams.reduce):
             self._finalize(staged)
         return self._in_flight(staged)
 
     def _finalize(self, staged: list) -> None:
         acc, main_grad = self.grad_acc, self.main_grad
-        if self.group.sum_over_axes:  # partial sums across model-parallel ranks (sequence parallel)
-            acc.all_reduce(self.group.sum_over_axes, average=False)
+        if self.sum_over_axes:  # partial sums across model-parallel ranks (sequence parallel)
+            acc.all_reduce(self.sum_over_axes, average=False)
         if acc is main_grad:
-            main_grad.all_reduce(self.group.plan.finalize_allreduce_axes)
+            main_grad.all_reduce(self.plan.finalize_allreduce_axes)
             self._call_all_reduce_hook(main_grad.flat)
         else:
-            into = main_grad if main_grad.takes(self.group.opt_level, acc.flat.dtype) else None
-            reduced = acc.reduce_scatter(self.group.opt_level, staged, into=into)
-            reduced.all_reduce(self.group.plan.finalize_allreduce_axes)
+            into = main_grad if main_grad.takes(self.opt_level, acc.flat.dtype) else None
+            reduced = acc.reduce_scatter(self.opt_level, staged, into=into)
+            reduced.all_reduce(self.plan.finalize_allreduce_axes)
             self._call_all_reduce_hook(reduced.flat)
             if reduced is not main_grad:
                 main_grad.accumulate(reduced)
@@ -260,24 +297,24 @@ class GradWindow:
             self.released = (acc.flat,)
         self.grad_acc = None
         self.state = GradState.REDUCED
-        if self.group.offloaded:  # stream the finished shard to the host right behind its reduction
+        if self.offloaded:  # stream the finished shard to the host right behind its reduction
             numel, dtype = main_grad.flat.numel(), main_grad.flat.dtype
             if self.host_grad is None:
-                self.host_grad = self.group.host.empty(numel, dtype)
+                self.host_grad = self.host.empty(numel, dtype)
             host = self.host_grad
             if self.host_kept is not None:  # the user kept last step's grads there: add to them at install
                 host = torch.empty(numel, dtype=dtype)
             self.main_grad = main_grad.copy_to(host)
             self.released = self.released + (main_grad.flat,)
-        self.presence.reduced_over(self.group.plan.axes.values())
+        self.presence.reduced_over(self.plan.axes.values())
 
     def _call_all_reduce_hook(self, flat: torch.Tensor) -> None:
         """FSDP2's ``set_all_reduce_hook``: the hook gets this step's reduced flat shard (after the replicas'
         all-reduce under HSDP; averaged, before it joins grads the user kept) and may change it in place; on
         its own stream when one was given (1-D meshes only), ordered after the reduction and before its use."""
-        if self.group.all_reduce_hook is None:
+        if self.reduction.all_reduce_hook is None:
             return
-        hook, stream = self.group.all_reduce_hook
+        hook, stream = self.reduction.all_reduce_hook
         if stream is None:
             hook(flat)
             return
@@ -289,7 +326,7 @@ class GradWindow:
 
     def discard(self) -> None:
         """Drop installed grads and any accumulation still open (the next backward overwrites)."""
-        for param in self.group.sharded_params:
+        for param in self.sharded_params:
             param.grad = None
             if self.grad_attr != "grad":
                 setattr(param, self.grad_attr, None)
@@ -299,7 +336,7 @@ class GradWindow:
 
     def drop_accumulation(self) -> None:
         """Forget the unsharded parameters' gradients and the step's accumulation buffers."""
-        for param in self.group.unsharded_params:
+        for param in self.unsharded_params:
             param.grad = None
             for alias in self.grad_aliases:
                 setattr(param, alias, None)
@@ -327,7 +364,7 @@ class GradWindow:
         """
         self.drop_accumulation()
         flat = self.graph_safe_buffers.get("main_grad")
-        handed = [getattr(p, self.grad_attr, None) for p in self.group.sharded_params]
+        handed = [getattr(p, self.grad_attr, None) for p in self.sharded_params]
         handed = [g._local_tensor if hasattr(g, "_local_tensor") else g for g in handed if g is not None]
         if flat is not None:
             flat.zero_()
@@ -343,12 +380,12 @@ class GradWindow:
         """
         if self.state is not GradState.REDUCED:
             return
-        if self.group.offloaded:
+        if self.offloaded:
             self._install_host()
             return
         flat, attr = self.main_grad.flat, self.grad_attr
         if all(getattr(p, attr, None) is not None and getattr(p, attr)._local_tensor._base is flat
-               for p in self.group.sharded_params):
+               for p in self.sharded_params):
             pass  # accumulated onto the grads already installed
         else:
             self._hand_out(self.main_grad.dtensors(), self.presence.present(self.main_grad.locals()))
@@ -357,15 +394,15 @@ class GradWindow:
         # An optimizer step on these grads may not show in any version counter: on CUDA, torch's
         # default (foreach) AdamW over DTensors moved none (2 x H200, torch 2.11), so the next
         # forward rebuilds the model weights whenever grads were handed out.
-        self.group.mark_weights_stale()
+        self.on_install()
 
     def install_graph_safe(self) -> None:
         """Graph-safe mode: ``grad_attr`` views of the kept gradient buffer, or of the kept cast copies (after a
         replay, which runs no Python)."""
         flat = self.graph_safe_buffers.get("grad_copy" if self.hands_out_copies else "main_grad")
-        if flat is None or not self.group.requires_grad:
+        if flat is None or not self.requires_grad:
             return
-        for param, grad in zip(self.group.sharded_params, DistributedBuffer(self.group.levels, self.group.opt_level, flat).dtensors()):
+        for param, grad in zip(self.sharded_params, DistributedBuffer(self.levels, self.opt_level, flat).dtensors()):
             setattr(param, self.grad_attr, grad)
 
     @property
@@ -373,7 +410,7 @@ class GradWindow:
         """Whether ``.grad`` is a copy of the main grads cast to the main weights' dtype (``.grad`` must have its
         parameter's dtype), not a view of the main-grad buffer: then the copies, not the buffer, carry what earlier
         windows accumulated, and every window starts the buffer afresh."""
-        return self.grad_attr == "grad" and self.group.main_grad_dtype != self.group.main_dtype
+        return self.grad_attr == "grad" and self.dtypes.main_grad != self.dtypes.main
 
     def _hand_out(self, grads, present: list[bool]) -> None:
         """Set each sharded parameter's ``grad_attr`` to its main grad, where ``present`` (``grad_presence``):
@@ -384,18 +421,18 @@ class GradWindow:
         graph-safe mode casts into a kept buffer, so the copies too keep their addresses.
         """
         if not self.hands_out_copies:
-            for param, grad, here in zip(self.group.sharded_params, grads, present):
+            for param, grad, here in zip(self.sharded_params, grads, present):
                 if here or getattr(param, self.grad_attr, None) is not None:
                     setattr(param, self.grad_attr, grad)
             return
         copies = None  # graph-safe mode's kept copies, made only where some .grad was dropped
-        for i, (param, grad) in enumerate(zip(self.group.sharded_params, grads)):
+        for i, (param, grad) in enumerate(zip(self.sharded_params, grads)):
             if not present[i]:  # its reduced gradient is zeros: a kept .grad stays as it is
                 continue
             if param.grad is not None:
-                param.grad.add_(grad.to(self.group.main_dtype))
-            elif not self.group.graph_safe:
-                param.grad = grad.to(self.group.main_dtype)
+                param.grad.add_(grad.to(self.dtypes.main))
+            elif not self.graph_safe:
+                param.grad = grad.to(self.dtypes.main)
             else:
                 copies = copies or self._graph_safe_copies()
                 copies[i].to_local().copy_(grad.to_local())
@@ -405,9 +442,9 @@ class GradWindow:
         """Graph-safe mode's cast ``.grad`` copies: DTensor views of one buffer of the main weights' dtype, made once."""
         flat = self.graph_safe_buffers.get("grad_copy")
         if flat is None:
-            flat = self.graph_safe_buffers["grad_copy"] = self.group.levels.new(
-                self.group.layouts[self.group.opt_level].total, self.group.main_dtype)
-        return DistributedBuffer(self.group.levels, self.group.opt_level, flat).dtensors()
+            flat = self.graph_safe_buffers["grad_copy"] = self.levels.new(
+                self.levels.layouts[self.opt_level].total, self.dtypes.main)
+        return DistributedBuffer(self.levels, self.opt_level, flat).dtensors()
 
     def _install_host(self) -> None:
         if self.host_ready is not None:
@@ -416,7 +453,7 @@ class GradWindow:
         kept = self.host_kept
         if kept is not None:  # accumulate onto the grads the user did not clear
             existing, cleared = kept
-            target = DistributedBuffer(self.group.levels, self.group.opt_level, existing)
+            target = DistributedBuffer(self.levels, self.opt_level, existing)
             for i, was_cleared in enumerate(cleared):
                 old, new = target.local(i), self.main_grad.local(i)
                 if was_cleared:
@@ -425,12 +462,12 @@ class GradWindow:
                     old.add_(new)
             self.main_grad = target
         self.host_kept = None
-        if kept is None or any(getattr(p, self.grad_attr, None) is None for p in self.group.sharded_params):
+        if kept is None or any(getattr(p, self.grad_attr, None) is None for p in self.sharded_params):
             self._hand_out(self.main_grad.dtensors(), self.presence.present(self.main_grad.locals()))
         self.main_grad_ref = weakref.ref(self.main_grad.flat)
         self.main_grad = None
         self.state = GradState.IDLE
-        self.group.mark_weights_stale()
+        self.on_install()
 
 
 def _holds_exactly(wide: torch.dtype, narrow: torch.dtype) -> bool:

@@ -21,10 +21,10 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from .mesh import ShardingPlan
 from .sharded_module import STATE_ATTR as _STATE_ATTR
-from .sharded_state import ShardedState
+from .step_controller import StepController, WindowEnd
 
 __all__ = [
-    "ShardedState",
+    "StepController",
     "sharded_state",
     "is_sharded",
     "sharding_plan",
@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 
-def sharded_state(model: nn.Module) -> ShardedState:
+def sharded_state(model: nn.Module) -> StepController:
     """The engine's state of a model ``fully_shard`` wrapped: its units, parameter groups and plan.
 
     The one way to it: ``ValueError`` naming the model's type when ``model`` is
@@ -176,7 +176,7 @@ def finish_grad_accumulation(model: nn.Module) -> None:
     nothing accumulated do nothing. A collective over the model's data-parallel
     axes: every rank of the mesh calls it.
     """
-    sharded_state(model).finish_accumulation()
+    sharded_state(model).end_window(WindowEnd.ACCUMULATION)
 
 
 @contextlib.contextmanager
@@ -200,7 +200,7 @@ def compute_parameters(model: nn.Module) -> list[nn.Parameter]:
 def reduce_weight_grads(model: nn.Module) -> None:
     """After a weight pass wrote ``.grad`` on :func:`compute_parameters`: reduce them as a backward's end
     would (into the open window under ``no_sync``). A collective over the model's data-parallel axes."""
-    sharded_state(model).reduce_weight_grads()
+    sharded_state(model).end_window(WindowEnd.WEIGHT_PASS)
 
 
 def refresh_model_weights(model: nn.Module) -> None:

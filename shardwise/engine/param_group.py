@@ -29,8 +29,7 @@ The buffers move themselves; the group decides when, on which stream, and
 what stays alive until a flight is waited on. Its states: which parameters the
 modules hold (``ModuleParams``), where the full weights are (``WeightState``),
 whether the model weights follow the main weights (``RefreshState``), where a
-step's gradients are (``GradState``).
-"""
+step's gradients are (``GradState``)."""
 
 from __future__ import annotations
 
@@ -49,7 +48,7 @@ from .precision import CASTABLE_DTYPES, MixedPrecisionPolicy
 from .owner_layout import OWNER_SUM_GROUP
 from .quantized_gather import QuantizedGather, gather_mark
 from .gather_extensions import ExtensionGather, ExtensionParam, check_extension_group, has_extensions, patched_hooks
-from .grad_window import GradState, GradWindow
+from .grad_window import GradDtypes, GradState, GradWindow, ReduceSettings
 from .replaced_params import mark_replaced
 
 __all__ = ["SHARDED_MARK", "ParamRef", "ParamGroup", "ModuleParams", "WeightState", "RefreshState", "GradState"]
@@ -86,16 +85,14 @@ class ParamGroup:
     """The parameters of one unit that share a plan, dtype and requires_grad: their buffers and when they move.
 
     Attributes: ``refs`` / ``fqns`` / ``params`` (``ShardedParam``: each parameter's rows at every level);
-    ``plan`` (which axes shard which buffer) and ``levels`` / ``layouts`` (slot offsets per level;
-    ``param_level`` <= ``grad_level`` <= ``opt_level``); ``compute_dtype``, ``main_dtype``,
-    ``main_grad_dtype``, ``comm_dtype``; ``grad_scale`` (what the reduced grads are multiplied by);
-    ``sharded_params`` (the DTensor parameters over ``main``, what the optimizer sees) and
-    ``unsharded_params`` (over ``unsharded``, what forward reads); ``module_params``, ``weight_state``,
-    ``refresh_state`` (the states below); ``window`` (``GradWindow``: the step's gradients);
-    ``offloaded`` / ``host`` (main weights and finished grads in host memory); ``quantized`` (the FP8
-    gather); ``static`` (graph-safe mode: every buffer kept at one address); ``device`` /
-    ``target_device`` (meta until ``to_empty`` when built on the meta device).
-    """
+    ``plan`` (which axes shard which buffer) and ``levels`` / ``layouts`` (slot offsets per level; ``param_level``
+    <= ``grad_level`` <= ``opt_level``); ``compute_dtype``, ``main_dtype``, ``main_grad_dtype``, ``comm_dtype``;
+    ``reduction`` (``ReduceSettings``: FSDP2's setters' grad scale and hook); ``sharded_params`` (the DTensor
+    parameters over ``main``, what the optimizer sees) and ``unsharded_params`` (over ``unsharded``, what
+    forward reads); ``module_params``, ``weight_state``, ``refresh_state`` (the states below); ``window``
+    (``GradWindow``: the step's gradients); ``offloaded`` / ``host`` (main weights and finished grads in host
+    memory); ``quantized`` (the FP8 gather); ``static`` (graph-safe mode: every buffer kept at one address);
+    ``device`` / ``target_device`` (meta until ``to_empty`` when built on the meta device)."""
 
     def __init__(
         self,
@@ -132,10 +129,7 @@ class ParamGroup:
         self.requires_grad = first.requires_grad
         self.sum_over_axes = list(sum_over_axes)
         self.policy = policy
-        # Multiplies the reduced gradients (the plan's mean over the data-parallel ranks, or FSDP2's
-        # ``set_gradient_divide_factor``: a sum divided by the factor).
-        self.grad_scale = plan.grad_scale
-        self.all_reduce_hook: tuple | None = None  # set_all_reduce_hook's (hook, stream), at each finished reduction
+        self.reduction = ReduceSettings(plan.grad_scale)  # FSDP2's setters change it; every window reads it
         # Offloaded: main weights (so the optimizer state) and the finished grads live on the host.
         self.offloaded = offload
         # page-locked only where a GPU copies from it (a gloo run on a CUDA host makes no CUDA context)
@@ -161,13 +155,14 @@ class ParamGroup:
             self._check_quantized(marks, policy, plan)
             self.quantized = QuantizedGather(self.levels, marks, self.compute_dtype)
         self.persistent_unsharded = self._keeps_unsharded()
+        self.sharded_params, self.unsharded_params = [], []  # filled in place from here on: the window's too
         self._allocate([ref.param.detach() for ref in self.refs])
         self.weight_state = WeightState.UNSHARDED if self.persistent_unsharded else WeightState.SHARDED
         self._gather: InFlight | None = None  # the all-gather while GATHERING
         self.module_params = ModuleParams.ORIGINAL
 
         # The gradients, from a step's first reduction until the optimizer drops the ``.grad`` DTensors.
-        self.window = GradWindow(self)
+        self.window = self._new_window()
         # Graph-safe: the first forward rebuilds the weights as every later one does (the same values), so the
         # first step already takes every staging buffer a step needs: none is made after it.
         self.refresh_state = RefreshState.STALE if self.graph_safe else RefreshState.CURRENT
@@ -227,7 +222,7 @@ class ParamGroup:
                     self._main = self.levels.zeros(m, self.main_dtype)
                 if fulls is not None and not (self.offloaded and any(f.is_meta for f in fulls)):
                     self._main.fill(fulls)  # (host main weights of a meta-built model: zeros until loaded)
-        self.sharded_params = [self._make_sharded_param(i) for i in range(len(self.params))]
+        self.sharded_params[:] = [self._make_sharded_param(i) for i in range(len(self.params))]
 
         # The unsharded buffer and the leaf parameters forward uses.
         if self.persistent_unsharded:  # the model shard, named as level 0 (one buffer with it in all but name)
@@ -235,7 +230,7 @@ class ParamGroup:
         else:
             self._unsharded = self.levels.empty(
                 0, self.compute_dtype if self.quantized is None else self.quantized.wire_dtype)
-        self.unsharded_params = [
+        self.unsharded_params[:] = [
             nn.Parameter(self.params[i].compute_tensor(self._unsharded.local(i)) if self.quantized is None
                          else self.quantized.compute_tensor(self._unsharded, i), requires_grad=self.requires_grad)
             for i in range(len(self.params))
@@ -248,8 +243,8 @@ class ParamGroup:
         weight buffers; the unsharded parameters are the post-hooks' at the first gather (placeholders until then)."""
         self.extensions.shard(fulls, self.device)
         self._model = self._main = self._unsharded = None
-        self.sharded_params = [self._make_sharded_param(i) for i in range(len(self.params))]
-        self.unsharded_params = self.extensions.placeholders(self.device, self.requires_grad)
+        self.sharded_params[:] = [self._make_sharded_param(i) for i in range(len(self.params))]
+        self.unsharded_params[:] = self.extensions.placeholders(self.device, self.requires_grad)
 
     def read_patched_hooks(self) -> None:
         """FSDP2's hooks patched onto the sharded parameters' local tensors after ``fully_shard`` (instance
@@ -265,7 +260,7 @@ class ParamGroup:
         self.extensions.adopt([p._local_tensor for p in self.sharded_params])
         self.persistent_unsharded = False
         self.weight_state = WeightState.SHARDED
-        self.unsharded_params = self.extensions.placeholders(self.device, self.requires_grad)
+        self.unsharded_params[:] = self.extensions.placeholders(self.device, self.requires_grad)
 
     def _check_quantized(self, marks: list, policy: MixedPrecisionPolicy, plan: ShardingPlan) -> None:
         """An FP8 gather casts the main pieces right before each gather: it needs every parameter of the
@@ -325,10 +320,16 @@ class ParamGroup:
         self.persistent_unsharded = self._keeps_unsharded()
         self._allocate(None)
         self.weight_state = WeightState.UNSHARDED if self.persistent_unsharded else WeightState.SHARDED
-        self.window = GradWindow(self)
+        self.window = self._new_window()
         self.module_params = ModuleParams.ORIGINAL
         self._refreshed_version = self._main_version()
         self.mark_weights_stale()
+
+    def _new_window(self) -> GradWindow:  # built from what it reads of this group (the lists shared, not copied)
+        dtypes = GradDtypes(self.main_dtype, self.main_grad_dtype, self.comm_dtype, self.compute_dtype)
+        return GradWindow(self.name, self.params, self.sharded_params, self.unsharded_params, self.levels, self.plan,
+                          self.streams, dtypes, self.reduction, self.sum_over_axes, self.host, self.graph_safe,
+                          self.requires_grad, self.mark_weights_stale)
 
     # --------------------------------------------------- the buffers' tensors
     @property
@@ -523,8 +524,7 @@ class ParamGroup:
 
         An optimizer step or ``load_state_dict`` updates the DTensor parameters
         (their own counters); a write into ``to_local()`` (DCP's load) moves the
-        counter the local views share with their flat buffer.
-        """
+        counter the local views share with their flat buffer."""
         if self.extensions is not None:  # the subclass pieces (the locals are views of them)
             return sum(p._version for p in self.sharded_params), sum(t._version for t in self.extensions.padded)
         base = self.main if self.main is not None else self.model_shard

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
-from .sharded_state import ShardedState
+from .step_controller import StepController
 from .torch_fsdp_state import TorchStateView
 from .torch_fsdp_state import install as install_torch_state_view
 from .unit import Unit
@@ -62,7 +62,7 @@ class ShardedModule(FSDPModule):
 
     # ---------------------------------------------------------------- the engine's state
     @property
-    def sharded_state(self) -> ShardedState:
+    def sharded_state(self) -> StepController:
         """The engine's state of the model this unit belongs to (units, parameter groups, plan)."""
         return getattr(self, STATE_ATTR)
 
@@ -140,7 +140,7 @@ class ShardedModule(FSDPModule):
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor({factor!r}): the factor must be positive")
         for group in self._unit.groups:
-            group.grad_scale = group.plan.dp_size / float(factor)
+            group.reduction.grad_scale = group.plan.dp_size / float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """The older name of ``set_gradient_divide_factor``."""
@@ -183,7 +183,7 @@ class ShardedModule(FSDPModule):
             if stream is not None and group.plan.finalize_allreduce_axes:
                 raise ValueError("stream cannot be set when using native HSDP")
         for group in self._unit.groups:
-            group.all_reduce_hook = (hook, stream)
+            group.reduction.all_reduce_hook = (hook, stream)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         raise _not_built("set_reduce_scatter_max_input_buffers",
@@ -277,7 +277,7 @@ def _units_of(modules: list, method: str) -> list[Unit]:
     return units
 
 
-def make_fsdp_modules(state: ShardedState) -> None:
+def make_fsdp_modules(state: StepController) -> None:
     """Every module of every unit of ``state``: tied to its state and unit, answering torch's state reads,
     and an instance of ``Sharded<Class>`` (so of torch's ``FSDPModule``)."""
     for unit in state.all_units:

@@ -32,6 +32,8 @@ from torch.distributed._composable_state import _insert_module_state, _module_st
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
+from .step_controller import WindowEnd
+
 __all__ = ["TorchStateView", "install", "state"]
 
 _MARKER_ATTR = "_shardwise_torch_marker"  # keeps the inert FSDPState alive (torch's map holds it weakly)
@@ -101,7 +103,7 @@ class TorchStateView:
         return SimpleNamespace(all_states=list(views.values()), is_last_backward=state.is_last_backward)
 
     def _root_post_backward_final_callback(self) -> None:
-        self.state.finish_manual_reduction()
+        self.state.end_window(WindowEnd.MANUAL)
 
     def _pre_forward(self, module: nn.Module, args, kwargs):
         state, unit = self.state, self.unit

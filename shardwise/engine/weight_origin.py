@@ -198,7 +198,7 @@ def _any_rank(flag: bool, mesh: DeviceMesh) -> bool:
 
 
 def watch_weights(state, adopted: Iterable, described: nn.Module, differing: Iterable[str], mode: str) -> None:
-    """Give ``state`` (a ``ShardedState`` just built) its watch: the entries of the units it adopted, and the
+    """Give ``state`` (a ``StepController`` just built) its watch: the entries of the units it adopted, and the
     parameters of ``described`` (what this ``fully_shard`` call wrapped) named in ``differing``."""
     watch = WeightWatch(state.plan.mesh, mode)
     watch.take_over(getattr(s, "weight_watch", None) for s in adopted)

@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..engine.model_ops import ShardedState, load_full_state_dict, sharded_state, zero_grads_in_place
+from ..engine.model_ops import StepController, load_full_state_dict, sharded_state, zero_grads_in_place
 from ..engine.fully_shard import fully_shard
 from ..engine.materialize import MetaInitializer, has_meta_tensors
 from ..engine.mesh import DENSE, EXPERT, LOCAL_EXPERT, default_device_type
@@ -411,7 +411,7 @@ class _ShardedDataParallel(_BaseDataParallel):
                                                             user_buffers=buffers)
 
     @property
-    def sharded_state(self) -> ShardedState:
+    def sharded_state(self) -> StepController:
         """The engine's state for the wrapped model (units, parameter groups, sharding plan)."""
         return sharded_state(self.sharded_model)
 

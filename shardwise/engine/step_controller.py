@@ -1,4 +1,4 @@
-"""The hooks that schedule a sharded model: gather, free, reduce, finish backward.
+"""The step controller: the hooks that schedule a sharded model (gather, free, reduce) and the step's phase.
 
 A unit's pre-forward gathers its parameters (and starts gathering the next
 unit's); its post-forward frees them (not during activation recompute). Hooks
@@ -6,14 +6,23 @@ on the unit's outputs gather it again when backward reaches it; an autograd
 function on its inputs fires once its backward is done and reduces its
 gradients. A callback queued on the autograd engine finishes whatever is left
 when backward ends: the root's own gradients, waits, ``.grad`` installation.
+
+The step's phase is one value (:class:`Phase`, FSDP2's ``TrainingState`` in its
+own names), moved in one place (:meth:`StepController._move`), which names the
+phase it expected to leave when a move comes from another. Every end of a
+gradient window, whatever asked for it (:class:`WindowEnd`), goes through
+:meth:`StepController.end_window`. docs/design.md, "The step controller".
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 from typing import Callable
 
 import torch
 import torch.utils._pytree as pytree
+from torch.autograd.profiler import record_function
 
 from .backward_steps import BackwardSteps
 from .collectives import InFlight, StreamSet
@@ -23,7 +32,35 @@ from .param_adoption import adopt_module_params
 from .step_checks import check_gathered_weights_current, check_materialized
 from .unit import Unit
 
-__all__ = ["ShardedState", "opaque_to_compiler"]
+__all__ = ["Phase", "StepController", "WindowEnd", "opaque_to_compiler"]
+
+
+class Phase(enum.Enum):
+    """Where one wrapped model's step is: FSDP2's ``TrainingState``, with a phase for a finished window."""
+
+    IDLE = "idle"  # no step under way: before the first forward, after a reset or a window left open (no_sync)
+    FORWARD = "forward"  # inside the root's grad-enabled forward (a no-grad forward is no step phase)
+    AWAITING_BACKWARD = "awaiting_backward"  # a forward's backward (or the rest of one) still to come: PRE_BACKWARD
+    BACKWARD = "backward"  # a backward of the model under way: its end is queued on autograd's engine
+    REDUCED = "reduced"  # a window ended: its gradients reduced and installed as ``.grad``, weights freed
+
+
+class WindowEnd(enum.Enum):
+    """Why a gradient window ends: the reason given to :meth:`StepController.end_window`."""
+
+    BACKWARD = "backward"  # a backward through the root's outputs ended (autograd's final callback)
+    PARTIAL_BACKWARD = "partial_backward"  # a backward that did not pass through them (a chunked loss's head)
+    WEIGHT_PASS = "weight_pass"  # model_ops.reduce_weight_grads: after a split backward's weight pass
+    ACCUMULATION = "accumulation"  # model_ops.finish_grad_accumulation: the micro-batches' no_sync sum
+    MANUAL = "manual"  # FSDP2's _root_post_backward_final_callback called by hand (torch's pipeline stage)
+
+
+# Ends asked for by hand, outside any backward: the public name a user called, and what must have returned first.
+_BY_HAND = {
+    WindowEnd.WEIGHT_PASS: ("reduce_weight_grads", "the weight pass"),
+    WindowEnd.ACCUMULATION: ("finish_grad_accumulation", "the last micro-batch's backward"),
+    WindowEnd.MANUAL: ("_root_post_backward_final_callback", "the backward"),
+}
 
 
 def opaque_to_compiler(fn: Callable) -> Callable:
@@ -37,6 +74,16 @@ def opaque_to_compiler(fn: Callable) -> Callable:
     around the compiled code, never inside it.
     """
     return torch.compiler.disable(fn, recursive=True, reason="shardwise hooks run eagerly, outside compiled graphs")
+
+
+_UNLABELLED = contextlib.nullcontext()
+
+
+def _label(name: str):
+    """``record_function(name)`` while a profiler records (its trace then shows the step's gathers, reductions
+    and window ends as ``shardwise.*`` ranges), else nothing: an unwatched label still costs a dispatcher call
+    each, a few microseconds, a few per unit and step. Compile-friendly either way (the hooks run eagerly)."""
+    return record_function(name) if torch._C._autograd._profiler_enabled() else _UNLABELLED
 
 
 def _in_backward() -> bool:
@@ -57,7 +104,7 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, None) + grads
 
 
-class ShardedState:
+class StepController:
     """Everything one ``fully_shard`` call created, and the hook logic."""
 
     def __init__(self, root: Unit, units: list[Unit], plan: ShardingPlan, streams: StreamSet, prefetch: bool):
@@ -69,18 +116,20 @@ class ShardedState:
         self.plan = plan
         self.streams = streams
         self.prefetch = prefetch
+        # The step's phase (Phase); moved only by _move. The attributes below it are modes a caller sets
+        # around a step (sync_grads, defer_reduction, is_last_backward) or once-only set-up facts.
+        self.phase = Phase.IDLE
+        self._backward_in_forward = False  # a backward that began inside the forward returns to FORWARD
         self.sync_grads = True
         self.forward_order: list[Unit] = []
         self._order_index: dict[int, int] = {}
         self.order_recorded = False
         self.patched_hooks_read = False  # all-gather hooks patched onto the sharded locals, read at the first forward
-        self.callback_queued = False
         self.in_flight: list[tuple[ParamGroup, InFlight]] = []
         # id(group) -> optimizer stepped as soon as the group's grads are final (see
         # shardwise.engine.optim.BackwardOptimizer); empty for the usual optimizer.step() loop.
         self.backward_optimizers: dict[int, torch.optim.Optimizer] = {}
         self.backward_steps = BackwardSteps(streams)
-        self.grad_forward = False
         # A split backward's input pass (a zero-bubble pipeline schedule): the weight gradients come
         # in a later pass, so no unit reduces in this one (see reduce_weight_grads).
         self.defer_reduction = False
@@ -102,7 +151,7 @@ class ShardedState:
         self._unit_pre_backward_hooks = {
             id(u): opaque_to_compiler(lambda grad, unit=u: self.on_unit_pre_backward(unit)) for u in units
         }
-        self._finish_backward_callback = opaque_to_compiler(self._finish_backward)
+        self._finish_backward_callback = opaque_to_compiler(self._on_backward_end)
         self.post_backward_hook = opaque_to_compiler(self.on_post_backward)
 
     @property
@@ -117,6 +166,19 @@ class ShardedState:
     @property
     def groups(self) -> list[ParamGroup]:
         return [g for u in self.all_units for g in u.groups]
+
+    # ---------------------------------------------------------------- phase
+    def _move(self, to: Phase, *leaving: Phase) -> None:
+        """The one place the step's phase changes: to ``to``, from one of ``leaving``."""
+        self._expect(f"the step moved to {to.name}", *leaving)
+        self.phase = to
+
+    def _expect(self, what: str, *phases: Phase) -> None:
+        """Raise unless the step is in one of ``phases``: a bug of the engine's, named here rather than left to
+        show as wrong gradients."""
+        if self.phase not in phases:
+            raise RuntimeError(f"shardwise internal error: {what} in phase {self.phase.name}, expected "
+                               f"{' or '.join(p.name for p in phases)}; please report it with the model")
 
     # ------------------------------------------------------------- ordering
     def _neighbour(self, unit: Unit, step: int) -> Unit | None:
@@ -138,17 +200,22 @@ class ShardedState:
         check_gathered_weights_current(self.all_units)  # a unit left gathered across a step would read old weights
         if self.weight_watch is not None and self.weight_watch.armed:  # the first forward (weight_origin)
             self.weight_watch.check(self.root.module)
+        if torch.is_grad_enabled():
+            if self.phase is Phase.BACKWARD:  # its end never came: autograd runs no final callback after a raise
+                raise RuntimeError("a forward of the model began while its last backward had not ended (a backward "
+                                   "that raised leaves it so); call model.reset_iter_state() after catching the error")
+            self._move(Phase.FORWARD, Phase.IDLE, Phase.REDUCED, Phase.AWAITING_BACKWARD,
+                       Phase.FORWARD)  # (FORWARD: a forward that raised, left so until the next)
+            self.root.ran_with_grad = True
         self._wait_post_optim_event()
         args, kwargs = self._cast_inputs(self.root, args, kwargs)
         for g in self.groups:
             g.refresh_model_weights()
-        self.root.start_unshard()
-        if self.prefetch and self.order_recorded and self.forward_order:
-            self.forward_order[0].start_unshard()  # queued behind the root's gather
-        self.root.unshard()
-        self.grad_forward = torch.is_grad_enabled()
-        if self.grad_forward:
-            self.root.ran_with_grad = True
+        with _label("shardwise.gather"):
+            self.root.start_unshard()
+            if self.prefetch and self.order_recorded and self.forward_order:
+                self.forward_order[0].start_unshard()  # queued behind the root's gather
+            self.root.unshard()
         return args, kwargs
 
     def root_post_forward(self, module, args, output):
@@ -165,6 +232,8 @@ class ShardedState:
         if not hooked:  # nothing will run backward through this forward
             for unit in self.all_units:
                 unit.reshard()
+        if self.phase is Phase.FORWARD:  # (a no-grad forward never entered it)
+            self._move(Phase.AWAITING_BACKWARD if hooked else Phase.IDLE, Phase.FORWARD)
         return output
 
     def on_root_pre_backward(self, grad):
@@ -187,7 +256,8 @@ class ShardedState:
             unit.in_forward = True
             unit.modules_to_run = {id(m) for m in unit.modules}
         args, kwargs = self._cast_inputs(unit, args, kwargs)
-        unit.unshard()
+        with _label("shardwise.gather"):
+            unit.unshard()
         if entering and not recompute:
             if not self.order_recorded:
                 if id(unit) not in self._order_index:
@@ -207,7 +277,7 @@ class ShardedState:
                 if not recompute:
                     unit.pending_backward += 1
                 args, kwargs = pytree.tree_unflatten(flat, spec)
-        elif self.grad_forward and entering and not recompute:
+        elif self.phase is Phase.FORWARD and entering and not recompute:  # inside the root's grad-enabled forward
             unit.expected_recompute += 1
         return args, kwargs
 
@@ -229,7 +299,8 @@ class ShardedState:
     def on_unit_pre_backward(self, unit: Unit) -> None:
         self._queue_final_callback()
         if unit.settings.unshard_in_backward:
-            unit.unshard()  # a no-op when still gathered (explicit unshard(), no reshard after forward)
+            with _label("shardwise.gather"):
+                unit.unshard()  # a no-op when still gathered (explicit unshard(), no reshard after forward)
         if unit.gathered_for_backward:
             return
         unit.gathered_for_backward = True
@@ -260,7 +331,8 @@ class ShardedState:
         # Let the compute stream catch up with the previous reduction before its
         # flat buffer is released; it has had a whole unit's backward to finish.
         self._land_in_flight()
-        self.in_flight = unit.reduce_grads(finalize=self.sync_grads and unit.settings.requires_all_reduce)
+        with _label("shardwise.reduce"):
+            self.in_flight = unit.reduce_grads(finalize=self.sync_grads and unit.settings.requires_all_reduce)
 
     def _land_in_flight(self) -> None:
         """Wait for the reductions in flight; step the groups that have a backward optimizer."""
@@ -273,47 +345,98 @@ class ShardedState:
 
     # ------------------------------------------------------- end of backward
     def _queue_final_callback(self) -> None:
-        if not self.callback_queued:
-            self.callback_queued = True
+        if self.phase is not Phase.BACKWARD:  # the first backward hook of this backward
+            self._backward_in_forward = self.phase is Phase.FORWARD  # (torch.autograd.grad inside the forward)
+            self._move(Phase.BACKWARD, Phase.IDLE, Phase.FORWARD, Phase.AWAITING_BACKWARD, Phase.REDUCED)
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward_callback)
 
-    def _finish_backward(self) -> None:
-        # A backward that did not pass through the root's outputs is partial (a chunked loss's head, the rest
-        # still to come) only where the root ran a forward it awaits; a unit called on its own (its forward
-        # outside the root's, as FSDP2 allows) ends its whole step here.
+    def _on_backward_end(self) -> None:
+        """Autograd's final callback. A backward that did not pass through the root's outputs is partial (a
+        chunked loss's head, the rest still to come) only where the root ran a forward it awaits; a unit called
+        on its own (its forward outside the root's, as FSDP2 allows) ends its whole step here."""
         whole = self.root_in_backward or not self.root.ran_with_grad
         self.root_in_backward = False
-        self.callback_queued = False
-        if not whole:
-            self._finish_partial_backward()
+        self.end_window(WindowEnd.BACKWARD if whole else WindowEnd.PARTIAL_BACKWARD)
+
+    # ------------------------------------------------- the end of a gradient window
+    def end_window(self, reason: WindowEnd) -> None:
+        """End the gradient window, for ``reason``: the one road every ending takes (docs/design.md, "The step
+        controller"). Start the reductions left to the end, land every reduction in flight (a backward
+        optimizer steps what lands), install ``.grad`` where the window was finalized, reshard, forget the
+        iteration's bookkeeping, and move the phase on: REDUCED when ``.grad`` was installed, AWAITING_BACKWARD
+        while a backward (or its weight pass) is still to come, else IDLE."""
+        if reason in _BY_HAND:
+            if self.phase is Phase.BACKWARD:
+                if reason is WindowEnd.MANUAL:
+                    return  # inside a backward: its own end does this
+                name, first = _BY_HAND[reason]
+                raise RuntimeError(f"{name} was called during a backward of the model; call it after {first} "
+                                   "has returned")
+            leaving = tuple(p for p in Phase if p is not Phase.BACKWARD)
+        else:
+            leaving = (Phase.BACKWARD,)
+        self._expect(f"the gradient window ended ({reason.value})", *leaving)
+        deferred = reason is WindowEnd.BACKWARD and self.defer_reduction  # the weight pass will reduce
+        previous = self.sync_grads
+        if reason is WindowEnd.ACCUMULATION:
+            self.sync_grads = True  # the window is finalized, and the backward optimizers step on what lands
+        installs = not deferred and (reason is WindowEnd.ACCUMULATION or (
+            self.sync_grads and reason in (WindowEnd.BACKWARD, WindowEnd.MANUAL)))
+        try:
+            with _label(f"shardwise.end_window.{reason.value}"):
+                self._close_window(reason, deferred, installs)
+        finally:
+            self.sync_grads = previous
+            if self._backward_in_forward and reason not in _BY_HAND:
+                to = Phase.FORWARD  # the forward this backward ran inside goes on
+            elif reason is WindowEnd.PARTIAL_BACKWARD or deferred:
+                to = Phase.AWAITING_BACKWARD
+            elif installs:
+                to = Phase.REDUCED
+            else:  # the window stays open (no_sync); a pipeline's other micro-batches may still owe a backward
+                to = Phase.AWAITING_BACKWARD if any(u.pending_backward for u in self.all_units) else Phase.IDLE
+            self._backward_in_forward = False
+            self._move(to, *leaving)
+
+    def _close_window(self, reason: WindowEnd, deferred: bool, installs: bool) -> None:
+        """:meth:`end_window`'s work, in its order."""
+        # 1. the reductions left to the window's end
+        if reason is WindowEnd.BACKWARD and not deferred:
+            self._reduce_left()
+        elif reason is WindowEnd.WEIGHT_PASS:  # what the weight pass wrote on the gathered parameters
+            for unit in self._reduce_order():
+                if any(g.has_unsharded_grads() for g in unit.groups):
+                    self._reduce(unit)
+        elif reason is WindowEnd.ACCUMULATION:  # the windows the micro-batches left open, finalized
+            for unit in self.all_units:
+                self.in_flight.extend(unit.finalize_idle_groups())
+        # 2. every reduction landed; every group stepped before anything reads weights or grads again
+        if not deferred:
+            self._land_in_flight()
+            self.backward_steps.join()
+        if reason is WindowEnd.BACKWARD and not deferred:
+            self._check_no_late_grads()
+        # 3. .grad installed, weights freed, the iteration's bookkeeping forgotten
+        if reason is WindowEnd.PARTIAL_BACKWARD:  # only the units it reached; the others' forwards await the rest
+            for unit in self.all_units:
+                if unit.reduced:
+                    if self.sync_grads:
+                        unit.install_grads()
+                    if unit.settings.reshard_after_backward:
+                        unit.reshard()
+                else:
+                    unit.stash_unsynced_grads()
+                unit.reset_iteration(keep_forward_counts=True, keep_forward_state=not unit.reduced)
             return
-        if not self.defer_reduction:
-            self._reduce_all()
-        self._end_window()
-
-    def _finish_partial_backward(self) -> None:
-        """The end of a backward that did not pass through the root's outputs (a chunked loss's backward
-        through the output head): land what the units it reached reduced, install their grads, and leave
-        every other unit's forward bookkeeping for the backward still to come."""
-        self._land_in_flight()
-        self.backward_steps.join()
-        for unit in self.all_units:
-            if unit.reduced:
-                if self.sync_grads:
-                    unit.install_grads()
-                if unit.settings.reshard_after_backward:
-                    unit.reshard()
-            else:
-                unit.stash_unsynced_grads()
-            unit.reset_iteration(keep_forward_counts=True, keep_forward_state=not unit.reduced)
-
-    def _reduce_order(self) -> list[Unit]:
-        """The units in the order a backward reaches them (reverse forward order; unseen units, then the root)."""
-        ordered = list(reversed(self.forward_order)) + [u for u in self.units if id(u) not in self._order_index]
-        return ordered + [self.root]
-
-    def _end_window(self) -> None:
-        """What ends a backward's reductions: every unit resharded and its iteration counts reset."""
+        if reason is WindowEnd.ACCUMULATION:  # outside any step's forwards: every count goes (no reshard)
+            for unit in self.all_units:
+                unit.install_grads()
+                unit.reset_iteration()
+            self.streams.pool.clear()
+            return
+        if installs:
+            for unit in self.all_units:
+                unit.install_grads()
         for unit in self.all_units:
             if unit.settings.reshard_after_backward:
                 unit.reshard()
@@ -322,8 +445,13 @@ class ShardedState:
             unit.reset_iteration(keep_forward_counts=not (self.sync_grads and unit.settings.requires_gradient_sync))
         self.streams.pool.clear()
 
-    def _reduce_all(self) -> None:
-        """Reduce every unit holding gradients not yet reduced; wait; install ``.grad`` when syncing."""
+    def _reduce_order(self) -> list[Unit]:
+        """The units in the order a backward reaches them (reverse forward order; unseen units, then the root)."""
+        ordered = list(reversed(self.forward_order)) + [u for u in self.units if id(u) not in self._order_index]
+        return ordered + [self.root]
+
+    def _reduce_left(self) -> None:
+        """A whole backward's end: reduce every unit holding gradients not yet reduced."""
         for unit in self._reduce_order():
             if not unit.settings.requires_gradient_sync:  # FSDP2's no-sync: grads stay unsharded, accumulating
                 unit.stash_unsynced_grads()
@@ -336,8 +464,8 @@ class ShardedState:
                 self._reduce(unit)  # FSDP2 reduces a unit that did not run as zeros, and hands them out
             elif not unit.ran_with_grad and self.sync_grads and unit.settings.requires_all_reduce:
                 self.in_flight.extend(unit.finalize_idle_groups())
-        self._land_in_flight()
-        self.backward_steps.join()  # every group is stepped before anything reads weights or grads again
+
+    def _check_no_late_grads(self) -> None:
         late = [u.name for u in self.all_units if u.settings.requires_gradient_sync
                 and any(g.has_unsharded_grads() for g in u.groups)]
         if late:
@@ -346,45 +474,6 @@ class ShardedState:
                 "this happens when a unit's backward runs in pieces the hooks cannot see "
                 "(a custom autograd path around the unit); please report it with the model"
             )
-        if self.sync_grads:
-            for unit in self.all_units:
-                unit.install_grads()
-
-    def reduce_weight_grads(self) -> None:
-        """After a split backward's weight pass (outside any backward): reduce every unit whose gathered
-        parameters now hold gradients, as the end of a whole backward would have."""
-        if self.callback_queued:
-            raise RuntimeError("reduce_weight_grads was called during a backward of the model; call it after "
-                               "the weight pass has returned")
-        for unit in self._reduce_order():
-            if any(g.has_unsharded_grads() for g in unit.groups):
-                self._reduce(unit)
-        self._land_in_flight()
-        self.backward_steps.join()
-        self._end_window()
-
-    # ------------------------------------------- accumulation ended outside backward
-    def finish_accumulation(self) -> None:
-        """Reduce what the micro-batches accumulated under ``no_sync``, wait, install ``.grad``.
-
-        The end-of-backward work of a last micro-batch, for a schedule that runs every
-        backward without syncing (a pipeline stage) and reduces once after all of them.
-        """
-        if self.callback_queued:
-            raise RuntimeError("finish_grad_accumulation was called during a backward of the model; "
-                               "call it after the last micro-batch's backward has returned")
-        previous, self.sync_grads = self.sync_grads, True  # the backward optimizers step on what lands
-        try:
-            for unit in self.all_units:
-                self.in_flight.extend(unit.finalize_idle_groups())
-            self._land_in_flight()
-            self.backward_steps.join()
-            for unit in self.all_units:
-                unit.install_grads()
-                unit.reset_iteration()
-        finally:
-            self.sync_grads = previous
-        self.streams.pool.clear()
 
     # ------------------------------------------------------------- helpers
     def _prefetch_targets(self, unit: Unit, forward: bool) -> list[Unit]:
@@ -419,7 +508,8 @@ class ShardedState:
     def reset_iteration_state(self) -> None:
         """After a forward or backward that raised: forget the step's bookkeeping and its unreduced grads."""
         self.in_flight = []
-        self.callback_queued = self.root_in_backward = False
+        self.root_in_backward = self._backward_in_forward = False
+        self.phase = Phase.IDLE  # from any phase: the step is forgotten
         for unit in self.all_units:
             unit.modules_to_run.clear()
             unit.reshard()
@@ -450,23 +540,12 @@ class ShardedState:
 
     def reduce_unit_now(self, unit: Unit) -> None:
         """FSDP2's ``FSDPParamGroup.post_backward`` called by hand (torch's pipeline stage at its reduce-grad
-        point): reduce what the unit's gathered parameters accumulated."""
+        point): reduce what the unit's gathered parameters accumulated. ``end_window(WindowEnd.MANUAL)`` ends
+        the window after it (FSDP2's ``_root_post_backward_final_callback`` called by hand)."""
         if any(g.has_unsharded_grads() for g in unit.groups) and not unit.reduced:
             self._reduce(unit)
         if unit.settings.reshard_after_backward:
             unit.reshard()
-
-    def finish_manual_reduction(self) -> None:
-        """After ``reduce_unit_now`` on the units: wait, install ``.grad``, end the window (FSDP2's
-        ``_root_post_backward_final_callback`` called by hand)."""
-        if self.callback_queued:  # inside a backward: its own end does this
-            return
-        self._land_in_flight()
-        self.backward_steps.join()
-        if self.sync_grads:
-            for unit in self.all_units:
-                unit.install_grads()
-        self._end_window()
 
     def mark_weights_modified(self) -> None:
         for g in self.groups:
