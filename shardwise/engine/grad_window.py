@@ -19,7 +19,7 @@ import enum
 import weakref
 import torch
 
-from .collectives import InFlight
+from .collectives import InFlight, replicas_reduce_first
 from .distributed_buffer import BufferState, DistributedBuffer
 from .grad_presence import GradPresence
 from .unsynced_grads import UnsyncedGrads
@@ -159,7 +159,8 @@ class GradWindow:
         acc, group = self.grad_acc, self.group
         return (not self.unsynced.waiting and group.grad_scale == 1.0
                 and group.levels.same_layout(0, group.grad_level)
-                and (acc.flat.dtype == group.comm_dtype or _holds_exactly(group.comm_dtype, group.compute_dtype)))
+                and (acc.flat.dtype == group.comm_dtype or _holds_exactly(group.comm_dtype, group.compute_dtype))
+                and not replicas_reduce_first(group.comm_dtype, group.plan.finalize_allreduce_axes))
 
     def _add_in_place(self, finalize: bool) -> InFlight:
         """``reduce`` where :meth:`_adds_in_place`: the first micro-batch's grads loaded into the fresh buffer
@@ -215,12 +216,17 @@ class GradWindow:
             # grads were loaded into it, ZeRO-0/1, it holds them already and takes nothing more)
             lands = self.group.grad_level > 0 and acc.takes(self.group.grad_level, flat.flat.dtype)
             shard = flat.reduce_scatter(self.group.grad_level, staged, into=acc if lands else None)
+            replicas = self.group.plan.finalize_allreduce_axes  # FSDP2's HSDP in fp16: in that dtype, before the cast
+            early = (finalize and shard is not acc and acc.takes(self.group.grad_level, acc.flat.dtype)
+                     and not self.group.sum_over_axes and replicas_reduce_first(shard.flat.dtype, replicas))
+            if early:
+                shard.all_reduce(replicas)
             if self.group.grad_scale != 1.0:
                 shard.flat.mul_(self.group.grad_scale)
             if shard is not acc:
                 acc.accumulate(shard)
             if finalize:
-                self._finalize(staged)
+                self._finalize(staged, replicas_done=early)
         if own:  # the waiting accumulator: the reduce stream may still read it
             self.released = self.released + (flat.flat,)
         return self._in_flight(staged)
@@ -242,17 +248,19 @@ class GradWindow:
             self._finalize(staged)
         return self._in_flight(staged)
 
-    def _finalize(self, staged: list) -> None:
+    def _finalize(self, staged: list, replicas_done: bool = False) -> None:
         acc, main_grad = self.grad_acc, self.main_grad
         if self.group.sum_over_axes:  # partial sums across model-parallel ranks (sequence parallel)
             acc.all_reduce(self.group.sum_over_axes, average=False)
         if acc is main_grad:
-            main_grad.all_reduce(self.group.plan.finalize_allreduce_axes)
+            if not replicas_done:
+                main_grad.all_reduce(self.group.plan.finalize_allreduce_axes)
             self._call_all_reduce_hook(main_grad.flat)
         else:
             into = main_grad if main_grad.takes(self.group.opt_level, acc.flat.dtype) else None
             reduced = acc.reduce_scatter(self.group.opt_level, staged, into=into)
-            reduced.all_reduce(self.group.plan.finalize_allreduce_axes)
+            if not replicas_done:
+                reduced.all_reduce(self.group.plan.finalize_allreduce_axes)
             self._call_all_reduce_hook(reduced.flat)
             if reduced is not main_grad:
                 main_grad.accumulate(reduced)
