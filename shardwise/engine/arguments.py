@@ -36,6 +36,7 @@ from .sharded_module import STATE_ATTR
 
 __all__ = [
     "check_call",
+    "check_fsdp2_mesh",
     "check_modules",
     "resolve_policy",
     "resolve_offload",
@@ -54,6 +55,23 @@ def check_call(module, unit_modules) -> list[nn.Module]:
     if len(modules) > 1 and unit_modules is not None:
         raise ValueError("unit_modules= takes one module, not a list: call fully_shard on each unit instead")
     return modules
+
+
+def fsdp2_face(placements, strategy, outer_dp_sharding_strategy) -> bool:
+    """Whether the call reads its mesh as FSDP2 does (none of shardwise's placement arguments given): FSDP2's
+    refusals then apply as FSDP2 makes them; ``placements`` / ``strategy`` (the Megatron face, the one-call
+    form) say which axis does what themselves."""
+    return placements is None and strategy is None and outer_dp_sharding_strategy is None
+
+
+def check_fsdp2_mesh(mesh, dp_mesh_dims, face: bool) -> None:
+    """FSDP2's refusal of a 2-D mesh without names (HSDP needs them), with its exception class and words."""
+    if face and dp_mesh_dims is None and isinstance(mesh, DeviceMesh) and mesh.ndim == 2 \
+            and mesh.mesh_dim_names is None:
+        raise AssertionError(
+            "Please init the 2D mesh for HSDP with mesh_dim_names specified (FSDP2's refusal): mesh "
+            f"{tuple(mesh.shape)} has no names; pass init_device_mesh(..., {tuple(mesh.shape)}, mesh_dim_names="
+            "('dp_replicate', 'dp_shard')) (replicate over the first axis, shard over the second)")
 
 
 def check_modules(modules: list[nn.Module], state_attr: str = STATE_ATTR) -> list:
@@ -169,11 +187,18 @@ def check_bucket_size(bucket_size: int | None) -> None:
         raise ValueError(f"bucket_size={bucket_size!r} must be a positive number of elements")
 
 
-def check_parameters(root: nn.Module, init_fn: Callable | None) -> None:
-    """Refuse parameters shardwise cannot shard, and meta parameters with nothing to materialize them."""
+def check_parameters(root: nn.Module, init_fn: Callable | None, face: bool = False,
+                     ignored: frozenset | None = None) -> None:
+    """Refuse parameters shardwise cannot shard, and meta parameters with nothing to materialize them; on
+    FSDP2's face (``face``), a non-contiguous parameter this call shards, as FSDP2 refuses it."""
     for name, p in root.named_parameters():
         if isinstance(p, DTensor):  # sharded by an earlier fully_shard call on a submodule
             continue
+        if face and not p.is_contiguous() and p not in (ignored or ()):
+            raise NotImplementedError(
+                f"FSDP does not support non-contiguous parameters yet: parameter {name!r} {p.shape=} "
+                f"{p.stride()=} (FSDP2's refusal); make it contiguous before fully_shard "
+                f"(module.{name} = nn.Parameter(module.{name}.contiguous())), or list it in ignored_params")
         if p.dtype not in CASTABLE_DTYPES and p.requires_grad:
             raise ValueError(
                 f"parameter {name!r} has dtype {p.dtype} and requires grad, which shardwise cannot shard; "

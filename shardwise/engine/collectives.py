@@ -22,6 +22,7 @@ pieces (gloo has no coalesced collectives), no streams.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Iterator, Sequence
 
 import torch
@@ -31,7 +32,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOp
 from .mesh import AxisGroup
 
 __all__ = ["StagingPool", "GraphSafeStagingPool", "StreamSet", "Collectives", "gather_pieces", "reduce_scatter_pieces", "all_reduce_chain",
-           "all_reduce_max", "broadcast_from_first_rank", "InFlight"]
+           "all_reduce_max", "broadcast_from_first_rank", "InFlight", "replicas_reduce_first"]
 
 
 class StagingPool:
@@ -249,11 +250,12 @@ def reduce_scatter_pieces(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tens
     """Average ``ins[i]`` over ``axis`` and keep this rank's piece in ``outs[i]``, as one coalesced group."""
     if not outs:
         return
-    split = _split_divide(ins[0].dtype, axis.size)
+    split = _split_divide(ins[0].dtype, axis.size * axis.replicas)
     if split is not None:  # fp16: FSDP2's pre-divide, SUM, post-divide, on every backend
         pre, post = split
         _sum_scatter(outs, torch._foreach_div(list(ins), float(pre)), axis)
-        torch._foreach_div_(list(outs), float(post))
+        if axis.replicas == 1:  # else after the replicas' SUM (``all_reduce_chain``), as FSDP2's HSDP
+            torch._foreach_div_(list(outs), float(post))
         return
     if axis.averages_natively:  # NCCL
         options = ReduceScatterOptions()
@@ -313,12 +315,38 @@ def broadcast_from_first_rank(tensor: torch.Tensor, groups: Sequence, device: to
 
 
 def all_reduce_chain(t: torch.Tensor, axes: Sequence[AxisGroup], average: bool = True) -> None:
-    """Average (or sum) ``t`` in place over each of ``axes``."""
+    """Average (or sum) ``t`` in place over each of ``axes``. HSDP's replicas after a 16-bit reduce-scatter
+    (``mesh.hsdp_division``): one SUM, then the rest of FSDP2's split division over shards and replicas
+    (the part before the SUM too where the shard axis has one rank, so no reduce-scatter ran)."""
+    split = _hsdp_split(t.dtype, axes) if average else None
+    if split is not None:
+        pre, post = split
+        if axes[0].scattered_over == 1:
+            t.div_(pre)
+        for axis in axes:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=axis.group)
+        t.div_(post)
+        return
     for axis in axes:
         native = axis.averages_natively and average
         dist.all_reduce(t, op=dist.ReduceOp.AVG if native else dist.ReduceOp.SUM, group=axis.group)
         if average and not native:
             t.div_(axis.size)
+
+
+def _hsdp_split(dtype: torch.dtype, axes: Sequence[AxisGroup]) -> tuple[int, float] | None:
+    """FSDP2's split of a ``dtype`` mean over HSDP's shards and these replica axes (``mesh.hsdp_division``), or
+    ``None`` (fp32, bf16, axes that are not HSDP's replicas)."""
+    scattered = {axis.scattered_over for axis in axes}
+    if len(scattered) != 1 or 0 in scattered:
+        return None
+    return _split_divide(dtype, scattered.pop() * math.prod(axis.size for axis in axes))
+
+
+def replicas_reduce_first(dtype: torch.dtype, axes: Sequence[AxisGroup]) -> bool:
+    """Whether HSDP's replicas all-reduce a reduce-scatter's ``dtype`` output before it is accumulated in another
+    dtype, as FSDP2 does for a 16-bit split mean (its SUM over replicas, and the division after it, in ``dtype``)."""
+    return _hsdp_split(dtype, [axis for axis in axes if axis.size > 1]) is not None
 
 
 def all_reduce_max(t: torch.Tensor, axes: Sequence[AxisGroup]) -> None:

@@ -23,6 +23,8 @@ from .arguments import (
     build_plans,
     check_bucket_size,
     check_call,
+    check_fsdp2_mesh,
+    fsdp2_face,
     check_modules,
     check_options,
     check_parameters,
@@ -122,6 +124,8 @@ def fully_shard(
     """
     arguments = dict(locals())  # the call's arguments by name: FullyShardOptions' fields are named after them
     modules = check_call(module, unit_modules)
+    face = fsdp2_face(placements, strategy, outer_dp_sharding_strategy)
+    check_fsdp2_mesh(mesh, dp_mesh_dims, face)  # FSDP2's refusals, where it makes them
     adopted = check_modules(modules)  # torch's units, a module wrapped twice: named before the meshes are read
     spmd, mesh, placements, tp_axis = resolve_spmd_mesh(  # dp_mesh_dims, or TP DTensors: FSDP2's SPMD mesh
         modules, mesh, dp_mesh_dims, reshard_after_forward, placements, strategy, outer_dp_sharding_strategy,
@@ -140,7 +144,7 @@ def fully_shard(
     check_bucket_size(bucket_size)
     check_graph_safe(described, graph_safe, options.offload_policy, expert_mesh)
     unit_list = resolve_units(modules[0], unit_modules)
-    check_parameters(described, init_fn)
+    check_parameters(described, init_fn, face, options.ignored_params)
 
     # Checked on every rank; now shard, deepest unit first (meta parameters materialized just before).
     device = device_for(plan.mesh)

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from .collectives import InFlight
+from .collectives import InFlight, replicas_reduce_first
 from .distributed_buffer import BufferState, DistributedBuffer
 from .grad_presence import GradPresence
 from .unsynced_grads import UnsyncedGrads
@@ -196,7 +196,8 @@ class GradWindow:
         acc, dtypes = self.grad_acc, self.dtypes
         return (not self.unsynced.waiting and self.reduction.grad_scale == 1.0
                 and self.levels.same_layout(0, self.grad_level)
-                and (acc.flat.dtype == dtypes.comm or _holds_exactly(dtypes.comm, dtypes.compute)))
+                and (acc.flat.dtype == dtypes.comm or _holds_exactly(dtypes.comm, dtypes.compute))
+                and not replicas_reduce_first(dtypes.comm, self.plan.finalize_allreduce_axes))
 
     def _add_in_place(self, finalize: bool) -> InFlight:
         """``reduce`` where :meth:`_adds_in_place`: the first micro-batch's grads loaded into the fresh buffer
@@ -252,12 +253,17 @@ class GradWindow:
             # grads were loaded into it, ZeRO-0/1, it holds them already and takes nothing more)
             lands = self.grad_level > 0 and acc.takes(self.grad_level, flat.flat.dtype)
             shard = flat.reduce_scatter(self.grad_level, staged, into=acc if lands else None)
+            replicas = self.plan.finalize_allreduce_axes  # FSDP2's HSDP in fp16: in that dtype, before the cast
+            early = (finalize and shard is not acc and acc.takes(self.grad_level, acc.flat.dtype)
+                     and not self.sum_over_axes and replicas_reduce_first(shard.flat.dtype, replicas))
+            if early:
+                shard.all_reduce(replicas)
             if self.reduction.grad_scale != 1.0:
                 shard.flat.mul_(self.reduction.grad_scale)
             if shard is not acc:
                 acc.accumulate(shard)
             if finalize:
-                self._finalize(staged)
+                self._finalize(staged, replicas_done=early)
         if own:  # the waiting accumulator: the reduce stream may still read it
             self.released = self.released + (flat.flat,)
         return self._in_flight(staged)
@@ -279,17 +285,19 @@ class GradWindow:
             self._finalize(staged)
         return self._in_flight(staged)
 
-    def _finalize(self, staged: list) -> None:
+    def _finalize(self, staged: list, replicas_done: bool = False) -> None:
         acc, main_grad = self.grad_acc, self.main_grad
         if self.sum_over_axes:  # partial sums across model-parallel ranks (sequence parallel)
             acc.all_reduce(self.sum_over_axes, average=False)
         if acc is main_grad:
-            main_grad.all_reduce(self.plan.finalize_allreduce_axes)
+            if not replicas_done:
+                main_grad.all_reduce(self.plan.finalize_allreduce_axes)
             self._call_all_reduce_hook(main_grad.flat)
         else:
             into = main_grad if main_grad.takes(self.opt_level, acc.flat.dtype) else None
             reduced = acc.reduce_scatter(self.opt_level, staged, into=into)
-            reduced.all_reduce(self.plan.finalize_allreduce_axes)
+            if not replicas_done:
+                reduced.all_reduce(self.plan.finalize_allreduce_axes)
             self._call_all_reduce_hook(reduced.flat)
             if reduced is not main_grad:
                 main_grad.accumulate(reduced)

@@ -11,6 +11,7 @@ the finer shards below it and one collective per axis moves between them.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -182,6 +183,28 @@ class AxisGroup:
     size: int
     index: int  # this rank's coordinate on the axis
     averages_natively: bool  # NCCL has ReduceOp.AVG; gloo sums and we divide
+    # FSDP2's HSDP (``hsdp_division``): on the shard axis, the size of the replicas whose all-reduce follows its
+    # reduce-scatter; on a replica axis, the shard axis's size. A 16-bit mean splits its division over both.
+    replicas: int = 1
+    scattered_over: int = 0
+
+
+def hsdp_division(axes: dict[str, AxisGroup], placements: Mapping[str, AxisPlacements]) -> dict[str, AxisGroup]:
+    """FSDP2's HSDP (one axis shards gradients and optimizer state, the others hold Partial gradients and a
+    replicated optimizer): a gradient's mean is over all of them at once, so a 16-bit reduction divides by
+    FSDP2's split of the whole product (``_get_gradient_divide_factors``: before the reduce-scatter, and after
+    the replicas' all-reduce), not once per axis. The axes, marked for the collectives where that applies."""
+    shard = [n for n, p in placements.items() if isinstance(p.gradient, Shard) and isinstance(p.optimizer, Shard)]
+    replicas = [n for n, p in placements.items() if isinstance(p.gradient, Partial) and isinstance(p.optimizer,
+                                                                                                   Replicate)]
+    if len(shard) != 1 or len(shard) + len(replicas) != len(placements) or not replicas:
+        return axes
+    size = math.prod(axes[n].size for n in replicas)
+    marked = dict(axes)
+    marked[shard[0]] = dataclasses.replace(axes[shard[0]], replicas=size)
+    for n in replicas:
+        marked[n] = dataclasses.replace(axes[n], scattered_over=axes[shard[0]].size)
+    return marked
 
 
 class ShardingPlan:
@@ -230,6 +253,8 @@ class ShardingPlan:
             for i, n in enumerate(names)
             if n in placements
         }
+
+        self.axes = hsdp_division(self.axes, self.placements)
 
         def sharded(kind: str) -> list[AxisGroup]:
             return [self.axes[n] for n, p in self.placements.items() if isinstance(getattr(p, kind), Shard)]

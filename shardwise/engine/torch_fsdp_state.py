@@ -27,7 +27,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch.nn as nn
-from torch.distributed._composable.contract import STATE_KEY
+from collections import OrderedDict
+
+from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem
 from torch.distributed._composable_state import _insert_module_state, _module_state_mapping
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
@@ -126,6 +128,9 @@ def install(module: nn.Module, state_attr: str, unit_attr: str) -> None:
     walks over the model (``_get_managed_modules``) stop at ``module`` as at an FSDP2 unit."""
     module.__dict__.setdefault(STATE_KEY, {})[torch_fully_shard.__wrapped__] = TorchStateView(
         module, state_attr, unit_attr)
+    # The composable APIs' name registry: torch's ``replicate`` (DDP) leaves a module that has "fully_shard"
+    # here to FSDP2, as it leaves FSDP2's units (it would otherwise turn their DTensors into local tensors).
+    module.__dict__.setdefault(REGISTRY_KEY, OrderedDict()).setdefault("fully_shard", RegistryItem())
     if module not in _module_state_mapping:  # an ancestor's shardwise call installs again: one marker is enough
         marker = module.__dict__[_MARKER_ATTR] = FSDPState()
         _insert_module_state(module, marker)

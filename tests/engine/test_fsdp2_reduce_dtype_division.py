@@ -16,6 +16,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -25,18 +26,21 @@ from tests.helpers.distributed import device, run_distributed
 DIM, STEPS = 16, 3
 
 
-def _grads_differ(dtype: torch.dtype, loss_scale: float) -> list[str]:
-    """Per step and parameter, where shardwise's sharded gradient differs from FSDP2's on this rank."""
+def _grads_differ(dtype: torch.dtype, loss_scale: float, mesh_shape=None, reduce_dtype=None) -> list[str]:
+    """Per step and parameter, where shardwise's sharded gradient differs from FSDP2's on this rank (HSDP over a
+    named 2-D ``mesh_shape``: replicas, then shards)."""
+    mesh = None if mesh_shape is None else init_device_mesh(device().type, mesh_shape,
+                                                            mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     base = nn.Sequential(*[nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.ReLU(), nn.Linear(4 * DIM, DIM))
                            for _ in range(2)]).to(device())
-    policy = MixedPrecisionPolicy(param_dtype=dtype)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
     models = []
     for fully_shard in (torch_fully_shard, shardwise.fully_shard):
         model = copy.deepcopy(base)
         for block in model:
-            fully_shard(block, mp_policy=policy)
-        models.append(fully_shard(model, mp_policy=policy))
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        models.append(fully_shard(model, mesh=mesh, mp_policy=policy))
     optims = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in models]
     torch.manual_seed(1 + torch.distributed.get_rank())
     differ = []
@@ -62,3 +66,21 @@ def _grads_differ(dtype: torch.dtype, loss_scale: float) -> list[str]:
 ])
 def test_16bit_reduce_matches_fsdp2_bitwise(world, dtype, loss_scale):
     assert run_distributed(_grads_differ, world, dtype, loss_scale) == [[]] * world
+
+
+@pytest.mark.parametrize("mesh_shape, dtype, reduce_dtype, loss_scale", [
+    ((2, 2), torch.float16, None, 1.0),
+    ((2, 2), torch.float16, None, 1e4),  # halved before the reduce-scatter, halved after the replicas' SUM
+    ((2, 2), torch.float16, None, 1e-4),
+    ((2, 2), torch.bfloat16, torch.float16, 1e-4),  # fp16 as reduce_dtype only
+    ((4, 1), torch.float16, None, 1e-4),  # no reduce-scatter: the replicas' all-reduce divides before and after
+    ((1, 4), torch.float16, None, 1e-4),  # no replicas: the 1-D split
+    ((2, 2), torch.float32, None, 1.0),  # one average per axis, as before
+])
+def test_hsdp_16bit_reduce_divides_over_the_whole_data_parallel_size_as_fsdp2(mesh_shape, dtype, reduce_dtype,
+                                                                              loss_scale):
+    """HSDP (torch's ``_get_gradient_divide_factors`` with an all-reduce group): FSDP2 splits the division of an
+    fp16 mean over shards times replicas (world 4: by 2 before the reduce-scatter's SUM, by 2 after the
+    all-reduce's SUM), where shardwise averaged each axis on its own; now FSDP2's bits. (bf16 keeps one average
+    per axis, the replicas' in the fp32 main-gradient dtype: not FSDP2's bits, unchanged by this.)"""
+    assert run_distributed(_grads_differ, 4, dtype, loss_scale, mesh_shape, reduce_dtype) == [[]] * 4
