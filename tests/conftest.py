@@ -4,7 +4,7 @@ A test that always starts 4 gloo processes or a subprocess carries ``@pytest.mar
 parametrized over worlds gets it only for its 4-process cases: those whose ``world`` (or ``*_world``)
 parameter is 4. ``pytest -m "not slow"`` runs the rest (docs/testing.md).
 
-``pytest -n 2`` (with pytest-xdist installed; slower than one process on 2 cores, docs/testing.md) runs the tests
+``pytest -n 2`` (with pytest-xdist installed; not yet CI's way, docs/testing.md) runs the tests
 on two workers, each with its own gloo pools
 (tests/helpers/distributed.py). A worker is handed a whole test file at a time, so a file's module-scoped
 fixtures (a Megatron-LM run, a trained folder) run once and the Megatron files' pools close after the file
