@@ -35,7 +35,7 @@ ENGINE = "shardwise.engine"
 ENGINE_LAYERS = {
     1: "placements layout mesh spmd_mesh tp_submesh resolution precision offload replaced_params teardown launch_hint "
        "registry graph_safe device owner_layout",
-    2: "collectives nccl_buffers backward_steps fully_shard_options rank_consistency watchdog",
+    2: "collectives nccl_buffers process_group_alloc backward_steps fully_shard_options rank_consistency watchdog",
     3: "sharded_param distributed_buffer quantized_gather gather_extensions grad_presence unsynced_grads grad_window "
        "param_group param_adoption post_forward_shard unit weight_origin shard_placement owner_state",
     4: "step_checks fully_shard arguments construct step_controller sharded_module torch_fsdp_state model_ops compile "

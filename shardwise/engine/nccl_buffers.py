@@ -31,7 +31,14 @@ import torch.distributed as dist
 
 from .collectives import Collectives
 
-__all__ = ["NcclUserBuffers"]
+__all__ = ["NcclUserBuffers", "unwrapped_backend"]
+
+
+def unwrapped_backend(group: dist.ProcessGroup, device: torch.device):
+    """``group``'s backend on ``device``, inside the checking wrapper ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` puts
+    around it (the wrapper has no memory-pool methods of its own)."""
+    backend = group._get_backend(device)
+    return getattr(backend, "wrapped_pg", backend)
 
 
 class NcclUserBuffers(Collectives):
@@ -43,17 +50,18 @@ class NcclUserBuffers(Collectives):
     with an existing communicator); ``False`` leaves it to :meth:`register`, after a warm-up step
     has allocated the buffers (Megatron-FSDP's ``fsdp_manual_registration``). ``symmetric``: NCCL
     window (symmetric) registration, Megatron-FSDP's default, instead of plain user-buffer
-    registration.
+    registration. ``device``: the groups' device (the current CUDA device by default).
     """
 
-    def __init__(self, groups: Sequence[dist.ProcessGroup], *, register_now: bool = True, symmetric: bool = True):
+    def __init__(self, groups: Sequence[dist.ProcessGroup], *, register_now: bool = True, symmetric: bool = True,
+                 device: torch.device | None = None):
         unique = list({id(g): g for g in groups}.values())
         if not unique:
             raise ValueError("NcclUserBuffers needs at least one NCCL process group to register its pool with")
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
         self.groups = unique
         self.symmetric = symmetric
-        self._backends = [group._get_backend(self.device) for group in unique]
+        self._backends = [unwrapped_backend(group, self.device) for group in unique]
         self.pool = torch.cuda.MemPool(self._backends[0].mem_allocator)
         self.registered = False
         if register_now:

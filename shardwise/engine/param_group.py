@@ -325,6 +325,17 @@ class ParamGroup:
         self._refreshed_version = self._main_version()
         self.mark_weights_stale()
 
+    def use_collectives(self, collectives: Collectives) -> None:
+        """Move the buffers with ``collectives`` from now on, and allocate the next ones in its ``buffers()``
+        (FSDP2's ``set_allocate_memory_from_process_group_for_comm``); buffers allocated already stay put."""
+        self.collectives = self.levels.collectives = collectives
+
+    @property
+    def comm_groups(self) -> list:
+        """The process groups of the data-parallel axes the buffers travel over (an axis of one rank moves
+        nothing: no collective runs over it)."""
+        return [axis.group for axis in self.plan.axes.values() if axis.size > 1]
+
     def _new_window(self) -> GradWindow:  # built from what it reads of this group (the lists shared, not copied)
         dtypes = GradDtypes(self.main_dtype, self.main_grad_dtype, self.comm_dtype, self.compute_dtype)
         return GradWindow(self.name, self.params, self.sharded_params, self.unsharded_params, self.levels, self.plan,

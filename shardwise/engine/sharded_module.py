@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
+from .process_group_alloc import comm_collectives, refuse_custom
 from .step_controller import StepController
 from .torch_fsdp_state import TorchStateView
 from .torch_fsdp_state import install as install_torch_state_view
@@ -193,9 +194,18 @@ class ShardedModule(FSDPModule):
         raise _not_built("set_separate_reduce_scatter_group", "reductions use the mesh's process groups")
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        if enable:
-            raise _not_built("set_allocate_memory_from_process_group_for_comm(True)",
-                             "the engine allocates its gather and reduce buffers itself")
+        """``True``: this unit's buffers made from now on (gathered weights, staging, gradients) come from its
+        process groups' own memory where every data-parallel group's backend allocates tensors (NCCL: memory
+        registered for zero-copy and SHARP collectives), and nothing changes where one does not (gloo); ``False``:
+        PyTorch's allocator again. Not recursive, as FSDP2; the values are the same either way. A unit with its own
+        ``fully_shard(collectives=...)`` raises ``AssertionError`` (``shardwise.engine.process_group_alloc``)."""
+        method, groups = "set_allocate_memory_from_process_group_for_comm", self._unit.groups
+        for group in groups:
+            refuse_custom(method, group.collectives)
+        for group in groups:
+            group.use_collectives(comm_collectives(group.collectives, bool(enable), group.comm_groups,
+                                                   group.target_device))
+        self._unit.settings.extra["allocate_memory_from_process_group_for_comm"] = bool(enable)
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         raise _not_built("set_symm_mem_for_comm", "symmetric-memory collectives (NCCL only) are not built in the "
