@@ -49,5 +49,9 @@ def _fetch(target: Path) -> None:
                                f"{run.stderr[-2000:]}")
         unpacked = Path(tmp) / "unpacked"
         zipfile.ZipFile(wheels[0]).extractall(unpacked)
+        # byte code now, once, on every core: where PYTHONDONTWRITEBYTECODE is set (CI) nothing is written at import,
+        # and each rank of every Megatron-LM run would compile megatron/core and megatron/training from source
+        subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", str(unpacked)], capture_output=True,
+                       timeout=600)
         shutil.rmtree(target, ignore_errors=True)
         shutil.move(str(unpacked), str(target))
