@@ -153,6 +153,7 @@ def fully_shard(
     builder = GroupBuilder(ownership, plan, expert_plan, options, device, streams, plan_fn,
                            offloaded=choose_offloaded(options.offload_policy, ownership.sizes()))
     new_units, own = build_units(modules, unit_list, builder.build_groups, unit_settings(options))
+    own.fsdp2_refusals = face and unit_modules is None  # FSDP2's first-forward refusals (StepController.lazy_init)
     attach_post_forward_shards(new_units + [own], plan, options)  # reshard_after_forward=k
     move_buffers(described, device)
     state = StepController(own, adopt_units(modules, adopted, new_units), plan, streams, prefetch)

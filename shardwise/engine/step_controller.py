@@ -21,6 +21,7 @@ import enum
 from typing import Callable
 
 import torch
+import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.autograd.profiler import record_function
 
@@ -187,10 +188,64 @@ class StepController:
             return None
         return self.forward_order[i + step]
 
+    # ------------------------------------------------------------ lazy init
+    # FSDP2 fixes which state is a root at its first forward (``FSDPState._lazy_init``): the first state whose
+    # forward runs becomes a root and every state below its module a non-root. shardwise knows its root from the
+    # calls; it keeps the same per-unit fact (``Unit.role_fixed``) only to refuse, on FSDP2's face
+    # (``Unit.fsdp2_refusals``), the two programs FSDP2 refuses there, at the same forward.
+    def _names(self, modules: list[nn.Module]) -> list[str]:
+        """Where ``modules`` sit under this state's root (a list root's modules: ``0``, ``1``, ...)."""
+        roots = self.root.modules
+        names = {}
+        for i, root in enumerate(roots):
+            prefix = f"{i}." if len(roots) > 1 else ""
+            for name, m in root.named_modules():
+                names.setdefault(id(m), f"{prefix}{name}".rstrip(".") or "<root>")
+        return [names.get(id(m), type(m).__name__) for m in modules]
+
+    def _refuse_several_roots(self, unit: Unit) -> None:
+        """FSDP2's refusal of a ``fully_shard([a, b, ...])`` state whose forward makes it a root."""
+        if unit.fsdp2_refusals and len(unit.modules) > 1:
+            raise RuntimeError(
+                f"FSDP requires a single root module but got {len(unit.modules)} modules "
+                f"{[f'{n} ({type(m).__name__})' for n, m in zip(self._names(unit.modules), unit.modules)]} "
+                "(FSDP2's refusal): the unit of one fully_shard([...]) call over "
+                "several modules ran forward before any unit enclosing them, which makes it a root, and a root is "
+                "one module. Call fully_shard on a module that holds them all as well (fully_shard(model) after "
+                "the list call) and run the forward through that module")
+
+    def lazy_init(self, unit: Unit) -> None:
+        """FSDP2's lazy init of ``unit`` as a root: the root's first forward, or a unit's own forward before that
+        one (FSDP2 then makes the unit a root of its own). The roles of ``unit`` and of every unit below its
+        module are fixed from now on. Refused on FSDP2's face, as FSDP2 refuses it: a root over several modules,
+        and a unit below whose role an earlier forward already fixed (a forward of its own, or of a unit above
+        it, before this one), named by its path in ``unit``'s ``named_modules()`` order, the first found."""
+        if unit.role_fixed:
+            return
+        self._refuse_several_roots(unit)
+        by_module = {id(m): u for u in self.all_units if u is not unit for m in u.modules}
+        below: dict[int, Unit] = {}
+        for name, m in unit.module.named_modules():
+            other = by_module.get(id(m))
+            if other is None or id(other) in below:
+                continue
+            if other.role_fixed and unit.fsdp2_refusals:
+                top = "the root module" if unit is self.root else repr(self._names([unit.module])[0])
+                raise RuntimeError(
+                    f"FSDP state has already been lazily initialized for {name}\n"
+                    "FSDP requires running forward through the root module first (FSDP2's refusal): the unit "
+                    f"{name!r} ran forward before the first forward through {top}, the unit above it, and was "
+                    f"made a root then. Run one forward through {top} first; after it, calling {name!r} by "
+                    "itself is fine")
+            below[id(other)] = other
+        for u in [unit, *below.values()]:
+            u.role_fixed = True
+
     # ---------------------------------------------------------------- root
     def root_pre_forward(self, module, args, kwargs):
         if _in_backward():
             return args, kwargs
+        self.lazy_init(self.root)  # FSDP2's lazy init: first of all, as FSDP2's
         self.adopt_module_params()
         check_materialized(self)  # once: a module left on the meta device is named, not a device mismatch
         if not self.patched_hooks_read:  # FSDP2 reads all-gather hooks patched onto the local tensors here, once
@@ -253,6 +308,8 @@ class StepController:
         recompute = _in_backward()
         entering = recompute or not unit.in_forward  # the first of the unit's modules to run in this forward
         if entering and not recompute:
+            if not unit.role_fixed:  # its forward before the root's first: FSDP2 makes it a root of its own
+                self.lazy_init(unit)
             unit.in_forward = True
             unit.modules_to_run = {id(m) for m in unit.modules}
         args, kwargs = self._cast_inputs(unit, args, kwargs)

@@ -86,7 +86,9 @@ class TorchStateView:
         return self.unit is self.state.root
 
     def _lazy_init(self) -> None:
-        pass  # the engine's state is complete once fully_shard returns
+        """The engine's state is complete once ``fully_shard`` returns; what FSDP2's lazy init still decides here
+        (this unit's role, and its refusals) is the engine's ``lazy_init``, as at the unit's first forward."""
+        self.state.lazy_init(self.unit)
 
     @property
     def _modules_to_run_forward(self) -> set:

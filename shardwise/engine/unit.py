@@ -51,6 +51,10 @@ class Unit:
         self.settings = settings or UnitSettings()
         self.settings.reshard_after_forward = reshard_after_forward
         self.is_root = False  # the unit whose module is its model's root (set by the state that holds it)
+        # FSDP2's lazy init, per unit: whether a forward has fixed the unit's role (FSDP2's ``_is_root`` no longer
+        # ``None``): its root's first forward, or its own forward (or an enclosing unit's) before that one
+        self.role_fixed = False
+        self.fsdp2_refusals = False  # made by an FSDP2-style call: FSDP2's first-forward refusals apply (fully_shard)
         self.post_forward: PostForwardShard | None = None  # reshard_after_forward=k: the parts kept over k ranks
         # FSDP2's group forward: a unit's forward starts at the first of its modules to run (the weights are
         # gathered, the backward hook set) and ends after the last (or at the root's forward end)
