@@ -4,8 +4,7 @@ A test that always starts 4 gloo processes or a subprocess carries ``@pytest.mar
 parametrized over worlds gets it only for its 4-process cases: those whose ``world`` (or ``*_world``)
 parameter is 4. ``pytest -m "not slow"`` runs the rest (docs/testing.md).
 
-``pytest -n 2`` (pytest-xdist) runs the tests
-on two workers, each with its own gloo pools
+``pytest -n 2`` (pytest-xdist) runs the tests on two workers, each with its own gloo pools
 (tests/helpers/distributed.py). A worker is handed a whole test file at a time, so a file's module-scoped
 fixtures (a Megatron-LM run, a trained folder) run once and the Megatron files' pools close after the file
 (tests/megatron/conftest.py); the tests of a file in ``SPLIT`` share nothing and go one by one to whichever

@@ -102,7 +102,6 @@ def _pool(groups: Sequence[dist.ProcessGroup], device: torch.device) -> ProcessG
                           "tensors but has no memory pool to register, which the engine's buffers need (NCCL's "
                           "has); its units keep PyTorch's allocator (the values are the same)", stacklevel=3)
         return None
-    unique = list({id(g): g for g in groups}.values())
-    pool = ProcessGroupAlloc(unique, device)
-    _POOLS[key] = ([weakref.ref(g) for g in unique], pool)
+    pool = ProcessGroupAlloc(groups, device)
+    _POOLS[key] = ([weakref.ref(g) for g in pool.groups], pool)  # pool.groups: each group once
     return pool

@@ -14,6 +14,7 @@ whole model is traced. ``tests/app/test_plan.py`` holds both to a whole trace an
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -124,11 +125,9 @@ def _let_go(tensors, held, limit_s: float = 1.0) -> None:
     then drops its references to the tensors: a storage the engine lets go of right after the call was freed
     either then or a moment later, so a real run's peak moved by that buffer from run to run (a fake backend
     keeps none). Bounded: a reference kept past ``limit_s`` is left as it is."""
-    import time
-
     deadline = time.monotonic() + limit_s
-    for t, (tensor_refs, storage_refs) in zip(tensors, held):
-        while time.monotonic() < deadline and any(now > then for now, then in zip(_holders(t), (tensor_refs, storage_refs))):
+    for t, before in zip(tensors, held):
+        while time.monotonic() < deadline and any(now > then for now, then in zip(_holders(t), before)):
             time.sleep(1e-4)
 
 
