@@ -121,6 +121,19 @@ class StreamSet:
         self.graph_safe = graph_safe
         self.pool = GraphSafeStagingPool() if graph_safe else StagingPool()
 
+    def share_side_streams(self, other: "StreamSet") -> None:
+        """Run this set's collectives on ``other``'s side streams from now on (torch's ``share_comm_ctx``: one
+        pair of streams for several roots, so the caching allocator keeps one set of blocks per stream). The
+        units of one device share one set already (``fully_shard._shared_streams``); a graph-safe set is apart,
+        and its static staging buffers stay its own. Everything holding this set sees the change."""
+        if not isinstance(other, StreamSet):
+            raise TypeError(f"share_comm_ctx: a shardwise unit can share streams only with another shardwise "
+                            f"model's, not with {type(other).__name__} (torch's FSDP2 modules and shardwise's "
+                            "cannot be passed to one share_comm_ctx call)")
+        if other.cuda != self.cuda:
+            raise ValueError("share_comm_ctx: the modules live on different device types (CUDA and not)")
+        self.gather, self.reduce = other.gather, other.reduce
+
     @contextlib.contextmanager
     def on(self, stream: "torch.cuda.Stream | None") -> Iterator[None]:
         """Run the body on ``stream`` after everything already queued on the compute stream."""

@@ -1,14 +1,15 @@
 """What torch's own code reads of an FSDP2 module's state, answered by the engine.
 
-Two pieces of torch reach past ``FSDPModule``'s public methods into FSDP2's
+Three pieces of torch reach past ``FSDPModule``'s public methods into FSDP2's
 state: ``register_fsdp_forward_method`` (``_get_fsdp_state()._pre_forward`` /
-``_post_forward``) and the pipeline stage's reduce-grad point
+``_post_forward``), the pipeline stage's reduce-grad point
 (``fully_shard.state(module)._state_ctx.all_states``, each state's
 ``_fsdp_param_groups[i].post_backward()``, then
-``_root_post_backward_final_callback()``). :class:`TorchStateView` answers
-exactly those reads for one shardwise unit module, so torch's
-``PipelineStage`` and ``register_fsdp_forward_method`` drive shardwise units
-as they drive FSDP2's. :func:`install` registers it where
+``_root_post_backward_final_callback()``) and ``share_comm_ctx`` (each state's
+``_comm_ctx``, read from one and set on the others). :class:`TorchStateView`
+answers exactly those reads for one shardwise unit module, so torch's
+``PipelineStage``, ``register_fsdp_forward_method`` and ``share_comm_ctx`` drive
+shardwise units as they drive FSDP2's. :func:`install` registers it where
 ``torch.distributed.fsdp.fully_shard.state(module)`` looks (and
 :func:`state`, ``shardwise.fully_shard.state``, reads it there).
 
@@ -80,6 +81,18 @@ class TorchStateView:
     @property
     def _fsdp_param_groups(self) -> list[_UnitGroupView]:
         return [_UnitGroupView(self)]
+
+    @property
+    def _comm_ctx(self):
+        """The unit's side streams (FSDP2's communication context), as torch's ``share_comm_ctx`` reads them."""
+        return self.state.streams
+
+    @_comm_ctx.setter
+    def _comm_ctx(self, shared) -> None:
+        """torch's ``share_comm_ctx`` hands the first module's context to the others: this model's collectives
+        move to ``shared``'s streams."""
+        if shared is not self.state.streams:
+            self.state.streams.share_side_streams(shared)
 
     @property
     def _is_root(self) -> bool:
