@@ -1,4 +1,5 @@
-"""The ``slow`` marker on the parametrized cases that run 4 processes, and how the tests share 2 processes.
+"""The ``slow`` marker on the parametrized cases that run 4 processes and on the largest of the rest, and how
+the tests share 2 processes.
 
 A test that always starts 4 gloo processes or a subprocess carries ``@pytest.mark.slow`` itself; a test
 parametrized over worlds gets it only for its 4-process cases: those whose ``world`` (or ``*_world``)
@@ -33,6 +34,54 @@ LONGEST = (
     "tests/docs/test_doc_blocks.py::test_the_pages_code_blocks_run_as_written[docs/cli.md]",
 )
 
+# the largest of the other tests (over about 2 s each on an idle 2-core machine; `--durations` of the quick tier,
+# docs/testing.md "How long it takes"): marked ``slow`` too, so that ``-m "not slow"`` answers in under 3 minutes.
+# They run in the default run (and CI) as every other test; a node id prefix each.
+LARGEST_OF_THE_REST = (
+    "tests/app/test_bench_muon.py::test_muon_beside_adamw_shows_balanced_newton_schulz_work",
+    "tests/app/test_pipeline_train.py::test_a_pipeline_trains_as_one_process",  # these four share a 20 s fixture
+    "tests/app/test_pipeline_train.py::test_a_pp2_checkpoint_",
+    "tests/app/test_pipeline_train.py::test_a_checkpoint_of_two_stages_per_rank",
+    "tests/test_layering.py::test_the_app_entry_points_load_on_first_use",
+    "tests/test_layering.py::test_scan_sees_relative_lazy_and_submodule_imports",
+    "tests/models/test_meta_build_cost.py::test_meta_build_imports_no_dynamo",
+    "tests/megatron/test_megatron_options.py::test_ignored_rows_wrap_and_change_nothing",
+    "tests/megatron/test_megatron_options.py::test_fp32_main_weights_with_bf16_main_grads_train_like_one_process",
+    "tests/megatron/test_megatron_options.py::test_manual_buffer_registration_exists_and_says_what_to_do",
+    "tests/megatron/test_megatron_lm_checkpoint.py::test_state_dict_keys_are_megatron_adapters_for_every_strategy",
+    "tests/megatron/test_megatron_lm_checkpoint.py::test_fsdp_dtensor_checkpoint_loads_at_another_data_parallel_size",
+    "tests/megatron/test_megatron_swiglu_checkpoint.py",
+    "tests/megatron/test_megatron_nccl_ub.py::test_nccl_ub_and_fine_grained_gathers_train_bit_for_bit_on_gloo",
+    "tests/megatron/test_megatron_cuda_graph_mode.py::test_graph_mode_keeps_addresses_syncs_nothing_and_trains_as_eager",
+    "tests/megatron/test_megatron_dist_index.py::test_every_parameter_carries_megatron_fsdps_checkpoint_attributes",
+    "tests/app/test_fp8_train.py::test_fp8_pipeline_stages_train_as_one_fp8_process",
+    "tests/app/test_fp8_train.py::test_fp8_run_exports_plain_weights",
+    "tests/engine/test_muon_owner.py::test_torch_muon_matches_one_process",
+    "tests/engine/test_muon_checkpoint.py::test_checkpoint_moves_across_world_sizes_fsdp2_and_plain",
+    "tests/hf/test_hf_export.py::test_presets_export_to_transformers",
+    "tests/hf/test_hf_train.py::test_hf_config_trains_and_exports",
+    "tests/engine/test_torch_tools.py::test_plain_dcp_reshards_4_to_2_to_1",  # 4 processes
+    "tests/engine/test_torch_tools.py::test_dtensors_and_state_dict_api",
+    "tests/clients/test_torchtitan.py::test_torchtitan_tp_2x2_matches_fsdp2",  # 4 processes
+    "tests/clients/test_torchtitan.py::test_torchtitan_hsdp_2x2_matches_fsdp2",  # 4 processes
+    "tests/models/test_pipeline_split.py::test_stage_gradients_equal_the_whole_models_including_the_moe_aux_loss",
+    "tests/engine/test_readme_example.py::test_the_readme_engine_example_trains_as_written",
+    "tests/benchmarks/test_cpu_adam.py::test_cpu_adam_bench_tiny",
+    "tests/checkpoint/test_checkpoint.py::test_reshard_matrix",
+    "tests/checkpoint/test_checkpoint.py::test_rank_killed_mid_save_leaves_previous_checkpoint_loadable",
+    "tests/engine/test_graph_safe.py::test_cast_grads_accumulate_once_per_micro_batch_in_graph_safe_mode",
+    "tests/app/test_plan.py::test_the_trace_agrees_with_the_reference_estimate",
+    "tests/app/test_plan_dry_run.py",
+    "tests/app/test_bench.py::test_the_fp32_main_ceiling_runs_beside_the_bf16_one",
+    "tests/app/test_bench.py::test_tiny_benchmark_on_two_processes",
+    "tests/app/test_bench.py::test_every_wrapper_clips_when_asked",
+    "tests/app/test_bench.py::test_gradients_can_travel_in_bf16",
+    "tests/models/test_tp_ep.py::test_tp2_gpt_matches_tp1",
+    "tests/engine/test_fp8.py::test_fp8_units_compile_once_without_graph_breaks_and_train_like_eager",
+    "tests/engine/test_fsdp2_tp_dtensor_params.py::test_tp_dtensor_params_train_and_checkpoint_as_fsdp2",
+    "tests/engine/test_fsdp2_reduce_dtype_division.py::test_hsdp_16bit_reduce_divides",
+)
+
 
 def _four_processes(item) -> bool:
     params = getattr(getattr(item, "callspec", None), "params", {})
@@ -47,7 +96,7 @@ def _unit(nodeid: str) -> str:
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if _four_processes(item):
+        if _four_processes(item) or item.nodeid.startswith(LARGEST_OF_THE_REST):
             item.add_marker(pytest.mark.slow)
     slow = {_unit(item.nodeid) for item in items if item.get_closest_marker("slow")}
 
