@@ -3,7 +3,7 @@
 # it there (editable). Nothing is installed outside .venv.
 #
 #   bash scripts/setup.sh && .venv/bin/python -m shardwise train        # what the main job needs
-#   bash scripts/setup.sh test && .venv/bin/python -m pytest -q    # and the test extra
+#   bash scripts/setup.sh test && .venv/bin/python -m pytest -q -n 2    # and the test extra
 #
 # - The argument names the extras to install as well (pyproject.toml's optional-dependencies,
 #   comma-separated: test, hf, data, fp8, megatron, tensorboard, wandb); none: the main job's
