@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import inspect
 import json
 import os
 import sys
@@ -223,47 +222,8 @@ def setup(cmdline: str) -> None:
     check.parse_and_initialize(cmdline.split())
 
 
-# (ranks, backend, timeout, ...) -> the group made for it: see shared_process_groups
+# (ranks, backend, timeout, ...) -> the group made for it: see megatron_lm_check.shared_process_groups
 SHARED_GROUPS: dict = {}
-
-
-@contextlib.contextmanager
-def shared_process_groups():
-    """Without CUDA: every process group Megatron-LM (or shardwise) asks ``torch.distributed.new_group`` for is
-    made once per member ranks, backend and options, and that group handed out again, to later set-ups and to
-    a set-up's other groups over the same ranks. With CUDA, nothing is changed.
-
-    Each set-up asks for about 60 groups (rank 0 a member of about 24), over at most 7 different sets of ranks
-    at 4 processes. A gloo group is a TCP connection to each member and 3 threads, and each group's device
-    loop wakes 100 times a second (a rank holding 60 idle groups: 6,000 context switches a second): made and
-    destroyed per set-up, ~30 set-ups cost about a fifth of the run's CPU, most of it in the kernel. The
-    groups hold no state a checkpoint or a step reads (a gloo collective matches its peers by its order on the
-    group, and every rank issues them in one program order), so a set-up over a shared group is the set-up
-    Megatron-LM makes. A call with ``pg_options`` is passed through (they are objects, not compared here).
-    """
-    if torch.cuda.is_available():
-        yield
-        return
-    make = dist.new_group
-    signature = inspect.signature(make)
-
-    def new_group(*args, **kwargs):
-        call = signature.bind(*args, **kwargs)
-        call.apply_defaults()
-        if call.arguments["pg_options"] is not None:
-            return make(*args, **kwargs)
-        key = tuple((name, tuple(value) if name == "ranks" and value is not None else value)
-                    for name, value in call.arguments.items() if name != "group_desc")
-        if key not in SHARED_GROUPS:
-            SHARED_GROUPS[key] = make(*args, **kwargs)
-        return SHARED_GROUPS[key]
-
-    dist.new_group = new_group
-    try:
-        yield
-    finally:
-        dist.new_group = make
-        SHARED_GROUPS.clear()
 
 
 @contextlib.contextmanager
@@ -295,7 +255,7 @@ def field_docstrings_read_once():
 
 def teardown() -> None:
     """Megatron-LM's global state gone, so the next recipe (or the fresh load) starts clean, and the process
-    groups not shared (:func:`shared_process_groups`) destroyed with their threads.
+    groups not shared (``megatron_lm_check.shared_process_groups``) destroyed with their threads.
 
     ``destroy_model_parallel`` only forgets Megatron's groups: each set-up's dozens of groups (gloo copies
     included) kept their threads: ~30 set-ups piled up about 1,800 per rank, which slowed everything beside the
@@ -484,7 +444,7 @@ def main() -> None:
         old = check.megatron_lm_version().startswith("0.16")
         opts.recipes = [name for name in RECIPES if not (old and name in SINCE_019)]
     results = {}
-    with check.cuda_on_the_cpu(), check.cuda_tensors_on_the_cpu(), shared_process_groups():
+    with check.cuda_on_the_cpu(), check.cuda_tensors_on_the_cpu(), check.shared_process_groups(SHARED_GROUPS):
         import megatron.training.training  # noqa: F401  (imported before the added line, as pretrain_gpt.py does)
         from megatron.core.transformer.moe import moe_utils
 
