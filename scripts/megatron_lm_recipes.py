@@ -267,8 +267,9 @@ def teardown() -> None:
     reuse (its single-rank group for a parameter without a TP axis, ``build_process_groups``'s), so that
     the next set-up asks for them again. A destroyed group's threads end when its last reference goes (the
     model's meshes, in reference cycles): at Python's next collection, not forced here (a ``gc.collect()`` per
-    teardown cost more CPU than the threads it ended sooner). Without CUDA the groups are shared and kept, so
-    none is destroyed mid-run.
+    teardown cost more CPU than the threads it ended sooner). Without CUDA the groups ``new_group`` makes are
+    shared and kept to the end (:data:`SHARED_GROUPS`); only others (one made with ``pg_options``) are
+    destroyed here.
     """
     from megatron.core import rerun_state_machine
     from torch.distributed import distributed_c10d
