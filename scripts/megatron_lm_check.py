@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import inspect
 import json
 import os
 import sys
@@ -129,6 +130,46 @@ def cuda_on_the_cpu():
     finally:
         for (owner, name), value in saved.items():
             setattr(owner, name, value)
+
+
+@contextlib.contextmanager
+def shared_process_groups(groups: dict):
+    """Without CUDA: every process group Megatron-LM (or shardwise) asks ``torch.distributed.new_group`` for is
+    made once per member ranks, backend and options, kept in ``groups`` (the caller's, one per process), and
+    handed out again: to later set-ups, and to a set-up's other groups over the same ranks. With CUDA, nothing
+    is changed.
+
+    Each Megatron set-up (``initialize_model_parallel``) asks for about 60 groups (a rank a member of about 24)
+    over at most 7 different sets of ranks at 4 processes. A gloo group is a TCP connection to each member and
+    3 threads, and its device loop wakes 100 times a second (a rank holding 60 idle groups: 6,000 context
+    switches a second); ``destroy_model_parallel`` forgets them without destroying them, so made anew per
+    set-up they piled up, and the kernel's share of the CPU with them. The groups hold no state a checkpoint
+    or a step reads (a gloo collective matches its peers by its order on the group, and every rank issues
+    them in one program order), so a set-up over shared groups is the set-up Megatron makes. A call with
+    ``pg_options`` is passed through (options are objects, not compared here).
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    make = dist.new_group
+    signature = inspect.signature(make)
+
+    def new_group(*args, **kwargs):
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        if call.arguments["pg_options"] is not None:
+            return make(*args, **kwargs)
+        key = tuple((name, tuple(value) if name == "ranks" and value is not None else value)
+                    for name, value in call.arguments.items() if name != "group_desc")
+        if key not in groups:
+            groups[key] = make(*args, **kwargs)
+        return groups[key]
+
+    dist.new_group = new_group
+    try:
+        yield
+    finally:
+        dist.new_group = make
 
 
 class _CudaTensorsOnTheCpu(TorchFunctionMode):

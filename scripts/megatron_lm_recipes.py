@@ -34,6 +34,8 @@ one JSON line on rank 0: per recipe, ``ok`` or what went wrong. Run under ``torc
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import sys
@@ -220,9 +222,40 @@ def setup(cmdline: str) -> None:
     check.parse_and_initialize(cmdline.split())
 
 
+# (ranks, backend, timeout, ...) -> the group made for it: see megatron_lm_check.shared_process_groups
+SHARED_GROUPS: dict = {}
+
+
+@contextlib.contextmanager
+def field_docstrings_read_once():
+    """Megatron-LM 0.19's ``parse_args`` reads each config dataclass's help texts from its source
+    (``ArgumentGroupFactory._get_field_docstrings``: ``inspect.getsource`` and ``ast.parse``, about 0.12 s of
+    CPU a set-up, ~30 set-ups a run): here each class's are read once and handed out again (a copy each time).
+    The parsed values do not depend on them. 0.16 has no such factory: nothing is changed.
+    """
+    try:
+        from megatron.training.argument_utils import ArgumentGroupFactory
+    except ImportError:
+        yield
+        return
+    read = ArgumentGroupFactory._get_field_docstrings
+    cache: dict = {}
+
+    def field_docstrings(self, src_cfg_class: type) -> dict:
+        if src_cfg_class not in cache:
+            cache[src_cfg_class] = read(self, src_cfg_class)
+        return dict(cache[src_cfg_class])
+
+    ArgumentGroupFactory._get_field_docstrings = field_docstrings
+    try:
+        yield
+    finally:
+        ArgumentGroupFactory._get_field_docstrings = read
+
+
 def teardown() -> None:
-    """Megatron-LM's global state gone, so the next recipe (or the fresh load) starts clean, and its process
-    groups destroyed with their threads.
+    """Megatron-LM's global state gone, so the next recipe (or the fresh load) starts clean, and the process
+    groups not shared (``megatron_lm_check.shared_process_groups``) destroyed with their threads.
 
     ``destroy_model_parallel`` only forgets Megatron's groups: each set-up's dozens of groups (gloo copies
     included) kept their threads: ~30 set-ups piled up about 1,800 per rank, which slowed everything beside the
@@ -232,9 +265,11 @@ def teardown() -> None:
     it (DeviceMesh equality leaves the groups out), so an op on the new model's parameters got the old mesh
     back. The cache is cleared with the groups. shardwise's Megatron face forgets the groups it keeps for
     reuse (its single-rank group for a parameter without a TP axis, ``build_process_groups``'s), so that
-    the next set-up makes live ones. A group's threads end when its last reference goes (the model's
-    meshes, in reference cycles): at Python's next collection, not forced here (a ``gc.collect()`` per
-    teardown cost more CPU than the threads it ended sooner).
+    the next set-up asks for them again. A destroyed group's threads end when its last reference goes (the
+    model's meshes, in reference cycles): at Python's next collection, not forced here (a ``gc.collect()`` per
+    teardown cost more CPU than the threads it ended sooner). Without CUDA the groups ``new_group`` makes are
+    shared and kept to the end (:data:`SHARED_GROUPS`); only others (one made with ``pg_options``) are
+    destroyed here.
     """
     from megatron.core import rerun_state_machine
     from torch.distributed import distributed_c10d
@@ -244,8 +279,8 @@ def teardown() -> None:
 
     check._teardown()
     rerun_state_machine.destroy_rerun_state_machine()
-    default = distributed_c10d._get_default_group()
-    for group in [g for g in distributed_c10d._world.pg_map if g is not default]:
+    keep = [distributed_c10d._get_default_group(), *SHARED_GROUPS.values()]
+    for group in [g for g in distributed_c10d._world.pg_map if not any(g is k for k in keep)]:
         dist.destroy_process_group(group)
     _clear_sharding_prop_cache()
     dist_index._OWN_GROUPS.clear()
@@ -410,7 +445,7 @@ def main() -> None:
         old = check.megatron_lm_version().startswith("0.16")
         opts.recipes = [name for name in RECIPES if not (old and name in SINCE_019)]
     results = {}
-    with check.cuda_on_the_cpu(), check.cuda_tensors_on_the_cpu():
+    with check.cuda_on_the_cpu(), check.cuda_tensors_on_the_cpu(), check.shared_process_groups(SHARED_GROUPS):
         import megatron.training.training  # noqa: F401  (imported before the added line, as pretrain_gpt.py does)
         from megatron.core.transformer.moe import moe_utils
 
@@ -419,23 +454,29 @@ def main() -> None:
         from shardwise.megatron import use_in_megatron
 
         names = use_in_megatron()  # the one added line
+        # what is loaded now lives to the end: out of the collector's reach, so that Megatron-LM's gc.collect()
+        # (--manual-gc: at every train's start, the collector then off for the rest of the run) walks only what
+        # the set-ups made, not the objects of torch's and Megatron-LM's modules
+        gc.freeze()
         try:
-            for name in opts.recipes:
-                env = RECIPE_ENV.get(name, {})
-                saved_env = {key: os.environ.get(key) for key in env}
-                os.environ.update(env)
-                try:
-                    results[name] = run_recipe(name, folder)
-                except (Exception, SystemExit) as error:  # one recipe's failure is its result (argparse exits)
-                    results[name] = [f"{type(error).__name__}: {error}", traceback.format_exc()[-3000:]]
-                finally:
-                    for key, value in saved_env.items():
-                        if value is None:
-                            os.environ.pop(key, None)
-                        else:
-                            os.environ[key] = value
+            with field_docstrings_read_once():
+                for name in opts.recipes:
+                    env = RECIPE_ENV.get(name, {})
+                    saved_env = {key: os.environ.get(key) for key in env}
+                    os.environ.update(env)
+                    try:
+                        results[name] = run_recipe(name, folder)
+                    except (Exception, SystemExit) as error:  # one recipe's failure is its result (argparse exits)
+                        results[name] = [f"{type(error).__name__}: {error}", traceback.format_exc()[-3000:]]
+                    finally:
+                        for key, value in saved_env.items():
+                            if value is None:
+                                os.environ.pop(key, None)
+                            else:
+                                os.environ[key] = value
         finally:
             names.restore()
+            gc.unfreeze()
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     if dist.get_rank() == 0:
@@ -448,3 +489,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # nothing is left to write: the interpreter's own clean-up (torch's operator libraries' finalizers, the
+    # modules' teardown) would cost about 1.5 s of CPU a rank
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -14,6 +14,8 @@ import importlib.util
 from tests.helpers import REPO
 
 _SCRIPT = REPO / "scripts" / "megatron_lm_check.py"
+# this process's process groups, shared by every megatron_world in it (megatron_lm_check.shared_process_groups)
+_GROUPS: dict = {}
 
 
 def check_script():
@@ -35,12 +37,16 @@ def megatron_on_the_cpu():
 def megatron_world(tp: int = 1, instances: int = 1, ep: int = 1):
     """Megatron's model-parallel state on this gloo group (TP ``tp``, EP ``ep``, ``instances`` optimizer
     replicas) on the CPU, with ``use_in_megatron()`` in effect: what Megatron-LM sets up before it builds a
-    chunk; torn down after (``destroy_model_parallel``, Megatron's names restored)."""
+    chunk; torn down after (``destroy_model_parallel``, Megatron's names restored). Without CUDA its process
+    groups are the worker's, made at the first set-up that asks for them and handed to every later one
+    (``megatron_lm_check.shared_process_groups``): made anew per set-up they piled up, hundreds of gloo
+    threads per worker by a file's end."""
     from megatron.core import parallel_state
 
     from shardwise.megatron import use_in_megatron
 
-    with megatron_on_the_cpu():
+    script = check_script()
+    with script.cuda_on_the_cpu(), script.cuda_tensors_on_the_cpu(), script.shared_process_groups(_GROUPS):
         parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep,
                                                  num_distributed_optimizer_instances=instances)
         names = use_in_megatron()
