@@ -1,8 +1,8 @@
 """What a run says while it starts and when it fails: more processes than cores, start-up phases that take
 long, worker errors said once with their ranks, other packages' warnings labelled as theirs.
 
-The launcher tests spawn workers that import only this module and ``shardwise.app.launch`` (no torch), so
-they take a second or two.
+The launcher tests start workers from a fork server that imports this module (torch and shardwise, through
+``shardwise.app.launch``) once.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def test_a_long_start_up_is_said_until_rank_0_reports(capfd, monkeypatch):
     monkeypatch.setattr(launch, "STARTUP_NOTE_EVERY_S", 1.0)
     assert launch.launch_local(_slow_start, 1, (3.0,), "prog", startup_notes=True) == 0
     notes = [line for line in capfd.readouterr().err.splitlines() if line.startswith("prog: start-up: ")]
-    assert notes and notes[0].startswith("prog: start-up: 1 worker processes starting (each imports torch and "
-                                         "shardwise; "), notes
+    assert notes and notes[0].startswith("prog: start-up: 1 worker processes starting (forked from one that "
+                                         "imports their modules once; "), notes
 
 
 def test_a_phase_that_lasts_is_said_until_the_first_step():
@@ -104,6 +104,6 @@ def test_more_processes_than_cores_is_warned_with_the_numbers(tmp_path, capsys, 
     data = tmp_path / "corpus.txt"
     data.write_bytes(open(logging.__file__, "rb").read())
     assert train.main(["--nproc", "8", "--device", "cpu", "--data", str(data), "--name", "many"]) == 0
-    assert ("shardwise train: warning: --nproc 8 on 2 CPU cores: each process gets 0.25 of a core, so start-up "
-            "(each process imports torch) and every step take longer than with --nproc 2") in capsys.readouterr().err
+    assert ("shardwise train: warning: --nproc 8 on 2 CPU cores: each process gets 0.25 of a core, so every "
+            "step takes longer than with --nproc 2") in capsys.readouterr().err
 
