@@ -8,6 +8,9 @@ The launcher tests start workers from a fork server that imports this module (to
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import time
 import types
 import warnings
@@ -49,6 +52,36 @@ def test_a_long_start_up_is_said_until_rank_0_reports(capfd, monkeypatch):
     notes = [line for line in capfd.readouterr().err.splitlines() if line.startswith("prog: start-up: ")]
     assert notes and notes[0].startswith("prog: start-up: 1 worker processes starting (forked from one that "
                                          "imports their modules once; "), notes
+
+
+# Records every question to CUDA (each reaches the driver on a CUDA build: cudaGetDeviceCount, whose binding
+# also marks the process so that its forks cannot use CUDA, or the lazy init) while the fork server's modules
+# are imported; a CPU build answers is_available() itself, so the questions are caught where they are asked.
+_CUDA_CALLS_AT_IMPORT = """
+import torch
+calls = []
+for module, names in ((torch.cuda, ("is_available", "device_count", "current_device", "init", "_lazy_init",
+                                    "get_device_properties", "get_device_capability", "mem_get_info")),
+                      (torch._C, ("_cuda_getDeviceCount", "_cuda_init"))):
+    for name in names:
+        if hasattr(module, name):
+            real = getattr(module, name)
+            setattr(module, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+import shardwise.app.worker_server, shardwise.app.train, shardwise.app.bench.cli, torch._dynamo
+print(calls)
+"""
+
+
+@pytest.mark.slow
+def test_the_fork_servers_imports_leave_cuda_alone():
+    """The workers are forks of a server that imported torch, shardwise and torch._dynamo: had those imports
+    asked CUDA anything, no worker could use its GPU ("Cannot re-initialize CUDA in forked subprocess")."""
+    from tests.helpers import REPO
+
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", _CUDA_CALLS_AT_IMPORT], env=env, capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_a_phase_that_lasts_is_said_until_the_first_step():
