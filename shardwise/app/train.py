@@ -400,7 +400,9 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
                f"{f' cp{cfg.cp}' if cfg.cp > 1 else ''}",
                disable=rank != 0, dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
     loop_started_at = time.time()
-    watchdog = _stall_watchdog(cfg, phase)
+    # Nothing to train (a finished run resumed): rank 0 may be gone, and its store with it, before another rank
+    # would connect its watchdog's client to that store (which then waits out --timeout).
+    watchdog = _stall_watchdog(cfg, phase) if start <= cfg.steps else None
     try:
         trained = run_steps(cfg, run, optimizer, loader, checkpoints, schedule, start, grad_accum,
                             tokens, device, phase, bar, metrics_file, launch, flops_per_token, evaluator, loggers)
