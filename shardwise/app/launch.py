@@ -466,9 +466,9 @@ def launch_local(fn: Callable, world: int, args: tuple, prog: str, startup_notes
             waited = time.monotonic() - launched_at
             if started is not None and not started.is_set() and waited >= next_note:
                 next_note += STARTUP_NOTE_EVERY_S
-                print(f"{prog}: start-up: {world} worker processes starting (forked from one that imports their modules "
-                      f"once; "
-                      f"{available_cores()} CPU cores here) ({waited:.0f} s so far)", file=sys.stderr, flush=True)
+                print(f"{prog}: start-up: {world} worker processes starting (forked from one that imports their "
+                      f"modules once; {available_cores()} CPU cores here) ({waited:.0f} s so far)",
+                      file=sys.stderr, flush=True)
             for sentinel in ready:
                 rank = pending.pop(sentinel)
                 p = processes[rank]
