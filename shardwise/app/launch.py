@@ -1,12 +1,14 @@
 """Start one worker process per rank on this machine (what ``torchrun`` would do) and watch them.
 
-``launch_local`` spawns the workers with the environment torchrun sets and
+``launch_local`` starts the workers with the environment torchrun sets and
 watches them the way torchrun's agent does: as soon as one exits with an error,
 the others get a short grace period to stop by themselves (a rank that lost its
 peer fails its collective within the process-group timeout) and are then
 stopped -- SIGTERM, SIGCONT for a stopped process, SIGKILL -- with one line
 naming every rank that was still running. Ctrl-C (SIGINT) and SIGTERM stop all
-workers and return 130 / 143.
+workers and return 130 / 143. The workers are forks of one server process that
+imported their modules once (multiprocessing's forkserver, :mod:`.worker_server`),
+not fresh interpreters importing torch each.
 
 ``run_guarded`` is the body of every worker (here or under torchrun): errors that
 carry ``one_line = True`` (bad settings, collective timeouts, lost peers) print
@@ -20,12 +22,15 @@ stuck run is stuck, without stopping it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
+import gc
 import json
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.reduction
 import os
 import shutil
 import signal
@@ -301,13 +306,49 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+class _Stdio:
+    """The launcher's stdout and stderr, for a worker forked from the fork server: the server's are the
+    launcher's when it started it (a test's capture may have replaced them since); a spawned worker
+    inherited the launcher's at its start, and a forked one takes them over from this."""
+
+    def __reduce__(self):
+        fds = [fd for fd in (1, 2) if _is_open(fd)]
+        return _take_stdio, (fds, [multiprocessing.reduction.DupFd(fd) for fd in fds])
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def _take_stdio(fds: list[int], copies: list) -> None:
+    for fd, copy in zip(fds, copies):
+        received = copy.detach()
+        if received != fd:
+            os.dup2(received, fd)
+            os.close(received)
+
+
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, prog: str, reports: str, shown: set,
-            started=None) -> None:
+            started=None, env: dict | None = None, stdio=None) -> None:
     global _STARTED
+    if env is not None:
+        # Forked from the server: what it imported (torch, shardwise: about a million objects) lives as long
+        # as the worker; leaving it out of the collector's full passes (the end's gc.collect() in
+        # destroy_process_groups and every automatic one) saves their time and keeps those pages shared.
+        gc.freeze()
     _set_parent_death_signal()
     _SHOWN.update(shown)  # what the launcher showed already (the same imports' notices)
     _STARTED = started
     report_to = os.path.join(reports, f"rank{rank}.json")
+    if env is not None:  # forked from the server: the launcher's environment at the launch, as a spawned worker's
+        server = sys.modules.get("shardwise.app.worker_server")
+        for key in set(getattr(server, "START_ENV", ())) - set(env):  # gone since the server started
+            os.environ.pop(key, None)
+        os.environ.update(env)  # what the server's imports added (TORCHINDUCTOR_CACHE_DIR) stays, as it would
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     code = run_guarded(fn, args, f"{prog}: rank {rank}" if world > 1 else prog, report_to)
@@ -316,7 +357,23 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, prog: s
         # down torch's objects at exit took over 10 s of garbage collection on a loaded 2-core host,
         # past the launcher's grace: leave at once.
         os._exit(code)
+    if env is not None:  # a forked process ends in os._exit: what a spawned one's exit ran, run it here
+        atexit._run_exitfuncs()
     sys.exit(code)
+
+
+def _context(fn: Callable, preload: tuple[str, ...]):
+    """The fork server's context, preloading :mod:`.worker_server`, ``fn``'s module and ``preload``; spawn
+    where there is no fork server (not POSIX). The server is multiprocessing's one per process: started by
+    the first launch, it serves the later ones too (with the modules it preloaded then)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    modules = ["shardwise.app.worker_server"]  # first: it keeps the environment from before the imports
+    if fn.__module__ != "__main__":  # the main module is not the server's to import (the worker imports it)
+        modules.append(fn.__module__)
+    ctx.set_forkserver_preload(modules + [m for m in preload if m not in modules])
+    return ctx
 
 
 def _state(pid: int) -> str:
@@ -378,20 +435,25 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(signum)
 
 
-def launch_local(fn: Callable, world: int, args: tuple, prog: str, startup_notes: bool = False) -> int:
-    """Run ``fn(*args)`` in ``world`` spawned processes with the env torchrun sets; an exit status.
+def launch_local(fn: Callable, world: int, args: tuple, prog: str, startup_notes: bool = False,
+                 preload: tuple[str, ...] = ()) -> int:
+    """Run ``fn(*args)`` in ``world`` processes with the env torchrun sets; an exit status.
 
     0 when every rank finished; otherwise the first failing rank's status (1 when it was
     killed by a signal), 130 on Ctrl-C, 143 on SIGTERM. With ``startup_notes``, a start-up that
-    lasts more than a few seconds is said until rank 0 calls :func:`report_started`.
+    lasts more than a few seconds is said until rank 0 calls :func:`report_started`. The workers
+    are forked from a server that imported ``fn``'s module and ``preload`` (modules every worker
+    imports later; none may initialise CUDA) once.
     """
     dump_stacks_on_sigusr1()
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context(fn, preload)
+    forked = ctx.get_start_method() == "forkserver"
     port = free_port()
     started = ctx.Event() if startup_notes else None
     reports = tempfile.mkdtemp(prefix="shardwise-errors-")  # each failing worker's error, said once below
+    env, stdio = (dict(os.environ), _Stdio()) if forked else (None, None)
     processes = [ctx.Process(target=_worker, args=(rank, world, port, fn, args, prog, reports, set(_SHOWN),
-                                                   started), name=f"rank{rank}")
+                                                   started, env, stdio), name=f"rank{rank}")
                  for rank in range(world)]
     launched_at, next_note = time.monotonic(), STARTUP_NOTE_AFTER_S
     previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -404,8 +466,9 @@ def launch_local(fn: Callable, world: int, args: tuple, prog: str, startup_notes
             waited = time.monotonic() - launched_at
             if started is not None and not started.is_set() and waited >= next_note:
                 next_note += STARTUP_NOTE_EVERY_S
-                print(f"{prog}: start-up: {world} worker processes starting (each imports torch and shardwise; "
-                      f"{available_cores()} CPU cores here) ({waited:.0f} s so far)", file=sys.stderr, flush=True)
+                print(f"{prog}: start-up: {world} worker processes starting (forked from one that imports their "
+                      f"modules once; {available_cores()} CPU cores here) ({waited:.0f} s so far)",
+                      file=sys.stderr, flush=True)
             for sentinel in ready:
                 rank = pending.pop(sentinel)
                 p = processes[rank]

@@ -12,7 +12,7 @@ field of :class:`TrainConfig` and :class:`shardwise.models.GPTConfig` is a flag
 ``--no-activation-checkpointing``...). Everything is checked before any process
 starts; a bad value is reported as ``--flag value: reason`` (:mod:`.config`).
 
-Started directly, the command spawns ``--nproc`` local workers (default: one per
+Started directly, the command starts ``--nproc`` local workers (default: one per
 GPU, or 2 on CPU) and watches them like torchrun: when one fails, the others are
 stopped; under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) it is the worker. Rank 0
 shows a progress bar and writes to ``--out-dir`` (default ``runs/<name>``):
@@ -179,7 +179,7 @@ def train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float | None = Non
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     owns_group = not dist.is_initialized()
     world = int(os.environ.get("WORLD_SIZE", 1))
-    phase = Phase(f"process-group setup (each of the {world} ranks starts, imports torch and joins)")
+    phase = Phase(f"process-group setup (each of the {world} ranks starts and joins)")
     if os.environ.get("RANK", "0") == "0":
         report_started()  # the launcher's own start-up notes end; this rank's phases take over
         phase.watch(say)
@@ -400,7 +400,9 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
                f"{f' cp{cfg.cp}' if cfg.cp > 1 else ''}",
                disable=rank != 0, dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
     loop_started_at = time.time()
-    watchdog = _stall_watchdog(cfg, phase)
+    # Nothing to train (a finished run resumed): rank 0 may be gone, and its store with it, before another rank
+    # would connect its watchdog's client to that store (which then waits out --timeout).
+    watchdog = _stall_watchdog(cfg, phase) if start <= cfg.steps else None
     try:
         trained = run_steps(cfg, run, optimizer, loader, checkpoints, schedule, start, grad_accum,
                             tokens, device, phase, bar, metrics_file, launch, flops_per_token, evaluator, loggers)
@@ -451,8 +453,7 @@ def main(argv=None) -> int:
         cores = available_cores()
         if device_type(cfg) == "cpu" and not launched and world > cores and not problems:
             say(f"warning: --nproc {world} on {cores} CPU core{'s' if cores > 1 else ''}: each process gets "
-                f"{cores / world:.2g} of a core, so start-up (each process imports torch) and every step take "
-                f"longer than with --nproc {cores}")
+                f"{cores / world:.2g} of a core, so every step takes longer than with --nproc {cores}")
         check_world(cfg, model_cfg, world, problems)  # raises them all, then reads the data
         if device_type(cfg) == "cpu":  # the ranks share the host's memory: all of it, before any starts
             check_host_memory(cfg, model_cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
@@ -480,10 +481,13 @@ def main(argv=None) -> int:
         if code == EXIT_INTERRUPTED:
             say("interrupted (Ctrl-C)")
         return code
-    return launch_local(train, world, (cfg, model_cfg, started_at), PROG, startup_notes=True)
+    # The workers' fork server imports this module (torch, shardwise) and torch._dynamo (fully_shard's hooks
+    # and torch's optimizers import it at the first step) once for all of them.
+    return launch_local(train, world, (cfg, model_cfg, started_at), PROG, startup_notes=True,
+                        preload=("torch._dynamo",))
 
 
 if __name__ == "__main__":
-    from shardwise.app.train import main as _main  # so spawned workers unpickle shardwise.app.train.*
+    from shardwise.app.train import main as _main  # so the workers unpickle shardwise.app.train.*
 
     sys.exit(_main())

@@ -116,7 +116,25 @@ class RNGStatesTracker:
             _set_state(self.device_type, saved)
 
 
-_DEFAULT_TRACKER = RNGStatesTracker()
+class _DefaultTracker(RNGStatesTracker):
+    """shardwise's own tracker, made at import: its device type is what :func:`device_for` said then (a
+    process group's device if one was initialized, else CUDA where available, else the CPU), asked at its
+    first use. Asking CUDA at import would initialise it in every process that imports shardwise, and a
+    process forked from one (the fork server of ``shardwise train``'s workers) could not use CUDA."""
+
+    def __init__(self):
+        self._type = device_for().type if dist.is_available() and dist.is_initialized() else None
+        self._states: dict[str, torch.Tensor] = {}
+        self._seeds: set[int] = set()
+
+    @property
+    def device_type(self) -> str:
+        if self._type is None:
+            self._type = "cuda" if torch.cuda.is_available() else "cpu"
+        return self._type
+
+
+_DEFAULT_TRACKER = _DefaultTracker()
 _USER_TRACKER: Any = None
 
 

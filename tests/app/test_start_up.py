@@ -1,13 +1,16 @@
 """What a run says while it starts and when it fails: more processes than cores, start-up phases that take
 long, worker errors said once with their ranks, other packages' warnings labelled as theirs.
 
-The launcher tests spawn workers that import only this module and ``shardwise.app.launch`` (no torch), so
-they take a second or two.
+The launcher tests start workers from a fork server that imports this module (torch and shardwise, through
+``shardwise.app.launch``) once.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import time
 import types
 import warnings
@@ -47,8 +50,38 @@ def test_a_long_start_up_is_said_until_rank_0_reports(capfd, monkeypatch):
     monkeypatch.setattr(launch, "STARTUP_NOTE_EVERY_S", 1.0)
     assert launch.launch_local(_slow_start, 1, (3.0,), "prog", startup_notes=True) == 0
     notes = [line for line in capfd.readouterr().err.splitlines() if line.startswith("prog: start-up: ")]
-    assert notes and notes[0].startswith("prog: start-up: 1 worker processes starting (each imports torch and "
-                                         "shardwise; "), notes
+    assert notes and notes[0].startswith("prog: start-up: 1 worker processes starting (forked from one that "
+                                         "imports their modules once; "), notes
+
+
+# Records every question to CUDA (each reaches the driver on a CUDA build: cudaGetDeviceCount, whose binding
+# also marks the process so that its forks cannot use CUDA, or the lazy init) while the fork server's modules
+# are imported; a CPU build answers is_available() itself, so the questions are caught where they are asked.
+_CUDA_CALLS_AT_IMPORT = """
+import torch
+calls = []
+for module, names in ((torch.cuda, ("is_available", "device_count", "current_device", "init", "_lazy_init",
+                                    "get_device_properties", "get_device_capability", "mem_get_info")),
+                      (torch._C, ("_cuda_getDeviceCount", "_cuda_init"))):
+    for name in names:
+        if hasattr(module, name):
+            real = getattr(module, name)
+            setattr(module, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+import shardwise.app.worker_server, shardwise.app.train, shardwise.app.bench.cli, torch._dynamo
+print(calls)
+"""
+
+
+@pytest.mark.slow
+def test_the_fork_servers_imports_leave_cuda_alone():
+    """The workers are forks of a server that imported torch, shardwise and torch._dynamo: had those imports
+    asked CUDA anything, no worker could use its GPU ("Cannot re-initialize CUDA in forked subprocess")."""
+    from tests.helpers import REPO
+
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", _CUDA_CALLS_AT_IMPORT], env=env, capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_a_phase_that_lasts_is_said_until_the_first_step():
@@ -104,6 +137,6 @@ def test_more_processes_than_cores_is_warned_with_the_numbers(tmp_path, capsys, 
     data = tmp_path / "corpus.txt"
     data.write_bytes(open(logging.__file__, "rb").read())
     assert train.main(["--nproc", "8", "--device", "cpu", "--data", str(data), "--name", "many"]) == 0
-    assert ("shardwise train: warning: --nproc 8 on 2 CPU cores: each process gets 0.25 of a core, so start-up "
-            "(each process imports torch) and every step take longer than with --nproc 2") in capsys.readouterr().err
+    assert ("shardwise train: warning: --nproc 8 on 2 CPU cores: each process gets 0.25 of a core, so every "
+            "step takes longer than with --nproc 2") in capsys.readouterr().err
 

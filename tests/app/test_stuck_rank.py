@@ -57,18 +57,20 @@ def _wait_for_steps(proc: subprocess.Popen, out: Path, steps: int, deadline: flo
 
 
 def _workers(launcher_pid: int) -> list[int]:
-    """The launcher's worker processes (rank order = start order), not multiprocessing's helpers."""
-    found = []
+    """The launcher's worker processes (rank order = start order): the children of its fork server (the child
+    running ``multiprocessing.forkserver``), not multiprocessing's other helpers (the resource tracker)."""
+    processes = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes()
+            processes[int(entry.name)] = (ppid, (entry / "cmdline").read_bytes())
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == launcher_pid and b"spawn_main" in cmdline:
-            found.append(int(entry.name))
+    servers = {pid for pid, (ppid, cmdline) in processes.items()
+               if ppid == launcher_pid and b"multiprocessing.forkserver" in cmdline}
+    found = [pid for pid, (ppid, _) in processes.items() if ppid in servers]
     return sorted(found, key=lambda pid: float((Path("/proc") / str(pid) / "stat").read_text()
                                               .rsplit(")", 1)[1].split()[19]))  # start time
 

@@ -351,7 +351,7 @@ def main(argv=None) -> int:
     if launched:
         worker(opts, args.out, command)
         return 0
-    return launch_local(worker, world, (opts, args.out, command), "shardwise bench")
+    return launch_local(worker, world, (opts, args.out, command), "shardwise bench", preload=("torch._dynamo",))
 
 
 if __name__ == "__main__":
