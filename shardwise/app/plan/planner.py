@@ -3,6 +3,10 @@
 A candidate that does not fit the GPU's memory (less ``headroom`` for the allocator and NCCL) is listed but
 never recommended; the rest are ranked by tokens per second per GPU. The recommendation says which term of
 its step dominates (compute, exposed all-gather, exposed reduce-scatter, host, optimizer).
+
+Memory is the one model's (:func:`memory_of`): the trace, after its fast path (``estimate.state_bound``, the
+reference GPT's state counted) has ruled out the candidates whose state alone is over the device; those are
+not traced, and their rows show that lower bound (``MemoryTrace.bound``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from .step_time import StepTime, step_time, unit_costs
 from .simulate import simulated_world
 from .trace import MemoryTrace, trace_memory
 
-__all__ = ["Row", "Plan", "plan", "evaluate", "HEADROOM"]
+__all__ = ["Row", "Plan", "plan", "evaluate", "memory_of", "HEADROOM"]
 
 #: the part of HBM a plan leaves to what the trace does not see: the CUDA context and NCCL's buffers (about
 #: 1-2 GiB on an H100/H200), the caching allocator's fragmentation (a few percent of the peak)
@@ -38,6 +42,7 @@ class Row:
     def as_dict(self) -> dict:
         return {"config": self.candidate.as_dict(), "label": self.candidate.label(), "fits": self.fits,
                 "peak_gib": self.memory.peak / 2**30, "peak_phase": self.memory.phase,
+                "peak_is_lower_bound": self.memory.bound,
                 "host_gib": self.memory.host / 2**30,
                 "memory_parts_gib": {k: v / 2**30 for k, v in self.memory.parts.items()},
                 "step_s": self.time.seconds, "terms_s": dict(self.time.terms),
@@ -73,13 +78,29 @@ class Plan:
         fastest = max(self.rows, key=lambda r: r.tokens_per_s_per_gpu)
         if not fastest.fits:
             text += (f"; faster but over memory: {fastest.candidate.label()} "
-                     f"({fastest.memory.peak / 2**30:.1f} GiB)")
+                     f"({'at least ' if fastest.memory.bound else ''}{fastest.memory.peak / 2**30:.1f} GiB)")
         return text
 
 
 def _peak(memory: MemoryTrace) -> str:
     unit, name = (2**30, "GiB") if memory.peak >= 2**30 else (2**20, "MiB")
     return f"peak {memory.peak / unit:.1f} {name} per GPU"
+
+
+def memory_of(source: ModelSource, world: int, cand: Candidate, seq: int, limit: float | None = None) -> MemoryTrace:
+    """The candidate's memory per rank, from the one model: where ``source`` is the reference GPT and the fast
+    path's lower bound (``estimate.state_bound``: the state on the device at the optimizer step) is over
+    ``limit``, that bound (``MemoryTrace.bound``; the candidate cannot fit, nothing is traced); else the trace."""
+    if limit is not None and source.config is not None:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        from .estimate import state_bound
+
+        with unset_fake_temporarily():  # counted on the meta device, outside the simulation's fake mode
+            bound = state_bound(source.config, world, cand, seq, vocab_units=source.vocab_units)
+        if bound > limit:
+            return MemoryTrace(bound, {}, phase="optimizer step", bound=True)
+    return trace_memory(source, world, cand, seq)
 
 
 def evaluate(source: ModelSource, cluster: Cluster, cand: Candidate, seq: int, global_batch: int, *,
@@ -136,24 +157,26 @@ def _would_fit(found: Plan, source: ModelSource, cluster: Cluster, seq: int, hea
     the smallest peak, with the trace, over offload and on more GPUs."""
     from .fit import search
 
-    start = min(found.rows, key=lambda r: r.memory.peak)
+    start = min(found.rows, key=lambda r: (r.memory.bound, r.memory.peak))  # a traced row where there is one
     traced = {(replace(r.candidate, fp8=False, fp8_gather=False), cluster.gpus): r.memory for r in found.rows}
+    limit = (1 - headroom) * cluster.gpu.hbm_bytes
 
     def weigh(cand: Candidate, gpus: int) -> MemoryTrace:
         key = (replace(cand, fp8=False, fp8_gather=False), gpus)
         if key not in traced:
-            traced[key] = trace_memory(source, gpus, key[0], seq)
+            traced[key] = memory_of(source, gpus, key[0], seq, limit)
         return traced[key]
 
-    return search(start.candidate, cluster.gpus, weigh, lambda m: m.peak <= (1 - headroom) * cluster.gpu.hbm_bytes,
+    return search(start.candidate, cluster.gpus, weigh, lambda m: m.peak <= limit,
                   worlds=[cluster.gpus * k for k in (2, 4, 8, 16)])
 
 
 def _rank(found, source, cluster, seq, global_batch, compiled, eff, offload, fp8, hybrid, micro_batches, only,
           headroom, progress) -> None:
     traces: dict[Candidate, MemoryTrace] = {}
-    costs: dict[bool, list] = {}  # unit_costs by activation checkpointing: each builds the whole model on meta
+    costs: dict[bool, list] = {}  # unit_costs by activation checkpointing
     flops = source.flops_per_token(seq)
+    limit = (1 - headroom) * cluster.gpu.hbm_bytes
     for cand in all_candidates(cluster.gpus, cluster.gpus_per_node, global_batch, micro_batches=micro_batches,
                                offload=offload, fp8=fp8, hybrid=hybrid):
         if only is not None and not only(cand):
@@ -161,8 +184,8 @@ def _rank(found, source, cluster, seq, global_batch, compiled, eff, offload, fp8
         key = replace(cand, fp8=False, fp8_gather=False)
         if key not in traces:
             if progress:
-                progress(f"tracing {key.label()}")
-            traces[key] = trace_memory(source, cluster.gpus, key, seq)
+                progress(f"weighing {key.label()}")
+            traces[key] = memory_of(source, cluster.gpus, key, seq, limit)
         ac = cand.activation_checkpointing
         if ac not in costs:
             costs[ac] = unit_costs(source, seq, ac)

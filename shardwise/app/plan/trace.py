@@ -37,7 +37,8 @@ class MemoryTrace:
     peak of each moment (``forward``, ``backward head`` (the loss and the output head), ``backward top layer``
     and ``backward layer j`` (from the backward hook of that layer on), ``optimizer step``); parts: the persistent terms after the
     step and the activations autograd saved; host: offloaded state; allocations: the steady step's new
-    storages in order (phase, bytes)."""
+    storages in order (phase, bytes). ``bound``: not a trace but the fast path's lower bound of the peak (the
+    state alone) for a candidate it showed cannot fit (:func:`.planner.memory_of`)."""
 
     peak: int
     parts: dict[str, int]
@@ -48,6 +49,7 @@ class MemoryTrace:
     at_peak: dict = field(default_factory=dict, repr=False)  # "phase:op" -> bytes live at the peak (explain)
     peaks: dict = field(default_factory=dict, repr=False)
     before_step: int = 0  # live bytes as the steady step starts (the state it inherits)
+    bound: bool = False  # not traced: ``peak`` is the fast path's lower bound (``estimate.state_bound``), over the device
 
 
 _ENDS = ("forward", "backward head", "backward top layer", "backward layer 0", "optimizer step")
