@@ -6,9 +6,10 @@ without running anything, held to the trace by ``tests/app/test_plan.py`` (equal
 the planner weighs; the peak within the RoPE tables and 64 KiB at the bench's 0.9b and 8b). It is used where
 a trace cannot be or need not be:
 
-* by the planner itself (``planner.plan``), before tracing: a candidate whose state alone (:func:`state_bound`:
-  main weights, compute weights at rest, gradient shards and AdamW's state, all live at the optimizer step) is
-  over the device cannot fit, so it is not traced; its row shows that lower bound (``MemoryTrace.bound``);
+* by the planner itself (``planner.memory_of``), before tracing: a candidate whose :func:`state_bound` (what
+  must be live at once: the state at the optimizer step, or the state and every saved activation at the start
+  of backward) is over the device cannot fit, so it is not traced; its row shows that lower bound
+  (``MemoryTrace.bound``);
 * by ``shardwise train``'s pre-launch check and its refusal (``fit.check_run``): a worker already has its
   process group and cannot simulate another world;
 * by ``shardwise bench`` (the estimate beside each measured run) and pipeline runs (``pipeline_estimate.py``:

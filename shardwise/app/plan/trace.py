@@ -14,8 +14,10 @@ whole model is traced. ``tests/app/test_plan.py`` holds both to a whole trace an
 
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -37,8 +39,8 @@ class MemoryTrace:
     peak of each moment (``forward``, ``backward head`` (the loss and the output head), ``backward top layer``
     and ``backward layer j`` (from the backward hook of that layer on), ``optimizer step``); parts: the persistent terms after the
     step and the activations autograd saved; host: offloaded state; allocations: the steady step's new
-    storages in order (phase, bytes). ``bound``: not a trace but the fast path's lower bound of the peak (the
-    state alone) for a candidate it showed cannot fit (:func:`.planner.memory_of`)."""
+    storages in order (phase, bytes). ``bound``: not a trace but the fast path's lower bound of the peak
+    (``estimate.state_bound``) for a candidate it showed cannot fit (:func:`.planner.memory_of`)."""
 
     peak: int
     parts: dict[str, int]
@@ -187,13 +189,40 @@ def run_step(model, opt, inputs, tracker: LiveBytes | None, saved: dict | None =
     phase("")
 
 
+#: traces already made in this process, by what they depend on (``_trace_key``), the oldest dropped past
+#: ``_KEPT``: the planner's candidates and its search for what would fit, and tests, trace the same step again
+_TRACES: OrderedDict = OrderedDict()
+_KEPT = 256
+
+
+def _trace_key(source: ModelSource, world: int, cand: Candidate, seq: int, depth: int | None):
+    """What a trace depends on: the reference GPT's config (a source without one, a factory, is not kept), the
+    world, the candidate less FP8 (timed, not traced), the sequence and the depth. A config holding process
+    groups (which ``to_dict`` leaves out) is not kept either."""
+    cfg = source.config
+    if cfg is None or any(getattr(cfg, f, None) is not None for f in ("tp_group", "ep_group", "cp_group")):
+        return None
+    model = json.dumps(source.config.to_dict(), sort_keys=True, default=str)
+    return model, source.vocab_units, world, replace(cand, fp8=False, fp8_gather=False), seq, depth
+
+
 def trace_once(source: ModelSource, world: int, cand: Candidate, seq: int, depth: int | None = None,
                explain: bool = False) -> MemoryTrace:
     """Wrap ``source`` (at ``depth`` layers; None: whole) as ``cand`` says on rank 0 of ``world`` and trace a step.
-    ``explain``: also the live bytes at the peak by the phase and op that made them (slower)."""
+    ``explain``: also the live bytes at the peak by the phase and op that made them (slower). The same step is
+    traced once per process (``_TRACES``)."""
+    key = None if explain else _trace_key(source, world, cand, seq, depth)
+    if key is not None and key in _TRACES:
+        _TRACES.move_to_end(key)
+        return _TRACES[key]
     with simulated_world(world):
         mesh = cached_mesh((cand.replicas,), lambda: _mesh(cand))
-        return measure_step(source, mesh, cand, seq, depth, explain)
+        found = measure_step(source, mesh, cand, seq, depth, explain)
+    if key is not None:
+        _TRACES[key] = found
+        while len(_TRACES) > _KEPT:
+            _TRACES.popitem(last=False)
+    return found
 
 
 def _mesh(cand: Candidate):
