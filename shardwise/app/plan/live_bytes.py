@@ -14,10 +14,13 @@ import weakref
 
 import torch
 from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["LiveBytes"]
+
+_DEVICE = torch.ops.prim.device.default
 
 
 def _tensors(out) -> list[torch.Tensor]:
@@ -96,6 +99,10 @@ class LiveBytes(TorchDispatchMode):
 
     # ------------------------------------------------------------------ the mode
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE and type(args[0]) is FakeTensor and not args[0].fake_mode.in_kernel_invocation:
+            # a FakeTensor's ``.device``: no storage, and asked thousands of times a step (autograd, the engine's
+            # views); answered as FakeTensor answers it, without going through FakeTensorMode's dispatch
+            return args[0].fake_device
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor turn it into ops on local tensors, which are seen here
         out = func(*args, **(kwargs or {}))
