@@ -7,9 +7,9 @@ the planner weighs; the peak within the RoPE tables and 64 KiB at the bench's 0.
 a trace cannot be or need not be:
 
 * by the planner itself (``planner.memory_of``), before tracing: a candidate whose :func:`state_bound` (what
-  must be live at once: the state at the optimizer step, or the state and every saved activation at the start
-  of backward) is over the device cannot fit, so it is not traced; its row shows that lower bound
-  (``MemoryTrace.bound``);
+  must be live at once: the state at the optimizer step, or at the start of backward the state, every saved
+  activation and the weights ``reshard_after_forward=False`` keeps gathered) is over the device cannot fit, so
+  it is not traced; its row shows that lower bound (``MemoryTrace.bound``);
 * by ``shardwise train``'s pre-launch check and its refusal (``fit.check_run``): a worker already has its
   process group and cannot simulate another world;
 * by ``shardwise bench`` (the estimate beside each measured run) and pipeline runs (``pipeline_estimate.py``:
@@ -62,7 +62,7 @@ from ...models import GPT, GPTConfig
 
 __all__ = ["Activations", "activation_bytes", "gpt_units", "estimate_for_run", "check_fits", "DoesNotFit",
            "OPTIMIZER_TEMPS", "check_fits_on_cpu", "cpu_bytes", "INTERPRETER_BYTES", "candidate_estimate",
-           "state_bound"]
+           "state_bound", "kept_gathered"]
 
 #: state-sized temporaries an AdamW implementation allocates during ``step()`` (foreach: ``sqrt(exp_avg_sq)``
 #: for a whole parameter group at once; fused and the per-tensor loop: none worth counting)
@@ -378,15 +378,30 @@ def state_bound(config: GPTConfig, world: int, cand, seq: int, *, vocab_units: b
 
     * the optimizer step: main weights, compute weights at rest, every gradient shard and AdamW's state
       (offloaded state left out; fused AdamW has no temporaries);
-    * the start of backward: the same state but the gradients (``zero_grad`` dropped them), and every
-      activation forward saved (not counted for MoE and Mamba layers, whose activations are counted roughly).
+    * the start of backward: the same state but the gradients (``zero_grad`` dropped them), every activation
+      forward saved (not counted for MoE and Mamba layers, whose activations are counted roughly) and, with
+      ``reshard_after_forward=False``, every unit's gathered weights (each kept from its forward to its backward:
+      :func:`kept_gathered`).
 
-    Each is live all at once at that moment whatever ``reshard_after_forward`` or the gathers do, so a candidate
-    whose bound is over the device cannot fit: the planner does not trace it."""
+    Each is live all at once at that moment, so a candidate whose bound is over the device cannot fit: the
+    planner does not trace it."""
     est = candidate_estimate(config, world, cand, seq, vocab_units=vocab_units)
     at_loss = [k for k in _AT_LOSS if k != "activations" or not est.notes]  # notes: MoE/Mamba, counted roughly
     return max(sum(est.terms["optimizer step"].get(k, 0) for k in _AT_STEP),
-               sum(est.terms["loss backward"].get(k, 0) for k in at_loss))
+               sum(est.terms["loss backward"].get(k, 0) for k in at_loss)
+               + kept_gathered(config, world, cand, vocab_units=vocab_units))
+
+
+def kept_gathered(config: GPTConfig, world: int, cand, *, vocab_units: bool = True) -> int:
+    """Bytes of gathered (unsharded, compute-dtype) weights live at the start of backward that
+    :func:`estimate_for_run` does not count: with ``reshard_after_forward=False`` every unit keeps its gathered
+    weights from its forward to its backward (none where the parameters are not sharded); else 0."""
+    if cand.reshard_after_forward:
+        return 0
+    sizes = BufferSizes(world=world, strategy=cand.strategy, outer=cand.replicas if cand.replicas > 1 else None,
+                        outer_strategy=cand.outer_strategy, param_dtype=torch.bfloat16)
+    units, _ = gpt_units(config, vocab_units)
+    return int(sum(sizes.gathered(n) for _, n in units))
 
 
 # ---------------------------------------------------------------------------------------------- fit check

@@ -4,8 +4,8 @@ A candidate that does not fit the GPU's memory (less ``headroom`` for the alloca
 never recommended; the rest are ranked by tokens per second per GPU. The recommendation says which term of
 its step dominates (compute, exposed all-gather, exposed reduce-scatter, host, optimizer).
 
-Memory is the one model's (:func:`memory_of`): the trace, after its fast path (``estimate.state_bound``: the
-reference GPT's state and saved activations counted) has ruled out the candidates that cannot fit; those are
+Memory is the one model's (:func:`memory_of`): the trace, after its fast path (``estimate.state_bound``: what
+the reference GPT must hold at once, counted) has ruled out the candidates that cannot fit; those are
 not traced, and their rows show that lower bound (``MemoryTrace.bound``).
 """
 

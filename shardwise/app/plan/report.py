@@ -36,7 +36,7 @@ def render(found: Plan, top: int = 12) -> str:
     else:
         lines.append(f"recommended: none; {found.why()}")
     if any(r.memory.bound for r in found.rows[:top]):
-        lines.append("(peak >N: a lower bound, not traced: the state and saved activations alone pass the device)")
+        lines.append("(peak >N: a lower bound, not traced: what must be live at once already passes the device)")
     if found.dry_run is not None:
         from .dry_run_report import render_dry_run
 
