@@ -77,13 +77,19 @@ def extend(traces: list[MemoryTrace], depths: tuple[int, ...], layers: int) -> M
     for keys, get in ((ends, lambda t: t.peaks), (parts_keys, lambda t: t.parts)):
         if _line(get(a), get(b), keys, 2) != {k: get(c).get(k, 0) for k in keys}:
             return None
-    if a.host + 2 * (b.host - a.host) != c.host or max(c.peaks.values()) > max(c.peaks[k] for k in ends):
+    if a.host + 2 * (b.host - a.host) != c.host or _middle_above_ends(c, ends):
         return None
     steps = layers - depths[1]
     peaks = _line(b.peaks, c.peaks, ends, steps)
     phase = max(peaks, key=peaks.get)
     return MemoryTrace(peaks[phase], _line(b.parts, c.parts, parts_keys, steps), b.host + steps * (c.host - b.host),
                        phase, [], True, peaks=peaks)
+
+
+def _middle_above_ends(trace: MemoryTrace, ends=None) -> bool:
+    """Whether a moment between the ends (a middle layer's backward) peaks above them: the line cannot say it."""
+    ends = [k for k in _ENDS if k in trace.peaks] if ends is None else ends
+    return max(trace.peaks.values()) > max(trace.peaks[k] for k in ends)
 
 
 class BackendCollectives(Collectives):
@@ -288,9 +294,14 @@ def _held(model, opt) -> dict[str, int]:
 
 
 def trace_memory(source: ModelSource, world: int, cand: Candidate, seq: int, exact: bool = False) -> MemoryTrace:
-    """The candidate's memory per rank: a whole trace, or three shallow ones extended (see :func:`extend`)."""
+    """The candidate's memory per rank: a whole trace, or three shallow ones extended (see :func:`extend`). The
+    deepest is traced first: where a middle layer's moment peaks above the ends there, no line will do, and the
+    whole model is traced without the other two."""
     layers = source.layers
     if exact or layers is None or layers <= _DEPTHS[-1]:
         return trace_once(source, world, cand, seq)
-    extended = extend([trace_once(source, world, cand, seq, d) for d in _DEPTHS], _DEPTHS, layers)
+    deepest = trace_once(source, world, cand, seq, _DEPTHS[-1])
+    if _middle_above_ends(deepest):  # no line will do: the shallower two are not traced
+        return trace_once(source, world, cand, seq)
+    extended = extend([*(trace_once(source, world, cand, seq, d) for d in _DEPTHS[:-1]), deepest], _DEPTHS, layers)
     return extended if extended is not None else trace_once(source, world, cand, seq)
