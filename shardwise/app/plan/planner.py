@@ -89,8 +89,8 @@ def _peak(memory: MemoryTrace) -> str:
 
 def memory_of(source: ModelSource, world: int, cand: Candidate, seq: int, limit: float | None = None) -> MemoryTrace:
     """The candidate's memory per rank, from the one model: where ``source`` is the reference GPT and the fast
-    path's lower bound (``estimate.state_bound``: the state on the device at the optimizer step) is over
-    ``limit``, that bound (``MemoryTrace.bound``; the candidate cannot fit, nothing is traced); else the trace."""
+    path's lower bound (``estimate.state_bound``: what must be live at once, at the optimizer step or at the
+    start of backward) is over ``limit``, that bound (``MemoryTrace.bound``; the candidate cannot fit, nothing is traced); else the trace."""
     if limit is not None and source.config is not None:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
