@@ -11,7 +11,6 @@ not traced, and their rows show that lower bound (``MemoryTrace.bound``).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -21,7 +20,7 @@ from .hardware import EFFICIENCY, Cluster, Efficiency
 from .model_source import ModelSource
 from .step_time import StepTime, step_time, unit_costs
 from .simulate import simulated_world
-from .trace import MemoryTrace, trace_memory
+from .trace import MemoryTrace, settled_heap, trace_memory
 
 __all__ = ["Row", "Plan", "plan", "evaluate", "memory_of", "HEADROOM"]
 
@@ -138,18 +137,11 @@ def plan(source: ModelSource, cluster: Cluster, seq: int, global_batch: int, *, 
     return found
 
 
-@contextlib.contextmanager
 def _settled_heap():
-    """The objects alive before the plan (torch, the caller's) set aside from the garbage collector while it runs:
-    each traced step starts with a full ``gc.collect()`` (trace.run_step) so that what the last step left in
-    reference cycles goes at the same moment every run, and without this each of those collections walked every
-    object of the process again (a seventh of a 70B plan's time); the plan's own objects are still collected."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
+    """The objects alive before the plan (torch, the caller's) set aside from the garbage collector while it runs
+    (``trace.settled_heap``: without it each traced step's full ``gc.collect()`` walked every object of the
+    process again, a seventh of a 70B plan's time); the plan's own objects are still collected."""
+    return settled_heap(collect=True)
 
 
 def _settle() -> None:

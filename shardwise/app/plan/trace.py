@@ -14,6 +14,8 @@ whole model is traced. ``tests/app/test_plan.py`` holds both to a whole trace an
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import time
 from collections import OrderedDict
@@ -237,10 +239,40 @@ def _mesh(cand: Candidate):
     return shardwise.build_dp_mesh(outer=cand.replicas if cand.replicas > 1 else None)
 
 
+_SET_ASIDE = [0]  # how many settled_heap blocks are open: the outermost freezes and unfreezes
+
+
+@contextlib.contextmanager
+def settled_heap(collect: bool = False):
+    """The objects alive before (torch, the caller's; ``collect``: their garbage collected first) set aside from
+    the garbage collector until the outermost such block ends: each traced step starts with a full
+    ``gc.collect()`` (:func:`run_step`) so that what the last step left in reference cycles goes at the same
+    moment every run, and without this each of those collections walked every object of the process (0.15 s
+    each under pytest, two a trace); the step's own objects are still collected. Nested blocks (a plan's
+    traces) leave it to the outermost."""
+    outermost = _SET_ASIDE[0] == 0
+    if outermost:
+        if collect:
+            gc.collect()
+        gc.freeze()
+    _SET_ASIDE[0] += 1
+    try:
+        yield
+    finally:
+        _SET_ASIDE[0] -= 1
+        if outermost:
+            gc.unfreeze()
+
+
 def measure_step(source: ModelSource, mesh, cand: Candidate, seq: int, depth: int | None = None,
                  explain: bool = False) -> MemoryTrace:
     """Build, wrap and run two steps on ``mesh`` (``None``: the data-parallel mesh ``cand`` names over the
     default process group), following every storage: the simulation's path, and a real gloo run's."""
+    with settled_heap():
+        return _measure_step(source, mesh, cand, seq, depth, explain)
+
+
+def _measure_step(source, mesh, cand, seq, depth, explain) -> MemoryTrace:
     import shardwise
 
     mesh = _mesh(cand) if mesh is None else mesh
