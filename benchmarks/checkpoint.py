@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from shardwise import destroy_process_groups
 from shardwise.app.launch import launch_local
-from shardwise.app.memory import host_peak_bytes, host_resident_bytes, reset_host_peak
+from shardwise.app.host_memory import host_peak_bytes, host_resident_bytes, reset_host_peak
 from shardwise.engine.model_ops import parameter_groups
 
 MIB = 2**20

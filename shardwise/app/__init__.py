@@ -15,8 +15,11 @@
 * :mod:`.bench`: ``shardwise bench`` (shardwise against FSDP2, DDP and
   megatron-fsdp); the stand-alone benchmarks live in the repository's
   ``benchmarks/`` folder (``python -m benchmarks.<name>``);
-* :mod:`.memory`, :mod:`.pipeline_memory` and :mod:`.pipeline_order`: a run's memory estimate,
-  a pipeline rank's, and the order torch's pipeline schedules run a rank's chunks in.
+* :mod:`.plan`: ``shardwise plan``, and the one memory model (the trace its truth, the reference GPT's
+  estimate its fast path: ``plan/estimate.py``, which ``train`` and ``bench`` read); :mod:`.memory`,
+  :mod:`.memory_estimate` and :mod:`.pipeline_memory` are that fast path's old homes (re-exports);
+  :mod:`.host_memory`: this machine's measured memory; :mod:`.pipeline_order`: the order torch's pipeline
+  schedules run a rank's chunks in.
 
 The library (``shardwise``'s engine modules, ``checkpoint/``, ``hf/``,
 ``megatron/``, ``models/``) never imports from here.

@@ -66,7 +66,7 @@ from .errors import PROG, Problems, say
 from .launch import (EXIT_INTERRUPTED, WorkerError, available_cores, describe_collective_error, fail_now,
                      launch_local, one_line_warnings, process_started_at, report_started, run_guarded, under_launcher)
 from .loop import DataParallelRun, Phase, run_steps
-from .memory import DoesNotFit
+from .plan.estimate import DoesNotFit
 from .lr import LRSchedule, lr_schedule, resumed_schedule
 from .resume import global_batch_plan, restore
 from .run_folder import prepare_run_folder
@@ -80,9 +80,9 @@ RENDEZVOUS_S = 600.0  # how long ranks may take to meet at start (imports, data)
 
 
 def _pipeline_estimates(cfg: TrainConfig, model_cfg: GPTConfig, world: int, fused: bool) -> tuple[list, str]:
-    """Each pipeline rank's memory estimate for ``--pp`` (shardwise.app.pipeline_memory), or ``([], why not)``."""
+    """Each pipeline rank's memory estimate for ``--pp`` (the planner's fast path, ``plan/pipeline_estimate.py``), or ``([], why not)``."""
     from .pipeline_order import PIPELINE_SCHEDULES
-    from .pipeline_memory import estimate_pipeline
+    from .plan.pipeline_estimate import estimate_pipeline
     from .pipeline_train import parse_split, schedule_name
 
     name = schedule_name(cfg)
@@ -124,8 +124,9 @@ def _run_estimate(cfg: TrainConfig, model_cfg: GPTConfig, world: int, device_typ
 
 def check_host_memory(cfg: TrainConfig, model_cfg: GPTConfig, world: int, ranks_per_host: int) -> None:
     """A CPU run: every rank's estimated peak together against the host's available memory (before any
-    process starts); :class:`.memory.DoesNotFit` says what would fit."""
-    from .memory import INTERPRETER_BYTES, host_available_bytes
+    process starts); :class:`.plan.estimate.DoesNotFit` says what would fit."""
+    from .host_memory import host_available_bytes
+    from .plan.estimate import INTERPRETER_BYTES
     from .plan.fit import check_run_on_cpu
 
     available = host_available_bytes()
@@ -311,7 +312,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, started_at: float, device: to
         if estimate is not None and rank == 0:
             say(f"memory estimate: {estimate.describe(device.type)}")
         if estimate is not None and device.type == "cuda":  # on every rank, before any rank allocates
-            from .memory import host_available_bytes
+            from .host_memory import host_available_bytes
             from .plan.fit import check_run
 
             note = check_run(estimate, torch.cuda.mem_get_info(device)[0], host_available_bytes())

@@ -158,9 +158,9 @@ def _no_launch(*args, **kwargs):
 def test_a_cpu_run_larger_than_the_host_is_refused_before_it_starts(argv, needed, tmp_path, capsys, monkeypatch):
     """On the CPU every rank takes the host's memory: the estimate times the ranks, against MemAvailable (here
     a 23 GiB machine), refused in one line with what would fit, before any process starts."""
-    from shardwise.app import memory, train
+    from shardwise.app import host_memory, train
 
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: 23 * 2**30)
+    monkeypatch.setattr(host_memory, "host_available_bytes", lambda: 23 * 2**30)
     monkeypatch.setattr(train, "launch_local", _no_launch)
     assert main(argv + ["--device", "cpu", "--out-dir", str(tmp_path / "run")]) == 2
     line = _one_error_line(capsys)

@@ -85,6 +85,35 @@ def test_the_trace_agrees_with_the_reference_estimate(size):
     assert {"0.9b": "loss backward", "8b": "end of backward"}[size] == estimate.phase
 
 
+def test_the_fast_path_counts_the_traced_state_and_bounds_the_peak_from_below():
+    """The planner's fast path (``estimate.state_bound``) rules a candidate out before tracing it: for every
+    layout the planner weighs, its state terms equal the trace's (less the padding of slots that do not split
+    evenly: at 4 ranks the norms' 64 elements), its saved activations are no more than the trace's, what it
+    counts live at the optimizer step and at the start of backward (with ``reshard_after_forward=False`` every
+    unit's gathered weights too) is no more than the trace's peak of that moment, and so the bound is under the traced peak (a candidate it rules out could not fit). The traces are
+    the gloo tests' above (one trace per step and process: ``trace._TRACES``)."""
+    from shardwise.app.plan.estimate import _AT_LOSS, _AT_STEP, candidate_estimate, kept_gathered, state_bound
+
+    hybrid = [Candidate(replicas=2), Candidate(replicas=2, outer_strategy="optim")]  # two axes: 4 ranks
+    for world, cand in [*((2, c) for c in CANDIDATES), *((4, c) for c in hybrid)]:
+        traced = trace_once(gpt_source(TINY), world, cand, 32)
+        estimate = candidate_estimate(TINY, world, cand, 32)
+        step, loss = estimate.terms["optimizer step"], estimate.terms["loss backward"]
+        # HFSDP's model shard at rest is the engine's own buffer, which the trace's "weights" (the compute
+        # parameters' storage: freed at rest) does not read; it is in the trace's peaks (below)
+        terms = ("main", "optimizer", "grads") + (("weights",) if cand.outer_strategy != "optim" else ())
+        for k in terms:
+            assert 0 <= traced.parts[k] - step.get(k, 0) < (1 if world == 2 else 4096), (cand, k)
+        assert loss["activations"] <= traced.parts["activations"], cand
+        assert sum(step.get(k, 0) for k in _AT_STEP) <= traced.peaks["optimizer step"], cand
+        kept = kept_gathered(TINY, world, cand)  # every unit's gathered weights, kept to its backward
+        assert (kept > 0) == (not cand.reshard_after_forward), cand
+        assert sum(loss.get(k, 0) for k in _AT_LOSS) + kept <= traced.peaks["backward head"], cand
+        assert state_bound(TINY, world, cand, 32) <= traced.peak, cand
+    offloaded = Candidate(offload_fraction=0.5)  # the trace keeps offloaded state on the device: over the bound
+    assert state_bound(TINY, 2, offloaded, 32) <= trace_once(gpt_source(TINY), 2, offloaded, 32).peak
+
+
 def test_the_step_model_hides_prefetched_gathers_and_exposes_the_ends():
     """8b on 8 x H100: a layer hides the next unit's gather (forward) and the previous unit's gather and the
     next one's reduction (backward). Exposed: the first gather, the head's again at backward's start, and

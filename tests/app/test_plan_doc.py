@@ -20,7 +20,7 @@ def test_the_doc_has_its_three_worked_examples():
     assert len(_examples()) == 3
 
 
-@pytest.mark.slow  # each plans a 70B model over every candidate: a minute or more of CPU
+@pytest.mark.slow  # each plans a 70B model over every candidate (the fast path ruling out most before tracing)
 @pytest.mark.parametrize("command,shown", _examples(), ids=lambda x: x[:60] if " --" in x else "")
 def test_a_worked_example_prints_what_the_doc_shows(command, shown, capsys):
     from shardwise.app.cli import main

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ...engine.device import device_for
-from ..memory import activation_bytes, estimate_for_run
+from ..plan.estimate import activation_bytes, estimate_for_run
 from .pipeline import GIB, SavedBytes
 from .sizes import SIZES, model_config
 from .wrappers import DEFAULT_ORDER, make_optimizer

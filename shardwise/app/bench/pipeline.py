@@ -17,7 +17,7 @@ run, after warm-up:
   autograd saved and has not released (each storage once, parameters and
   buffers left out; ``torch.autograd.graph.saved_tensors_hooks``), per pipeline
   rank, next to the estimate's "activations in flight"
-  (:func:`shardwise.app.pipeline_memory.estimate_pipeline_rank`). Activation
+  (:func:`shardwise.app.plan.pipeline_estimate.estimate_pipeline_rank`, the planner's fast path). Activation
   checkpointing hides a layer's saved tensors from these hooks, so with it this
   is not measured;
 * on CUDA, the allocator's peak per rank next to the estimate's peak.
@@ -35,7 +35,7 @@ from torch import nn
 from ...engine.device import device_for
 from ..pipeline_order import textbook_bubble
 from ..config import TrainConfig
-from ..pipeline_memory import estimate_pipeline_rank
+from ..plan.pipeline_estimate import estimate_pipeline_rank
 from ..pipeline_train import build_pipeline
 from .sizes import SIZES, model_config
 from .wrappers import make_optimizer

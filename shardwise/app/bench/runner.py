@@ -46,7 +46,8 @@ import torch.distributed as dist
 
 from ...engine.device import device_for
 from ...models import GPT
-from ..memory import DoesNotFit, check_fits, estimate_for_run, host_available_bytes, host_peak_bytes, reset_host_peak
+from ..host_memory import host_available_bytes, host_peak_bytes, reset_host_peak
+from ..plan.estimate import DoesNotFit, check_fits, estimate_for_run
 from .sizes import SIZES, BenchSize, ddp_bytes_estimate, model_config
 from .fp8 import after_each_step, prepare as prepare_fp8
 from .graphs import graphed_step, unavailable_reason as graphs_reason

@@ -3,14 +3,16 @@ no candidate fits, and train's pre-launch memory check.
 
 :func:`search` walks the planner's candidates (:class:`.candidates.Candidate`) from a configuration that does
 not fit, fewest changed fields first (checkpointing, a smaller micro-batch, ZeRO-3, offload), then the same
-configuration on other world sizes (more GPUs; on the CPU one rank), and returns the first that fits. Each
-caller weighs a candidate with its own memory model and says the answer with :func:`advice`, one sentence:
+configuration on other world sizes (more GPUs; on the CPU one rank), and returns the first that fits. The
+memory model is the planner's one; each caller weighs with the path of it that it can run, and says the
+answer with :func:`advice`, one sentence:
 
 * ``shardwise train`` (:func:`check_run`, :func:`check_run_on_cpu`): a training worker already has its process
-  group, so it cannot simulate another world; it weighs with the reference GPT's estimate (``app/memory.py``),
-  which ``tests/app/test_plan.py`` holds to the traced step (equal state terms; the peak plus the RoPE tables
-  and under 64 KiB);
-* ``shardwise plan`` (``planner.plan``): with the trace, once every candidate on the asked GPUs is over.
+  group, so it cannot simulate another world; it weighs with the model's fast path (``estimate.py``: the
+  reference GPT counted), which ``tests/app/test_plan.py`` holds to the traced step (equal state terms; the
+  peak plus the RoPE tables and under 64 KiB);
+* ``shardwise plan`` (``planner.plan``): with the trace (the fast path first ruling out what cannot fit),
+  once every candidate on the asked GPUs is over.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Callable, Generic, Iterable, TypeVar
 
 from ...engine.placements import resolve_strategy
 from ...models import GPTConfig
-from ..memory import DoesNotFit, check_fits, check_fits_on_cpu, cpu_bytes, estimate_for_run
+from .estimate import DoesNotFit, check_fits, check_fits_on_cpu, cpu_bytes, estimate_for_run
 from .candidates import Candidate
 
 __all__ = ["run_estimate", "check_run", "check_run_on_cpu", "search", "Fit", "advice", "flags"]
@@ -148,7 +150,7 @@ def _gpu_numbers(e) -> str:
 
 
 def check_run(estimate, gpu_free: float, host_free: float | None) -> str:
-    """``check_fits`` (``app/memory.py``): when the run does not fit, the refusal names the numbers and what
+    """``check_fits`` (``estimate.py``): when the run does not fit, the refusal names the numbers and what
     :func:`search` finds that fits on these GPUs or more (same global batch: a smaller micro-batch raises the
     accumulation steps). Returns ``check_fits``'s warning line when it fits."""
     try:

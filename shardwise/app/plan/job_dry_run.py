@@ -12,7 +12,8 @@ import os
 import torch
 
 from ...models import GPTConfig
-from ..memory import DoesNotFit, host_available_bytes
+from ..host_memory import host_available_bytes
+from .estimate import DoesNotFit
 from .candidates import Candidate
 from .dry_run import DryRun, dry_run
 from .hardware import GPUS, Cluster

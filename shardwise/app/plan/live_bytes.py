@@ -14,11 +14,23 @@ import weakref
 
 import torch
 from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 __all__ = ["LiveBytes"]
+
+_DEVICE = torch.ops.prim.device.default
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """The tensors an op returned, in order: an aten op returns a tensor or a list or tuple of them (torch's
+    ``tree_flatten``, which walks any registered container, cost an eighth of a trace)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for x in out for t in _tensors(x)]
+    return []
 
 
 class LiveBytes(TorchDispatchMode):
@@ -87,14 +99,18 @@ class LiveBytes(TorchDispatchMode):
 
     # ------------------------------------------------------------------ the mode
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE and type(args[0]) is FakeTensor and not args[0].fake_mode.in_kernel_invocation:
+            # a FakeTensor's ``.device``: no storage, and asked thousands of times a step (autograd, the engine's
+            # views); answered as FakeTensor answers it, without going through FakeTensorMode's dispatch
+            return args[0].fake_device
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor turn it into ops on local tensors, which are seen here
         out = func(*args, **(kwargs or {}))
         if self.quiet:
             return out
-        for t in tree_flatten(out)[0]:
+        for t in _tensors(out):
             # DTensor's sharding propagation runs ops in a fake mode of its own: those allocate nothing
-            if isinstance(t, torch.Tensor) and not t.is_meta and getattr(t, "fake_mode", None) is self._mode_on_entry:
+            if not t.is_meta and getattr(t, "fake_mode", None) is self._mode_on_entry:
                 self._track(t, op=func.__name__)
         return out
 

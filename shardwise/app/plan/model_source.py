@@ -43,6 +43,7 @@ class ModelSource:
     layers: int | None = None  # identical layers: depth can be reduced and extended
     layer_modules: Callable[[nn.Module], list] | None = None  # the layers in forward order (phase names)
     config: GPTConfig | None = None  # the reference GPT's config, when that is the model
+    vocab_units: bool = True  # the reference GPT's embedding and head are units of their own (``gpt_source``)
 
 
 def gpt_source(config: GPTConfig, name: str = "gpt", vocab_units: bool = True) -> ModelSource:
@@ -70,7 +71,7 @@ def gpt_source(config: GPTConfig, name: str = "gpt", vocab_units: bool = True) -
 
     uniform = len(set(config.layer_kinds)) == 1
     return ModelSource(name, build, units, inputs, flops, config.n_layers if uniform else None,
-                       lambda model: list(model.layers), config)
+                       lambda model: list(model.layers), config, vocab_units)
 
 
 def _with_seq(fields_: dict, seq: int | None) -> dict:

@@ -3,11 +3,14 @@
 A candidate that does not fit the GPU's memory (less ``headroom`` for the allocator and NCCL) is listed but
 never recommended; the rest are ranked by tokens per second per GPU. The recommendation says which term of
 its step dominates (compute, exposed all-gather, exposed reduce-scatter, host, optimizer).
+
+Memory is the one model's (:func:`memory_of`): the trace, after its fast path (``estimate.state_bound``: what
+the reference GPT must hold at once, counted) has ruled out the candidates that cannot fit; those are
+not traced, and their rows show that lower bound (``MemoryTrace.bound``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -17,9 +20,9 @@ from .hardware import EFFICIENCY, Cluster, Efficiency
 from .model_source import ModelSource
 from .step_time import StepTime, step_time, unit_costs
 from .simulate import simulated_world
-from .trace import MemoryTrace, trace_memory
+from .trace import MemoryTrace, settled_heap, trace_memory
 
-__all__ = ["Row", "Plan", "plan", "evaluate", "HEADROOM"]
+__all__ = ["Row", "Plan", "plan", "evaluate", "memory_of", "HEADROOM"]
 
 #: the part of HBM a plan leaves to what the trace does not see: the CUDA context and NCCL's buffers (about
 #: 1-2 GiB on an H100/H200), the caching allocator's fragmentation (a few percent of the peak)
@@ -38,6 +41,7 @@ class Row:
     def as_dict(self) -> dict:
         return {"config": self.candidate.as_dict(), "label": self.candidate.label(), "fits": self.fits,
                 "peak_gib": self.memory.peak / 2**30, "peak_phase": self.memory.phase,
+                "peak_is_lower_bound": self.memory.bound,
                 "host_gib": self.memory.host / 2**30,
                 "memory_parts_gib": {k: v / 2**30 for k, v in self.memory.parts.items()},
                 "step_s": self.time.seconds, "terms_s": dict(self.time.terms),
@@ -73,13 +77,29 @@ class Plan:
         fastest = max(self.rows, key=lambda r: r.tokens_per_s_per_gpu)
         if not fastest.fits:
             text += (f"; faster but over memory: {fastest.candidate.label()} "
-                     f"({fastest.memory.peak / 2**30:.1f} GiB)")
+                     f"({'at least ' if fastest.memory.bound else ''}{fastest.memory.peak / 2**30:.1f} GiB)")
         return text
 
 
 def _peak(memory: MemoryTrace) -> str:
     unit, name = (2**30, "GiB") if memory.peak >= 2**30 else (2**20, "MiB")
     return f"peak {memory.peak / unit:.1f} {name} per GPU"
+
+
+def memory_of(source: ModelSource, world: int, cand: Candidate, seq: int, limit: float | None = None) -> MemoryTrace:
+    """The candidate's memory per rank, from the one model: where ``source`` is the reference GPT and the fast
+    path's lower bound (``estimate.state_bound``: what must be live at once, at the optimizer step or at the
+    start of backward) is over ``limit``, that bound (``MemoryTrace.bound``; the candidate cannot fit, nothing is traced); else the trace."""
+    if limit is not None and source.config is not None:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        from .estimate import state_bound
+
+        with unset_fake_temporarily():  # counted on the meta device, outside the simulation's fake mode
+            bound = state_bound(source.config, world, cand, seq, vocab_units=source.vocab_units)
+        if bound > limit:
+            return MemoryTrace(bound, {}, phase="optimizer step", bound=True)
+    return trace_memory(source, world, cand, seq)
 
 
 def evaluate(source: ModelSource, cluster: Cluster, cand: Candidate, seq: int, global_batch: int, *,
@@ -117,18 +137,19 @@ def plan(source: ModelSource, cluster: Cluster, seq: int, global_batch: int, *, 
     return found
 
 
-@contextlib.contextmanager
 def _settled_heap():
-    """The objects alive before the plan (torch, the caller's) set aside from the garbage collector while it runs:
-    each traced step starts with a full ``gc.collect()`` (trace.run_step) so that what the last step left in
-    reference cycles goes at the same moment every run, and without this each of those collections walked every
-    object of the process again (a seventh of a 70B plan's time); the plan's own objects are still collected."""
+    """The objects alive before the plan (torch, the caller's) set aside from the garbage collector while it runs
+    (``trace.settled_heap``: without it each traced step's full ``gc.collect()`` walked every object of the
+    process again, a seventh of a 70B plan's time); the plan's own objects are still collected."""
+    return settled_heap(collect=True)
+
+
+def _settle() -> None:
+    """What the last trace left goes now, and what outlives it (the simulation's meshes, FakeTensorMode's cache)
+    is set aside like the heap before the plan: each traced step's ``gc.collect()`` then walks only that
+    step's objects (it walked every trace's leftovers before, a twentieth of a plan)."""
     gc.collect()
     gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def _would_fit(found: Plan, source: ModelSource, cluster: Cluster, seq: int, headroom: float):
@@ -136,24 +157,26 @@ def _would_fit(found: Plan, source: ModelSource, cluster: Cluster, seq: int, hea
     the smallest peak, with the trace, over offload and on more GPUs."""
     from .fit import search
 
-    start = min(found.rows, key=lambda r: r.memory.peak)
+    start = min(found.rows, key=lambda r: (r.memory.bound, r.memory.peak))  # a traced row where there is one
     traced = {(replace(r.candidate, fp8=False, fp8_gather=False), cluster.gpus): r.memory for r in found.rows}
+    limit = (1 - headroom) * cluster.gpu.hbm_bytes
 
     def weigh(cand: Candidate, gpus: int) -> MemoryTrace:
         key = (replace(cand, fp8=False, fp8_gather=False), gpus)
         if key not in traced:
-            traced[key] = trace_memory(source, gpus, key[0], seq)
+            traced[key] = memory_of(source, gpus, key[0], seq, limit)
         return traced[key]
 
-    return search(start.candidate, cluster.gpus, weigh, lambda m: m.peak <= (1 - headroom) * cluster.gpu.hbm_bytes,
+    return search(start.candidate, cluster.gpus, weigh, lambda m: m.peak <= limit,
                   worlds=[cluster.gpus * k for k in (2, 4, 8, 16)])
 
 
 def _rank(found, source, cluster, seq, global_batch, compiled, eff, offload, fp8, hybrid, micro_batches, only,
           headroom, progress) -> None:
     traces: dict[Candidate, MemoryTrace] = {}
-    costs: dict[bool, list] = {}  # unit_costs by activation checkpointing: each builds the whole model on meta
+    costs: dict[bool, list] = {}  # unit_costs by activation checkpointing
     flops = source.flops_per_token(seq)
+    limit = (1 - headroom) * cluster.gpu.hbm_bytes
     for cand in all_candidates(cluster.gpus, cluster.gpus_per_node, global_batch, micro_batches=micro_batches,
                                offload=offload, fp8=fp8, hybrid=hybrid):
         if only is not None and not only(cand):
@@ -161,8 +184,9 @@ def _rank(found, source, cluster, seq, global_batch, compiled, eff, offload, fp8
         key = replace(cand, fp8=False, fp8_gather=False)
         if key not in traces:
             if progress:
-                progress(f"tracing {key.label()}")
-            traces[key] = trace_memory(source, cluster.gpus, key, seq)
+                progress(f"weighing {key.label()}")
+            traces[key] = memory_of(source, cluster.gpus, key, seq, limit)
+            _settle()
         ac = cand.activation_checkpointing
         if ac not in costs:
             costs[ac] = unit_costs(source, seq, ac)

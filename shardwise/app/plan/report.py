@@ -19,7 +19,8 @@ def render(found: Plan, top: int = 12) -> str:
              f"{'#':>3}  {'configuration':46s} {'fits':4s} {'peak GiB':>8s} {'step s':>8s} {'tok/s/GPU':>10s} "
              f"{'MFU':>6s}  dominant   (MFU: model FLOPs over the bf16 peak)"]
     for i, r in enumerate(found.rows[:top], 1):
-        lines.append(f"{i:>3}  {r.candidate.label():46s} {'yes' if r.fits else 'no':4s} {r.memory.peak / 2**30:8.1f} "
+        peak = f"{'>' if r.memory.bound else ''}{r.memory.peak / 2**30:.1f}"  # >: the fast path's bound, not traced
+        lines.append(f"{i:>3}  {r.candidate.label():46s} {'yes' if r.fits else 'no':4s} {peak:>8s} "
                      f"{r.time.seconds:8.3f} {r.tokens_per_s_per_gpu:10,.0f} {r.mfu:6.1%}  {r.time.dominant()}")
     best = found.recommended
     lines.append("")
@@ -34,6 +35,8 @@ def render(found: Plan, top: int = 12) -> str:
                   f"  why: {found.why()}"]
     else:
         lines.append(f"recommended: none; {found.why()}")
+    if any(r.memory.bound for r in found.rows[:top]):
+        lines.append("(peak >N: a lower bound, not traced: what must be live at once already passes the device)")
     if found.dry_run is not None:
         from .dry_run_report import render_dry_run
 

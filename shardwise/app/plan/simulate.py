@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 __all__ = ["simulated_world", "fake_process_group", "RealStaysReal", "cached_mesh"]
 
@@ -34,11 +33,28 @@ class RealStaysReal(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+        if _all_real(args, kwargs):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _all_real(*args) -> bool:
+    """Whether the arguments (in lists, tuples and dicts) hold a tensor and no FakeTensor; stops at the first
+    FakeTensor, as most calls of a simulated step have one (every call walked its arguments with torch's
+    ``tree_flatten`` before: an eighth of a trace)."""
+    found, stack = False, list(args)
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            if isinstance(x, FakeTensor):
+                return False
+            found = True
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+    return found
 
 
 def _same_object_everywhere(object_list, obj, group=None):

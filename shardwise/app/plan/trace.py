@@ -14,8 +14,12 @@ whole model is traced. ``tests/app/test_plan.py`` holds both to a whole trace an
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import json
 import time
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -37,7 +41,8 @@ class MemoryTrace:
     peak of each moment (``forward``, ``backward head`` (the loss and the output head), ``backward top layer``
     and ``backward layer j`` (from the backward hook of that layer on), ``optimizer step``); parts: the persistent terms after the
     step and the activations autograd saved; host: offloaded state; allocations: the steady step's new
-    storages in order (phase, bytes)."""
+    storages in order (phase, bytes). ``bound``: not a trace but the fast path's lower bound of the peak
+    (``estimate.state_bound``) for a candidate it showed cannot fit (:func:`.planner.memory_of`)."""
 
     peak: int
     parts: dict[str, int]
@@ -48,6 +53,7 @@ class MemoryTrace:
     at_peak: dict = field(default_factory=dict, repr=False)  # "phase:op" -> bytes live at the peak (explain)
     peaks: dict = field(default_factory=dict, repr=False)
     before_step: int = 0  # live bytes as the steady step starts (the state it inherits)
+    bound: bool = False  # not traced: ``peak`` is the fast path's lower bound (``estimate.state_bound``), over the device
 
 
 _ENDS = ("forward", "backward head", "backward top layer", "backward layer 0", "optimizer step")
@@ -73,13 +79,19 @@ def extend(traces: list[MemoryTrace], depths: tuple[int, ...], layers: int) -> M
     for keys, get in ((ends, lambda t: t.peaks), (parts_keys, lambda t: t.parts)):
         if _line(get(a), get(b), keys, 2) != {k: get(c).get(k, 0) for k in keys}:
             return None
-    if a.host + 2 * (b.host - a.host) != c.host or max(c.peaks.values()) > max(c.peaks[k] for k in ends):
+    if a.host + 2 * (b.host - a.host) != c.host or _middle_above_ends(c, ends):
         return None
     steps = layers - depths[1]
     peaks = _line(b.peaks, c.peaks, ends, steps)
     phase = max(peaks, key=peaks.get)
     return MemoryTrace(peaks[phase], _line(b.parts, c.parts, parts_keys, steps), b.host + steps * (c.host - b.host),
                        phase, [], True, peaks=peaks)
+
+
+def _middle_above_ends(trace: MemoryTrace, ends=None) -> bool:
+    """Whether a moment between the ends (a middle layer's backward) peaks above them: the line cannot say it."""
+    ends = [k for k in _ENDS if k in trace.peaks] if ends is None else ends
+    return max(trace.peaks.values()) > max(trace.peaks[k] for k in ends)
 
 
 class BackendCollectives(Collectives):
@@ -185,13 +197,40 @@ def run_step(model, opt, inputs, tracker: LiveBytes | None, saved: dict | None =
     phase("")
 
 
+#: traces already made in this process, by what they depend on (``_trace_key``), the oldest dropped past
+#: ``_KEPT``: the planner's candidates and its search for what would fit, and tests, trace the same step again
+_TRACES: OrderedDict = OrderedDict()
+_KEPT = 256
+
+
+def _trace_key(source: ModelSource, world: int, cand: Candidate, seq: int, depth: int | None):
+    """What a trace depends on: the reference GPT's config (a source without one, a factory, is not kept), the
+    world, the candidate less FP8 (timed, not traced), the sequence and the depth. A config holding process
+    groups (which ``to_dict`` leaves out) is not kept either."""
+    cfg = source.config
+    if cfg is None or any(getattr(cfg, f, None) is not None for f in ("tp_group", "ep_group", "cp_group")):
+        return None
+    model = json.dumps(source.config.to_dict(), sort_keys=True, default=str)
+    return model, source.vocab_units, world, replace(cand, fp8=False, fp8_gather=False), seq, depth
+
+
 def trace_once(source: ModelSource, world: int, cand: Candidate, seq: int, depth: int | None = None,
                explain: bool = False) -> MemoryTrace:
     """Wrap ``source`` (at ``depth`` layers; None: whole) as ``cand`` says on rank 0 of ``world`` and trace a step.
-    ``explain``: also the live bytes at the peak by the phase and op that made them (slower)."""
+    ``explain``: also the live bytes at the peak by the phase and op that made them (slower). The same step is
+    traced once per process (``_TRACES``)."""
+    key = None if explain else _trace_key(source, world, cand, seq, depth)
+    if key is not None and key in _TRACES:
+        _TRACES.move_to_end(key)
+        return _TRACES[key]
     with simulated_world(world):
         mesh = cached_mesh((cand.replicas,), lambda: _mesh(cand))
-        return measure_step(source, mesh, cand, seq, depth, explain)
+        found = measure_step(source, mesh, cand, seq, depth, explain)
+    if key is not None:
+        _TRACES[key] = found
+        while len(_TRACES) > _KEPT:
+            _TRACES.popitem(last=False)
+    return found
 
 
 def _mesh(cand: Candidate):
@@ -200,10 +239,40 @@ def _mesh(cand: Candidate):
     return shardwise.build_dp_mesh(outer=cand.replicas if cand.replicas > 1 else None)
 
 
+_SET_ASIDE = [0]  # how many settled_heap blocks are open: the outermost freezes and unfreezes
+
+
+@contextlib.contextmanager
+def settled_heap(collect: bool = False):
+    """The objects alive before (torch, the caller's; ``collect``: their garbage collected first) set aside from
+    the garbage collector until the outermost such block ends: each traced step starts with a full
+    ``gc.collect()`` (:func:`run_step`) so that what the last step left in reference cycles goes at the same
+    moment every run, and without this each of those collections walked every object of the process (0.15 s
+    each under pytest, two a trace); the step's own objects are still collected. Nested blocks (a plan's
+    traces) leave it to the outermost."""
+    outermost = _SET_ASIDE[0] == 0
+    if outermost:
+        if collect:
+            gc.collect()
+        gc.freeze()
+    _SET_ASIDE[0] += 1
+    try:
+        yield
+    finally:
+        _SET_ASIDE[0] -= 1
+        if outermost:
+            gc.unfreeze()
+
+
 def measure_step(source: ModelSource, mesh, cand: Candidate, seq: int, depth: int | None = None,
                  explain: bool = False) -> MemoryTrace:
     """Build, wrap and run two steps on ``mesh`` (``None``: the data-parallel mesh ``cand`` names over the
     default process group), following every storage: the simulation's path, and a real gloo run's."""
+    with settled_heap():
+        return _measure_step(source, mesh, cand, seq, depth, explain)
+
+
+def _measure_step(source, mesh, cand, seq, depth, explain) -> MemoryTrace:
     import shardwise
 
     mesh = _mesh(cand) if mesh is None else mesh
@@ -257,9 +326,14 @@ def _held(model, opt) -> dict[str, int]:
 
 
 def trace_memory(source: ModelSource, world: int, cand: Candidate, seq: int, exact: bool = False) -> MemoryTrace:
-    """The candidate's memory per rank: a whole trace, or three shallow ones extended (see :func:`extend`)."""
+    """The candidate's memory per rank: a whole trace, or three shallow ones extended (see :func:`extend`). The
+    deepest is traced first: where a middle layer's moment peaks above the ends there, no line will do, and the
+    whole model is traced without the other two."""
     layers = source.layers
     if exact or layers is None or layers <= _DEPTHS[-1]:
         return trace_once(source, world, cand, seq)
-    extended = extend([trace_once(source, world, cand, seq, d) for d in _DEPTHS], _DEPTHS, layers)
+    deepest = trace_once(source, world, cand, seq, _DEPTHS[-1])
+    if _middle_above_ends(deepest):  # no line will do: the shallower two are not traced
+        return trace_once(source, world, cand, seq)
+    extended = extend([*(trace_once(source, world, cand, seq, d) for d in _DEPTHS[:-1]), deepest], _DEPTHS, layers)
     return extended if extended is not None else trace_once(source, world, cand, seq)
