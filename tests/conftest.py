@@ -83,6 +83,16 @@ LARGEST_OF_THE_REST = (
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _pools_without_left_over_groups():
+    """After each test file, a gloo pool whose workers hold many left-over process groups is replaced
+    (``tests/helpers/distributed.close_crowded_pools``): their idle threads would slow every later test."""
+    yield
+    from tests.helpers.distributed import close_crowded_pools
+
+    close_crowded_pools()
+
+
 def _four_processes(item) -> bool:
     params = getattr(getattr(item, "callspec", None), "params", {})
     return any((name == "world" or name.endswith("_world")) and value == 4 for name, value in params.items())

@@ -181,6 +181,29 @@ def run_distributed(fn, world_size: int, *args, **kwargs) -> list:
         raise
 
 
+# Process groups pile up in a worker: a test's DeviceMeshes and Megatron set-ups make them and rarely destroy
+# them, and each gloo group keeps 3 threads whose loop wakes 100 times a second. An idle pool of 4 whose workers
+# held about 160 groups each took over one of CI's 2 cores. A worker past this many threads (a fresh one has
+# about 25) has its pool replaced at the end of a test file (tests/conftest.py): the next file forks a new one.
+_CROWDED_THREADS = 64
+
+
+def _threads(pid: int) -> int:
+    """How many threads process ``pid`` runs (0 where ``/proc`` cannot tell: such a pool is kept)."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
+
+
+def close_crowded_pools() -> None:
+    """Kill the pools any of whose workers runs more than ``_CROWDED_THREADS`` threads (left-over gloo groups)."""
+    for world, pool in list(_POOLS.items()):
+        if any(_threads(p.pid) > _CROWDED_THREADS for p in pool.procs if p.pid is not None):
+            pool.close(graceful=False)
+            del _POOLS[world]
+
+
 @atexit.register
 def _close_pools(graceful: bool = True) -> None:
     for pool in _POOLS.values():
