@@ -27,9 +27,12 @@ def check_script():
 
 
 @contextlib.contextmanager
-def megatron_on_the_cpu():
+def megatron_on_the_cpu(share_groups: bool = False):
+    """The script's CUDA patches; ``share_groups``: its ``shared_process_groups`` too, over this process's
+    groups (:data:`_GROUPS`)."""
     script = check_script()
-    with script.cuda_on_the_cpu(), script.cuda_tensors_on_the_cpu():
+    shared = script.shared_process_groups(_GROUPS) if share_groups else contextlib.nullcontext()
+    with script.cuda_on_the_cpu(), script.cuda_tensors_on_the_cpu(), shared:
         yield
 
 
@@ -45,8 +48,7 @@ def megatron_world(tp: int = 1, instances: int = 1, ep: int = 1):
 
     from shardwise.megatron import use_in_megatron
 
-    script = check_script()
-    with script.cuda_on_the_cpu(), script.cuda_tensors_on_the_cpu(), script.shared_process_groups(_GROUPS):
+    with megatron_on_the_cpu(share_groups=True):
         parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep,
                                                  num_distributed_optimizer_instances=instances)
         names = use_in_megatron()

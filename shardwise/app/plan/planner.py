@@ -128,20 +128,15 @@ def plan(source: ModelSource, cluster: Cluster, seq: int, global_batch: int, *, 
     buffers stand for it, an upper bound for the FP8 gather's uint8 ones). ``only`` filters candidates.
     """
     found = Plan(source.name, cluster, seq, global_batch)
-    with _settled_heap(), simulated_world(cluster.gpus):  # one simulation for every trace: its meshes made once
+    # the objects alive before the plan (torch, the caller's) set aside from the garbage collector while it runs
+    # (``trace.settled_heap``), and one simulation for every trace: its meshes made once
+    with settled_heap(collect=True), simulated_world(cluster.gpus):
         _rank(found, source, cluster, seq, global_batch, compiled, eff, offload, fp8, hybrid, micro_batches, only,
               headroom, progress)
     found.rows.sort(key=lambda r: (not r.fits, -r.tokens_per_s_per_gpu))
     if found.rows and found.recommended is None:
         found.would_fit = _would_fit(found, source, cluster, seq, headroom)
     return found
-
-
-def _settled_heap():
-    """The objects alive before the plan (torch, the caller's) set aside from the garbage collector while it runs
-    (``trace.settled_heap``: without it each traced step's full ``gc.collect()`` walked every object of the
-    process again, a seventh of a 70B plan's time); the plan's own objects are still collected."""
-    return settled_heap(collect=True)
 
 
 def _settle() -> None:
